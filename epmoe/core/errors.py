@@ -1,0 +1,27 @@
+"""Exception types. Messages name the bad value and say how to fix it."""
+
+from __future__ import annotations
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend cannot run here (missing package, wrong GPU arch, ...).
+
+    ``reason`` says why, ``hint`` how to fix it (usually an install command).
+    """
+
+    def __init__(self, backend: str, reason: str, hint: str = ""):
+        self.backend = backend
+        self.reason = reason
+        self.hint = hint
+        msg = f"backend {backend!r} is unavailable: {reason}"
+        if hint:
+            msg += f"; {hint}"
+        super().__init__(msg)
+
+
+class ConfigMismatchError(ValueError):
+    """Ranks of one EP group were constructed with different settings."""
+
+
+class RemoteRankError(RuntimeError):
+    """Another rank of the group failed; this rank stops too instead of hanging."""

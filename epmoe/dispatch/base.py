@@ -1,0 +1,172 @@
+"""The dispatcher contract every backend implements.
+
+    tokens, handle = dispatcher.dispatch(hidden [T, H], topk_ids [T, K] int32, topk_weights [T, K] f32)
+    expert_out [N, H]  = experts(tokens)     # weighted sum over the local experts of each received token
+    out [T, H]         = dispatcher.combine(expert_out, handle)
+
+`topk_ids` are global expert ids, int32, with -1 meaning "no expert" (padding). A dispatcher sends each
+token once to every rank that owns at least one of its experts; the receiver sees the token's top-k
+with *local* ids (-1 where the expert lives elsewhere) and the matching weights. `combine` sums the
+partial outputs of a token over ranks, in rank order (deterministic where the backend allows it).
+
+Every call returns its own handle: a dispatcher keeps no per-call state.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from epmoe.core.availability import Availability
+from epmoe.quant.payload import Activations, PayloadFormat
+
+LAYOUTS = ("flat", "masked")
+
+
+@dataclass(frozen=True)
+class DispatchSpec:
+    """Everything a dispatcher needs at construction; identical on every rank of the group.
+
+    max_tokens_per_rank: the most tokens one rank sends in one dispatch call (per source rank);
+                         the layer chunks larger batches. Workspaces are sized from it.
+    payload:             what the experts backend consumes (`PayloadFormat`)
+    combine_dtype:       dtype of expert outputs on the way back (the model dtype)
+    workspace_bytes:     optional pre-computed workspace size (quant plan); backends may ignore it
+    options:             backend-specific knobs (frozen mapping as tuple of pairs)
+    """
+
+    group: Any  # torch.distributed ProcessGroup or None for a single process
+    ep_rank: int
+    ep_size: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    max_tokens_per_rank: int
+    payload: PayloadFormat
+    combine_dtype: torch.dtype
+    device: torch.device
+    deterministic: bool = False
+    workspace_bytes: Optional[int] = None
+    options: tuple = ()
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def first_local_expert(self) -> int:
+        return self.ep_rank * self.num_local_experts
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return dict(self.options).get(name, default)
+
+
+@dataclass(frozen=True)
+class DispatchedTokens:
+    """What a rank receives.
+
+    layout "flat":    hidden [N, H] (tensor or QuantizedActivation), topk_ids [N, K] int32 local ids
+                      (-1: not on this rank), topk_weights [N, K] float32.
+    layout "masked":  hidden [E_local, M, H] per-expert slots, expert_counts [E_local] int32 valid rows
+                      per expert; topk_ids / topk_weights are None (weights applied in combine).
+    """
+
+    hidden: Activations
+    topk_ids: Optional[torch.Tensor]
+    topk_weights: Optional[torch.Tensor]
+    layout: str = "flat"
+    expert_counts: Optional[torch.Tensor] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.hidden.shape[0]
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """Per-call state that `combine` consumes. Backends subclass it (frozen dataclasses).
+
+    num_tokens: T of the dispatching rank; bytes_sent: payload bytes this rank sent to *other*
+    ranks in dispatch (combine adds its own in `combine_bytes_sent` of the stats)."""
+
+    num_tokens: int
+    bytes_sent: int = 0
+
+
+@dataclass
+class DispatcherStats:
+    """Cumulative counters (not per-call state): bytes this rank sent to other ranks."""
+
+    dispatch_calls: int = 0
+    dispatch_bytes_sent: int = 0
+    combine_bytes_sent: int = 0
+    tokens_sent: int = 0
+    by_format: dict = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.dispatch_calls = self.dispatch_bytes_sent = self.combine_bytes_sent = 0
+        self.tokens_sent = 0
+        self.by_format = {}
+
+
+class Dispatcher(abc.ABC):
+    """Base class. Subclasses set `name`, implement `dispatch`/`combine`, and may override
+    `availability` (checked before construction: optional packages are imported there or in
+    `__init__`, never at module import)."""
+
+    name: ClassVar[str] = "?"
+    layout: ClassVar[str] = "flat"
+
+    def __init__(self, spec: DispatchSpec):
+        if spec.num_experts % spec.ep_size:
+            raise ValueError(
+                f"num_experts={spec.num_experts} is not divisible by ep_size={spec.ep_size}; "
+                "choose an EP size that divides the expert count"
+            )
+        self.spec = spec
+        self.stats = DispatcherStats()
+
+    @classmethod
+    def availability(cls, device: torch.device, ep_size: int = 1) -> Availability:
+        return Availability.yes()
+
+    @abc.abstractmethod
+    def dispatch(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> "tuple[DispatchedTokens, DispatchHandle]":
+        ...
+
+    @abc.abstractmethod
+    def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        ...
+
+    def close(self) -> None:
+        """Release workspaces (collective for backends with symmetric memory)."""
+
+    # ----------------------------------------------------------- shared checks
+    def check_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Shape/dtype checks that need no device sync. Raises ValueError/TypeError naming the value."""
+        s = self.spec
+        if hidden.dim() != 2 or hidden.shape[1] != s.hidden_size:
+            raise ValueError(
+                f"hidden has shape {list(hidden.shape)}; expected [num_tokens, {s.hidden_size}]"
+            )
+        T = hidden.shape[0]
+        if T > s.max_tokens_per_rank:
+            raise ValueError(
+                f"dispatch of {T} tokens exceeds max_tokens_per_rank={s.max_tokens_per_rank}; "
+                "chunk the batch (EPMoE does) or build the dispatcher with a larger limit"
+            )
+        if topk_ids.shape != (T, s.top_k):
+            raise ValueError(f"topk_ids has shape {list(topk_ids.shape)}; expected [{T}, {s.top_k}]")
+        if topk_weights.shape != (T, s.top_k):
+            raise ValueError(
+                f"topk_weights has shape {list(topk_weights.shape)}; expected [{T}, {s.top_k}]"
+            )
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected torch.int32")
+        if not topk_weights.is_floating_point():
+            raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; expected torch.float32")

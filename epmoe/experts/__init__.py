@@ -1,0 +1,18 @@
+"""Experts backends: run the local experts on dispatched tokens.
+
+One module per kernel family (`reference`, `triton`, `flashinfer_cutlass`, ...). Registered by name,
+imported only when constructed. Never imports `epmoe.dispatch`.
+"""
+
+from epmoe.core.registry import Registry
+from epmoe.experts.base import Experts, ExpertsSpec
+
+EXPERTS: "Registry[Experts]" = Registry("experts backend")
+EXPERTS.register("reference", "epmoe.experts.reference:ReferenceExperts")
+
+
+def get_experts_class(name: str):
+    return EXPERTS.get(name)
+
+
+__all__ = ["EXPERTS", "Experts", "ExpertsSpec", "get_experts_class"]

@@ -47,6 +47,11 @@ def collective_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
+def barrier(group: Any = None) -> None:
+    if is_distributed(group):
+        dist.barrier(group=group)
+
+
 def all_gather_objects(obj: Any, group: Any = None) -> List[Any]:
     if not is_distributed(group):
         return [obj]

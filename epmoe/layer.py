@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
@@ -430,6 +430,14 @@ class EPMoE(torch.nn.Module):
             )
         return MoEOutput(hidden_states=out, routing=routing if return_routing else None, stats=stats)
 
+    # ------------------------------------------------------------------ decode (CUDA graphs)
+    def decode_runner(self, max_tokens: int, *, cuda_graph: bool = True) -> "DecodeRunner":
+        """A fixed-shape runner for decode steps: route + dispatch + experts + combine for exactly
+        `max_tokens` rows per rank (padding rows route nowhere), captured once in a CUDA graph and
+        replayed for any T <= max_tokens. Collective: every rank builds it and calls it each step.
+        `cuda_graph=False` runs the same fixed-shape code eagerly (any device; used to check replay)."""
+        return DecodeRunner(self, max_tokens, cuda_graph)
+
     def extra_repr(self) -> str:
         c = self.config
         return (
@@ -438,3 +446,97 @@ class EPMoE(torch.nn.Module):
             f"{self.first_local_expert + self.num_local_experts}), dispatcher={self.dispatcher.name}, "
             f"experts_backend={self.experts.name}"
         )
+
+
+class DecodeRunner:
+    """See EPMoE.decode_runner. Inputs are copied into static buffers; the returned tensor is a view of
+    the static output buffer (copy it if you need it after the next call). Weight updates
+    (`update_weights`, in place) are seen by later replays without recapturing.
+
+    In this mode there is no per-call agreement collective: every rank must call with T <= max_tokens
+    (checked locally) and the same kind of routing input (logits or replayed ids/weights)."""
+
+    def __init__(self, layer: EPMoE, max_tokens: int, cuda_graph: bool):
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise ValueError(f"max_tokens={max_tokens!r}; pass a positive int")
+        if cuda_graph and layer.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the layer runs on {layer.device} (cuda_graph=False)")
+        if not layer._weights_loaded:
+            raise RuntimeError("decode_runner before load_weights")
+        self.layer, self.max_tokens, self.cuda_graph = layer, max_tokens, cuda_graph
+        cfg, dev, M = layer.config, layer.device, max_tokens
+        spec = replace(layer.dispatcher.spec, static_shapes=True, max_tokens_per_rank=M)
+        self.dispatcher = type(layer.dispatcher)(spec)
+        self.x = torch.zeros(M, cfg.hidden_size, dtype=cfg.dtype, device=dev)
+        self.logits = torch.zeros(M, cfg.num_experts, dtype=torch.float32, device=dev)
+        self.ids = torch.full((M, cfg.top_k), -1, dtype=torch.int32, device=dev)
+        self.weights = torch.zeros(M, cfg.top_k, dtype=torch.float32, device=dev)
+        self.count = torch.zeros((), dtype=torch.int64, device=dev)
+        self.out = torch.zeros(M, cfg.hidden_size, dtype=cfg.dtype, device=dev)
+        self.topk_ids_out = torch.full((M, cfg.top_k), -1, dtype=torch.int32, device=dev)
+        self.topk_weights_out = torch.zeros(M, cfg.top_k, dtype=torch.float32, device=dev)
+        self._graphs: Dict[bool, Any] = {}
+
+    def _body(self, from_logits: bool) -> None:
+        layer, M = self.layer, self.max_tokens
+        if from_logits:
+            r = route(layer.config, self.logits, layer.e_score_correction_bias)
+            ids, w = r.topk_ids, r.topk_weights
+        else:
+            ids, w = self.ids, self.weights
+        valid = (torch.arange(M, device=self.count.device) < self.count).unsqueeze(1)
+        ids = torch.where(valid, ids, torch.full_like(ids, -1))
+        w = torch.where(valid, w, torch.zeros_like(w))
+        self.topk_ids_out.copy_(ids)
+        self.topk_weights_out.copy_(w)
+        tokens, handle = self.dispatcher.dispatch(self.x, ids, w)
+        self.out.copy_(self.dispatcher.combine(layer.experts(tokens), handle))
+
+    def _graph(self, from_logits: bool):
+        g = self._graphs.get(from_logits)
+        if g is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: lazy init, Triton compiles, NCCL setup outside capture
+                    self._body(from_logits)
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._body(from_logits)
+            self._graphs[from_logits] = g
+        return g
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: Optional[torch.Tensor] = None,
+        *,
+        topk_ids: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        return_routing: bool = False,
+    ) -> Union[torch.Tensor, MoEOutput]:
+        cfg, T = self.layer.config, hidden_states.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"{T} tokens exceed this decode runner's max_tokens={self.max_tokens}; "
+                             "build a runner for more tokens or use EPMoE.forward")
+        error = self.layer._check_local(hidden_states, router_logits, topk_ids, topk_weights)
+        if error is not None:
+            raise error
+        self.x[:T].copy_(hidden_states)
+        self.x[T:].zero_()
+        from_logits = router_logits is not None
+        if from_logits:
+            self.logits[:T].copy_(router_logits)
+        else:
+            self.ids[:T].copy_(topk_ids)
+            self.weights[:T].copy_(topk_weights)
+        self.count.fill_(T)
+        if self.cuda_graph:
+            self._graph(from_logits).replay()
+        else:
+            self._body(from_logits)
+        out = self.out[:T]
+        if return_routing:
+            return MoEOutput(out, Routing(self.topk_ids_out[:T], self.topk_weights_out[:T]))
+        return out

@@ -132,9 +132,44 @@ class TorchA2ADispatcher(Dispatcher):
         bad = ((topk_ids < -1) | (topk_ids >= E)).any()
         return None, bad
 
+    # ------------------------------------------------------------------ static (CUDA graph) mode
+    def _dispatch_static(self, hidden, topk_ids, topk_weights):
+        """Every rank sends all its M rows to every rank (ids local there or -1): equal splits, no
+        host sync, fixed shapes. Costs bandwidth for tokens a rank does not need; meant for decode."""
+        s = self.spec
+        ep, E_local, M = s.ep_size, s.num_local_experts, s.max_tokens_per_rank
+        if hidden.shape[0] != M:
+            raise ValueError(f"static dispatch takes exactly max_tokens_per_rank={M} rows, got {hidden.shape[0]}")
+        ids = topk_ids.to(torch.int64)
+        ranks = torch.arange(ep, device=ids.device).view(ep, 1, 1)
+        dest = torch.where(ids >= 0, ids // E_local, torch.full_like(ids, -1)).unsqueeze(0)  # [1, M, K]
+        on = dest == ranks  # [ep, M, K]
+        local_ids = torch.where(on, ids.unsqueeze(0) - ranks * E_local, torch.full_like(on, -1, dtype=torch.int64))
+        local_w = torch.where(on, topk_weights.float().unsqueeze(0), torch.zeros((), device=ids.device))
+        send = self._codec.pack(hidden.repeat(ep, 1), local_ids.reshape(ep * M, -1), local_w.reshape(ep * M, -1))
+        recv = torch.empty_like(send)
+        self._a2a_meta(recv, send)  # equal splits
+        recv_hidden, recv_ids, recv_w = self._codec.unpack(recv)
+        handle = TorchA2AHandle(num_tokens=M, bytes_sent=(ep - 1) * M * self._codec.row_bytes)
+        return DispatchedTokens(hidden=recv_hidden, topk_ids=recv_ids, topk_weights=recv_w, static=True), handle
+
+    def _combine_static(self, expert_output, handle):
+        s = self.spec
+        ep, M = s.ep_size, s.max_tokens_per_rank
+        back = expert_output.to(s.combine_dtype).contiguous()
+        got = torch.empty_like(back)
+        self._a2a_meta(got, back)
+        got = got.view(ep, M, s.hidden_size)
+        out = got[0].float()
+        for r in range(1, ep):  # rank order: deterministic
+            out = out + got[r].float()
+        return out.to(s.combine_dtype)
+
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         s = self.spec
+        if s.static_shapes:
+            return self._dispatch_static(hidden, topk_ids, topk_weights)
         ep, E_local = s.ep_size, s.num_local_experts
         error, bad_ids = self._validate(hidden, topk_ids, topk_weights)
 
@@ -204,6 +239,8 @@ class TorchA2ADispatcher(Dispatcher):
     # ------------------------------------------------------------------ combine
     def combine(self, expert_output: torch.Tensor, handle: TorchA2AHandle) -> torch.Tensor:
         s = self.spec
+        if s.static_shapes:
+            return self._combine_static(expert_output, handle)
         N = sum(handle.recv_counts)
         if expert_output.shape != (N, s.hidden_size):
             raise ValueError(

@@ -169,3 +169,31 @@ def test_missing_rank_is_reported_as_no_report():
     kind, elapsed, waiting_on, text = r0
     assert kind == "CollectiveTimeoutError" and 2.0 <= elapsed < 9, r0
     assert "rank 1: no report" in text and "rank 0: timed out in call 2, phase 'agree'" in text, text
+
+
+def _decode_worker(rank, world, seed):
+    layer = EPMoE(CFG_DS)
+    w = random_weights(CFG_DS, seed)
+    corr = random_correction_bias(CFG_DS, seed)
+    layer.load_weights(w, e_score_correction_bias=corr)
+    runner = layer.decode_runner(8, cuda_graph=False)  # the fixed-shape code a CUDA graph captures
+    outs = []
+    for step, T in enumerate([5, 8, 0, 3]):
+        x, logits = random_inputs(CFG_DS, T, seed + 10 * step + rank)
+        got = runner(x, logits, return_routing=True)
+        replay = runner(x, topk_ids=got.routing.topk_ids.clone(), topk_weights=got.routing.topk_weights.clone())
+        outs.append((x, logits, got.hidden_states.clone(), replay.clone(), layer(x, logits)))
+    with pytest.raises(ValueError, match="exceed this decode runner's max_tokens=8"):
+        runner(*random_inputs(CFG_DS, 9, seed))
+    return outs
+
+
+def test_decode_runner_fixed_shapes_match_reference():
+    seed = fresh_seed()
+    w = random_weights(CFG_DS, seed)
+    corr = random_correction_bias(CFG_DS, seed)
+    for outs in run_group(_decode_worker, 2, seed):
+        for x, logits, y, replay, eager in outs:
+            ref = reference_moe(CFG_DS, x, w, logits, e_score_correction_bias=corr)
+            assert max_rel_err(y, ref) < 1e-5 and torch.equal(y, replay)
+            assert max_rel_err(eager, ref) < 1e-5

@@ -16,7 +16,8 @@ Special values:
     zeros      an all-zero block gets code 0 (2^-127) and zero elements -> dequantizes to 0.
     subnormals the shared exponent clamps at -127; E2M1's subnormal 0.5 is used; smaller values
                round to +-0.
-    +-inf      saturates: the block scale is 2^127 (code 254), the inf element +-6.
+    +-inf      saturates: the block scale is 2^127 (code 254), the inf element +-6 (which
+               dequantizes to 6 * 2^127, i.e. +-inf in float32); the block's finite values -> 0.
     NaN        poisons its block: scale code 255, the whole block dequantizes to NaN.
 Known difference from FlashInfer's kernel in "ceil" mode: for blocks with amax <= 6 * 2^-127 the kernel
 multiplies by 1 instead of 2^127 (all zeros), this reference keeps the values.

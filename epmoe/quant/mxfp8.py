@@ -10,7 +10,8 @@ Scale rounding (`scale_rounding`):
     "ceil"  (FlashInfer / TRT-LLM `mxfp8_quantize`): scale = 2^ceil(log2(amax * fl32(1/448))).
 Elements: clamp(x / scale, -448, 448) cast to E4M3 (round-to-nearest-even, subnormals kept).
 
-Special values: zeros -> code 0 and zero elements; +-inf saturates (scale 2^127, element +-448);
+Special values: zeros -> code 0 and zero elements; +-inf saturates (scale 2^127, element +-448,
+which dequantizes to +-inf in float32);
 NaN poisons its block (scale code 255 -> the whole block dequantizes to NaN).
 """
 

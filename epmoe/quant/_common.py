@@ -74,9 +74,13 @@ def e8m0_from_amax(amax: torch.Tensor, elem_emax: int, elem_max: float, rounding
 
 
 def e8m0_to_float(code: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 codes -> float32 2^(code - 127); 255 -> NaN. Exact (2^-127 is a float32 subnormal)."""
+    """uint8 E8M0 codes -> float32 2^(code - 127); 255 -> NaN.
+
+    Built from bits, so it is exact on every device: codes 1..254 are the float32 exponent field
+    itself, code 0 is the float32 subnormal 2^-127 (bit pattern 0x00400000)."""
     if code.dtype != torch.uint8:
         raise TypeError(f"E8M0 scales must be uint8 (biased exponent), got {code.dtype}")
-    exp = code.to(torch.int32) - E8M0_BIAS
-    val = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp)
+    c = code.to(torch.int32)
+    bits = torch.where(c == 0, torch.full_like(c, 0x00400000), c << 23)
+    val = bits.view(torch.float32)
     return torch.where(code == E8M0_NAN, torch.full_like(val, float("nan")), val)

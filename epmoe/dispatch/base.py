@@ -37,6 +37,8 @@ class DispatchSpec:
                          dequantized on arrival for an experts backend that takes BF16)
     combine_dtype:       dtype of expert outputs on the way back (the model dtype)
     workspace_bytes:     optional pre-computed workspace size (quant plan); backends may ignore it
+    timeout_s:           wait at most this long for a collective (host-blocking backends such as gloo;
+                         None: block). Raise epmoe.core.fault.CollectiveTimeoutError past it.
     options:             backend-specific knobs (frozen mapping as tuple of pairs)
     """
 
@@ -53,6 +55,7 @@ class DispatchSpec:
     deterministic: bool = False
     workspace_bytes: Optional[int] = None
     wire: Optional[PayloadFormat] = None
+    timeout_s: Optional[float] = None
     options: tuple = ()
 
     @property

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.core import dist as edist
+from epmoe.core.fault import run_collective
 from epmoe.dispatch.base import DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 
@@ -114,7 +115,10 @@ class TorchA2ADispatcher(Dispatcher):
     # ------------------------------------------------------------------ helpers
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> None:
         if self._distributed:
-            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.spec.group)
+            run_collective(
+                lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.spec.group, async_op=True),
+                self.spec.timeout_s, "all_to_all of token rows",
+            )
         else:
             out.copy_(inp)
 
@@ -157,7 +161,7 @@ class TorchA2ADispatcher(Dispatcher):
                 f"topk_ids holds expert id {int(bad[0])} outside [0, {s.num_experts}) "
                 f"(-1 marks 'no expert'); fix the router output or num_experts"
             )
-        edist.raise_if_any_failed(error, failed, s.group)
+        edist.raise_if_any_failed(error, failed, s.group, s.timeout_s)
 
         # rows in rank-major order, tokens ascending within a rank
         rank_of_row, token_of_row = sent.t().nonzero(as_tuple=True)
@@ -190,7 +194,10 @@ class TorchA2ADispatcher(Dispatcher):
 
     def _a2a_meta(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         if self._distributed:
-            dist.all_to_all_single(out, inp, group=self.spec.group)
+            run_collective(
+                lambda: dist.all_to_all_single(out, inp, group=self.spec.group, async_op=True),
+                self.spec.timeout_s, "all_to_all of split sizes",
+            )
         else:
             out.copy_(inp)
 

@@ -44,17 +44,23 @@ class ReferenceExperts(Experts):
     def parameters(self) -> Dict[str, torch.Tensor]:
         return dict(self._params)
 
-    def load_weights(self, weights: ExpertWeights) -> None:
+    def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)
         dev, dt = self.spec.device, self.config.dtype
         new = {"w13": weights.w13(), "w2": weights.w2}
         if self.config.has_bias:
             new["b13"], new["b2"] = weights.b13, weights.b2
+        return {k: v.to(device=dev, dtype=dt).contiguous() for k, v in new.items()}
+
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
         if not self._params:
-            self._params = {k: v.to(device=dev, dtype=dt).contiguous() for k, v in new.items()}
+            self._params = prepared
             return
-        for k, v in new.items():  # reload: copy in place so storage (and captured graphs) survive
+        for k, v in prepared.items():  # reload: copy in place so storage (and captured graphs) survive
             self._params[k].copy_(v)
+
+    def load_weights(self, weights: ExpertWeights) -> None:
+        self.commit_weights(self.prepare_weights(weights))
 
     def forward(self, tokens) -> torch.Tensor:
         if tokens.layout != "flat":

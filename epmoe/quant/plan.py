@@ -20,7 +20,7 @@ Every default taken and every inert option is recorded in `notes` (printed by `d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -368,6 +368,7 @@ def resolve_quant_plan(
     flashinfer_version: Optional[str] = None,
     humming: bool = False,
     mxfp8_act_scaling: bool = False,
+    registered_backends: Optional[Sequence[str]] = None,
 ) -> QuantPlan:
     """Resolve the quantization plan once (see the module docstring for the order of rules).
 
@@ -382,6 +383,8 @@ def resolve_quant_plan(
     humming:           Humming W4A8 (MXFP4 weights x FP8 activations, FlashInfer
                        `use_wfp4afp8_humming`): SM90 only, inert on SM100/SM120, needs FlashInfer >= 0.6.18
     mxfp8_act_scaling: MXFP4 weights x MXFP8 activations (FlashInfer `use_mxfp8_act_scaling`), Blackwell
+    registered_backends: names the experts registry has (`EXPERTS.names()`); "auto" skips table
+                       rows whose backend is not among them (None: every table row counts)
     Raises ValueError naming the conflicting settings and the fix.
     """
     if not isinstance(config, MoEConfig):
@@ -538,6 +541,11 @@ def resolve_quant_plan(
 
     # 6. experts backend
     candidates = candidate_backends(arch, mode, layout, flashinfer_version)
+    if registered_backends is not None:
+        missing = [b for b in candidates if b not in registered_backends]
+        candidates = [b for b in candidates if b in registered_backends]
+        if missing and experts_backend == "auto":
+            notes.append(f"experts auto skipped {missing} (not registered in this build)")
     if experts_backend == "auto":
         backend = candidates[0] if candidates else "reference"
         if backend == "reference" and arch != "cpu":

@@ -303,6 +303,14 @@ def test_experts_backend_explicit_checked():
         assert resolve_quant_plan(cfg("nvfp4"), arch=arch, experts_backend="reference").experts_backend == "reference"
 
 
+def test_registered_backends_filter_auto():
+    p = resolve_quant_plan(cfg(), arch="sm90", registered_backends=["reference"])
+    assert p.experts_backend == "reference" and "skipped ['triton'] (not registered" in notes(p)
+    assert resolve_quant_plan(cfg(), arch="sm90", registered_backends=["reference", "triton"]).experts_backend == "triton"
+    with pytest.raises(ValueError, match="'triton' cannot run"):
+        resolve_quant_plan(cfg(), arch="sm90", experts_backend="triton", registered_backends=["reference"])
+
+
 def test_rules_table_printable():
     t = format_rules_table()
     for b in EXPERTS_BACKEND_NAMES:

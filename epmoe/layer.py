@@ -23,7 +23,7 @@ from epmoe.core.fault import FaultWatch
 from epmoe.dispatch import DISPATCHERS, Dispatcher, DispatchSpec
 from epmoe.experts import EXPERTS, Experts, ExpertsSpec
 from epmoe.quant.payload import PayloadFormat
-from epmoe.quant.plan import QuantPlan, resolve_quant_plan
+from epmoe.quant.plan import QuantPlan, detect_arch, installed_flashinfer_version, resolve_quant_plan
 from epmoe.quant.weights import ExpertWeights
 from epmoe.routing import Routing, route
 
@@ -70,13 +70,6 @@ def _default_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _arch(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
-
-
 class EPMoE(torch.nn.Module):
     """One MoE layer over the ranks of `group` (default: the world; None without torch.distributed).
 
@@ -85,6 +78,7 @@ class EPMoE(torch.nn.Module):
     experts:       a name in epmoe.experts.EXPERTS, or "auto" (the quant plan picks by arch)
     quant:         expert quant mode (None: from the checkpoint's quant_method, else unquantized)
     dispatch_dtype: "auto", "bf16" (unquantized model dtype), "nvfp4", "fp8"
+    humming / mxfp8_act_scaling: MXFP4 activation options of the quant plan (docs/quant-plan.md)
     max_num_tokens_per_rank: tokens per rank per dispatch round; workspaces are sized from it
     strict:        raise instead of chunking when a rank passes more tokens than that
     deterministic: bitwise-reproducible reductions (fixed order, no atomics)
@@ -108,6 +102,8 @@ class EPMoE(torch.nn.Module):
         experts: str = "auto",
         quant: Optional[str] = None,
         dispatch_dtype: str = "auto",
+        humming: bool = False,
+        mxfp8_act_scaling: bool = False,
         strict: bool = False,
         deterministic: bool = False,
         plan: Optional[QuantPlan] = None,
@@ -151,8 +147,9 @@ class EPMoE(torch.nn.Module):
             if plan is None:
                 plan = resolve_quant_plan(
                     config, requested_mode=quant, dispatch_dtype=dispatch_dtype, dispatcher=dispatcher_name,
-                    experts_backend=experts,
-                    arch=_arch(self.device),
+                    experts_backend=experts, arch=detect_arch(self.device),
+                    flashinfer_version=installed_flashinfer_version(), humming=humming,
+                    mxfp8_act_scaling=mxfp8_act_scaling, registered_backends=EXPERTS.names(),
                 )
         except (ValueError, TypeError) as e:
             error = e

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from epmoe.core import dist as edist
 from epmoe.core.fault import run_collective
 from epmoe.dispatch.base import DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
-from epmoe.quant.payload import PayloadFormat, QuantizedActivation
+from epmoe.quant import codec
+from epmoe.quant.payload import PayloadFormat
 
 
 @dataclass(frozen=True)
@@ -45,58 +46,35 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _RowCodec:
-    """Packs/unpacks the dispatch row for one wire format."""
+    """The dispatch row for one wire format: [payload (epmoe.quant.codec wire row) | ids | weights]."""
 
     def __init__(self, spec: DispatchSpec):
         self.spec = spec
         self.wire: PayloadFormat = spec.wire_format
         H, K = spec.hidden_size, spec.top_k
-        self.data_bytes = self.wire.data_bytes_per_token(H)
-        self.scale_bytes = self.wire.scale_bytes_per_token(H)
-        self.gscale_bytes = 4 if self.wire.global_scale else 0
-        self.payload_bytes = self.data_bytes + self.scale_bytes + self.gscale_bytes
+        self.payload_bytes = codec.wire_bytes_per_token(self.wire, H) if self.wire.is_quantized \
+            else self.wire.data_bytes_per_token(H)
         self.routing_bytes = K * 4 + K * 4
         self.row_bytes = self.payload_bytes + self.routing_bytes
 
     def pack(self, hidden: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        parts: List[torch.Tensor] = []
         if self.wire.is_quantized:
-            from epmoe.quant.codec import quantize_activation
-
-            q = quantize_activation(hidden, self.wire)
-            parts += [_as_bytes(q.data), _as_bytes(q.scales)]
-            if self.wire.global_scale:
-                g = q.global_scale.float().reshape(-1).expand(hidden.shape[0]).reshape(-1, 1)
-                parts.append(_as_bytes(g))
+            payload = codec.pack_rows(codec.quantize_activation(hidden, self.wire))
         else:
-            parts.append(_as_bytes(hidden.to(self.wire.dtype)))
-        parts += [_as_bytes(local_ids.to(torch.int32)), _as_bytes(weights.to(torch.float32))]
-        return torch.cat(parts, dim=1)
+            payload = _as_bytes(hidden.to(self.wire.dtype))
+        return torch.cat([payload, _as_bytes(local_ids.to(torch.int32)), _as_bytes(weights.to(torch.float32))], dim=1)
 
     def unpack(self, rows: torch.Tensor) -> Tuple[object, torch.Tensor, torch.Tensor]:
         N, H, K = rows.shape[0], self.spec.hidden_size, self.spec.top_k
         o = self.payload_bytes
-        ids = rows[:, o : o + 4 * K].contiguous().view(torch.int32)
-        w = rows[:, o + 4 * K :].contiguous().view(torch.float32)
-        data = rows[:, : self.data_bytes].contiguous().view(self.wire.dtype)
+        ids = rows[:, o : o + 4 * K].contiguous().view(torch.int32).reshape(N, K)
+        w = rows[:, o + 4 * K :].contiguous().view(torch.float32).reshape(N, K)
         if not self.wire.is_quantized:
-            hidden = data.reshape(N, H)
-        else:
-            s0 = self.data_bytes
-            scales = rows[:, s0 : s0 + self.scale_bytes].contiguous().view(self.wire.scale_dtype)
-            gscale = None
-            if self.wire.global_scale:
-                g0 = s0 + self.scale_bytes
-                gscale = rows[:, g0 : g0 + 4].contiguous().view(torch.float32).reshape(N)
-            hidden = QuantizedActivation(
-                format=self.wire, data=data.reshape(N, -1), scales=scales.reshape(N, -1),
-                hidden_size=H, global_scale=gscale,
-            )
-            if not self.spec.payload.is_quantized:  # experts take unquantized: dequantize here
-                from epmoe.quant.codec import dequantize_activation
-
-                hidden = dequantize_activation(hidden, self.spec.payload.dtype)
-        return hidden, ids.reshape(N, K), w.reshape(N, K)
+            return rows[:, :o].contiguous().view(self.wire.dtype).reshape(N, H), ids, w
+        hidden = codec.unpack_rows(rows[:, :o].contiguous(), self.wire, H)
+        if not self.spec.payload.is_quantized:  # experts take unquantized: dequantize on arrival
+            hidden = codec.dequantize_activation(hidden, self.spec.payload.dtype)
+        return hidden, ids, w
 
 
 class TorchA2ADispatcher(Dispatcher):

@@ -295,9 +295,9 @@ class FlashInferA2ADispatcher(Dispatcher):
             from flashinfer.comm.comm_backend import MPIBackend
 
             return MPIBackend(), "mpi"
+        if spec.ep_size == 1 and (not dist_ready or spec.group is None):
+            return _SingleProcessComm(), "single"  # nothing to exchange; never wait on other ranks
         if not dist_ready:
-            if spec.ep_size == 1:
-                return _SingleProcessComm(), "single"
             raise ValueError(
                 f"ep_size={spec.ep_size} needs torch.distributed initialised (or mpirun with mpi4py) to "
                 "exchange the workspace handles; call torch.distributed.init_process_group first"

@@ -33,6 +33,8 @@ class DispatchSpec:
     max_tokens_per_rank: the most tokens one rank sends in one dispatch call (per source rank);
                          the layer chunks larger batches. Workspaces are sized from it.
     payload:             what the experts backend consumes (`PayloadFormat`)
+    wire:                how tokens travel, if different from `payload` (e.g. NVFP4 on the wire,
+                         dequantized on arrival for an experts backend that takes BF16)
     combine_dtype:       dtype of expert outputs on the way back (the model dtype)
     workspace_bytes:     optional pre-computed workspace size (quant plan); backends may ignore it
     options:             backend-specific knobs (frozen mapping as tuple of pairs)
@@ -50,7 +52,12 @@ class DispatchSpec:
     device: torch.device
     deterministic: bool = False
     workspace_bytes: Optional[int] = None
+    wire: Optional[PayloadFormat] = None
     options: tuple = ()
+
+    @property
+    def wire_format(self) -> PayloadFormat:
+        return self.payload if self.wire is None else self.wire
 
     @property
     def num_local_experts(self) -> int:

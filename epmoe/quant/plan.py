@@ -66,7 +66,7 @@ def resolve_quant_plan(
     requested_mode: Optional[str] = None,
     dispatch_dtype: str = "auto",
     dispatcher: str = "torch",
-    experts_backend: str = "reference",
+    experts_backend: str = "auto",
     arch: str = "cpu",
 ) -> QuantPlan:
     mode = requested_mode or "bf16"
@@ -78,7 +78,10 @@ def resolve_quant_plan(
         raise ValueError(f"quant mode {mode!r} / dispatch {dispatch_dtype!r} is not implemented yet")
     notes = ()
     if dispatch_dtype == "auto":
-        notes = ("dispatch dtype auto -> bf16 (unquantized model dtype)",)
+        notes += ("dispatch dtype auto -> bf16 (unquantized model dtype)",)
+    if experts_backend == "auto":
+        experts_backend = "reference"
+        notes += ("experts backend auto -> reference",)
     return QuantPlan(
         expert_mode=mode,
         dispatch_dtype="bf16",

@@ -29,10 +29,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from epmoe.quant.payload import PayloadFormat  # noqa: E402
+from epmoe.quant.codec import payload_format  # noqa: E402
 
-NVFP4 = PayloadFormat("nvfp4", torch.uint8, 2, 16, torch.float8_e4m3fn, "linear", True)
-FORMATS = {"bf16": PayloadFormat.unquantized(torch.bfloat16), "nvfp4": NVFP4}
+FORMATS = {name: payload_format(name, torch.bfloat16) for name in ("bf16", "nvfp4")}
+# Per-dispatcher options for timing: no per-call collective or host sync inside the timed region.
+TIMING_OPTIONS = {"flashinfer": (("handle_bytes", False), ("runtime_max_tokens", "uniform"))}
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ def run(args) -> List[Result]:
             continue
         for fmt in args.formats.split(","):
             for T in (int(t) for t in args.tokens.split(",")):
-                opts = (("runtime_max_tokens", "uniform"),) if name == "flashinfer" else ()
+                opts = TIMING_OPTIONS.get(name, ())
                 spec = DispatchSpec(group=group, ep_rank=rank, ep_size=world, num_experts=E, top_k=K, hidden_size=H,
                                     max_tokens_per_rank=T, payload=FORMATS[fmt], combine_dtype=torch.bfloat16,
                                     device=dev, options=opts)

@@ -52,7 +52,8 @@ runs on the device (graph-safe, no sync); reading `stats` synchronises once.
 Options (spec.options): runtime_max_tokens (above), low_precision_combine (FP8 combine payload,
 BF16 out), nvfp4_global_scale (static float: no per-token scale payload), comm ("auto" / "torch" /
 "mpi"; auto = MPI when launched by mpirun without torch.distributed), comm_backend (a FlashInfer
-CommBackend object to use as is).
+CommBackend object to use as is), handle_bytes (default True: exact `handle.bytes_sent`, one device
+sync per dispatch unless runtime_max_tokens="allreduce" already syncs; False: -1, no sync).
 """
 
 from __future__ import annotations
@@ -169,8 +170,9 @@ def _running_under_mpirun() -> bool:
 @dataclass(frozen=True)
 class FlashInferDispatchHandle(DispatchHandle):
     """num_tokens: T of this rank; runtime_max_tokens_per_rank: the agreed receive block rows;
-    round: which dispatch this handle belongs to; remote_sends / remote_rows: device counters of
-    this call (bytes_sent is -1: the exact bytes are counted on the device, see `stats`)."""
+    round: which dispatch this handle belongs to; remote_sends / remote_rows: device counts of this
+    call. bytes_sent: exact dispatch bytes to other ranks, or -1 when not read back to the host
+    (option handle_bytes=False, or inside CUDA-graph capture; `stats` always counts them)."""
 
     runtime_max_tokens_per_rank: int = 0
     round: int = 0
@@ -226,7 +228,8 @@ class FlashInferA2ADispatcher(Dispatcher):
         self.combine_bytes_per_token = spec.hidden_size * elem
         self.combine_wire_bytes_per_token = spec.hidden_size * (1 if self.low_precision_combine else elem)
         if self.wire.is_quantized:
-            self._nvfp4 = _import_nvfp4()
+            _check_codec(self.wire)
+        self.handle_bytes = bool(spec.option("handle_bytes", True))
 
         avail = self.availability(spec.device, spec.ep_size) if spec.option("check_availability", True) else Availability.yes()
         if not avail:
@@ -365,10 +368,12 @@ class FlashInferA2ADispatcher(Dispatcher):
         except (ValueError, TypeError) as e:
             local_error = e
         T = hidden.shape[0] if local_error is None else 0
+        route = sends = None
+        if local_error is None:  # before the collective: its sync then makes the counts free
+            ids = topk_ids.to(torch.int32).contiguous()
+            route = route_expert_ids(ids, s.num_experts, s.first_local_expert)
+            sends = remote_destinations(route, s.num_experts // s.ep_size, s.ep_size, s.ep_rank)
         rt = self._runtime_max(T, topk_ids, local_error, runtime_max_tokens_per_rank)
-
-        ids = topk_ids.to(torch.int32).contiguous()
-        route = route_expert_ids(ids, s.num_experts, s.first_local_expert)
         payloads: List[torch.Tensor] = []
         quantized = None
         if self.wire.is_quantized:
@@ -391,7 +396,6 @@ class FlashInferA2ADispatcher(Dispatcher):
         recv = {slot.name: r.flatten(0, 1) for slot, r in zip(self.slots, recv)}
         local_ids = to_local_ids(recv["topk_ids"], s.first_local_expert, s.num_local_experts)
 
-        sends = remote_destinations(route, s.num_experts // s.ep_size, s.ep_size, s.ep_rank)
         rows = remote_rows(local_ids, s.ep_size, rt, s.ep_rank)
         self._counters[0] += sends
         self._counters[1] += rows
@@ -417,9 +421,12 @@ class FlashInferA2ADispatcher(Dispatcher):
                 x = dequantize_activation(x, s.payload.dtype)
         self._round += 1
         self._pending = self._round
+        bytes_sent = -1
+        if self.handle_bytes and not _capturing(hidden.device):
+            bytes_sent = int(sends) * self.dispatch_bytes_per_token
         handle = FlashInferDispatchHandle(
             num_tokens=T,
-            bytes_sent=-1,
+            bytes_sent=bytes_sent,
             runtime_max_tokens_per_rank=rt,
             round=self._round,
             remote_sends=sends,
@@ -443,8 +450,10 @@ class FlashInferA2ADispatcher(Dispatcher):
                 torch.empty(0, H // 16, dtype=torch.float8_e4m3fn, device=hidden.device),
                 gs,
             )
-        q = self._nvfp4.quantize(hidden, global_scale=gs)
-        return q[0], q[1], q[2]
+        from epmoe.quant.codec import quantize_activation
+
+        q = quantize_activation(hidden, self.wire, global_scale=gs)  # the torch dispatcher's quantizer
+        return q.data, q.scales, q.global_scale
 
     def _runtime_max(
         self, T: int, topk_ids: torch.Tensor, local_error: Optional[BaseException], override: Optional[int]
@@ -543,14 +552,20 @@ class FlashInferA2ADispatcher(Dispatcher):
 
 
 # ----------------------------------------------------------------------------- helpers
-def _import_nvfp4():
+def _check_codec(wire: PayloadFormat) -> None:
     try:
-        from epmoe.quant import nvfp4
+        from epmoe.quant.codec import QUANTIZED_FORMATS
     except ImportError as e:
+        raise ValueError(f"NVFP4 dispatch needs epmoe.quant.codec ({e}); use dispatch dtype 'bf16'") from e
+    if QUANTIZED_FORMATS.get(wire.name) != wire:
         raise ValueError(
-            f"NVFP4 dispatch needs epmoe.quant.nvfp4 ({e}); use dispatch dtype 'bf16'"
-        ) from e
-    return nvfp4
+            f"wire format {wire.describe()} is not epmoe.quant.codec's {wire.name}; build it with "
+            "epmoe.quant.codec.payload_format"
+        )
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _peer_access(device: torch.device) -> Tuple[bool, str]:

@@ -10,16 +10,15 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
-from collections import namedtuple
 
 import pytest
 import torch
 
-import flashinfer_fakes as ff
+from tests.cpu import flashinfer_fakes as ff
 from epmoe.dispatch.base import DispatchSpec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 
-NVFP4 = PayloadFormat("nvfp4", torch.uint8, 2, 16, torch.float8_e4m3fn, "linear", True)
+from epmoe.quant.codec import NVFP4  # noqa: E402
 BF16 = PayloadFormat.unquantized(torch.bfloat16)
 
 
@@ -193,6 +192,7 @@ def test_bytes_count_matches_remote_destinations(fake_fi):
         rows = sum(
             1 for s in range(ep) if s != r for row in inputs[s][1] if any(e >= 0 and e // per == r for e in row.tolist())
         )
+        assert results[r][2].bytes_sent == sends * d.dispatch_bytes_per_token, "handle.bytes_sent"
         st = d.stats
         assert st.tokens_sent == sends, f"seed={seed} rank={r}"
         assert st.dispatch_bytes_sent == sends * (H * 2 + K * 4 + K * 4)
@@ -223,21 +223,11 @@ def test_workspace_sized_by_flashinfer_and_recorded(fake_fi):
     assert big.workspace_bytes_per_rank == expect + 4096 and big.workspace_bytes_required == expect
 
 
-def test_nvfp4_payload_plumbing(fake_fi, monkeypatch):
-    """NVFP4 rows, E4M3 scales and each sender's dynamic global scale arrive byte for byte."""
-    Q = namedtuple("Q", "packed scales global_scale")
+def test_nvfp4_payload_plumbing(fake_fi):
+    """NVFP4 rows, E4M3 scales and each sender's dynamic global scale (epmoe.quant.codec, the torch
+    dispatcher's quantizer) arrive byte for byte; dequantized they match the sender's round trip."""
+    from epmoe.quant.codec import dequantize_activation, quantize_activation
 
-    def quantize(x, global_scale=None):
-        b = x.contiguous().view(torch.uint8)
-        gs = x.float().abs().amax() / 448 if global_scale is None else global_scale
-        return Q(b[:, : x.shape[1] // 2].clone(), b[:, : x.shape[1] // 16].clone().view(torch.float8_e4m3fn), gs)
-
-    fake = type(sys)("epmoe.quant.nvfp4")
-    fake.quantize = quantize
-    import epmoe.quant
-
-    monkeypatch.setitem(sys.modules, "epmoe.quant.nvfp4", fake)
-    monkeypatch.setattr(epmoe.quant, "nvfp4", fake, raising=False)
     ep, E, K, H, counts, seed = 2, 8, 2, 64, [5, 4], 31
     inputs = _inputs(seed, ep, counts, E, K, H)
 
@@ -252,7 +242,6 @@ def test_nvfp4_payload_plumbing(fake_fi, monkeypatch):
 
     results, errors = ff.run_ranks(ep, rank_fn)
     assert not any(errors), errors
-    per = E // ep
     for r in range(ep):
         d, tokens, h, out = results[r]
         assert [s.name for s in d.slots] == ["hidden", "scales", "topk_ids", "topk_weights", "global_scale"]
@@ -260,45 +249,36 @@ def test_nvfp4_payload_plumbing(fake_fi, monkeypatch):
         q = tokens.hidden
         assert isinstance(q, QuantizedActivation) and q.format == NVFP4 and q.hidden_size == H
         assert q.data.dtype == torch.uint8 and q.scales.dtype == torch.float8_e4m3fn
-        assert q.global_scale.shape == (ep * h.runtime_max_tokens_per_rank,)
         rt = h.runtime_max_tokens_per_rank
+        assert q.global_scale.shape == (ep * rt,)
+        deq = dequantize_activation(q, torch.float32)
+        matched = 0
         for row in range(ep * rt):
             if not (tokens.topk_ids[row] >= 0).any():
                 continue
             src = row // rt
-            x_src, ids_src, _ = inputs[src]
-            # find the source token by its packed bytes
-            qs = quantize(x_src)
-            match = [t for t in range(x_src.shape[0]) if torch.equal(qs.packed[t], q.data[row])]
-            assert match, f"seed={seed}: row {row} of rank {r} is not a token of rank {src}"
-            t = match[0]
+            qs = quantize_activation(inputs[src][0], NVFP4)
+            t = [i for i in range(qs.data.shape[0]) if torch.equal(qs.data[i], q.data[row])]
+            assert t, f"seed={seed}: row {row} of rank {r} is not a token of rank {src}"
+            t = t[0]
             assert torch.equal(qs.scales[t].view(torch.uint8), q.scales[row].view(torch.uint8))
             assert float(q.global_scale[row]) == float(qs.global_scale)
-        assert out.shape == (counts[r], H) and (out == 0).all()
+            assert torch.equal(deq[row], dequantize_activation(qs, torch.float32)[t])
+            matched += 1
+        assert matched > 0 and out.shape == (counts[r], H) and (out == 0).all()
 
 
-def test_static_global_scale_sends_no_scale_payload(fake_fi, monkeypatch):
-    Q = namedtuple("Q", "packed scales global_scale")
-    seen = []
-
-    def quantize(x, global_scale=None):
-        seen.append(global_scale)
-        return Q(torch.zeros(x.shape[0], x.shape[1] // 2, dtype=torch.uint8),
-                 torch.zeros(x.shape[0], x.shape[1] // 16, dtype=torch.float8_e4m3fn), global_scale)
-
-    fake = type(sys)("epmoe.quant.nvfp4")
-    fake.quantize = quantize
-    import epmoe.quant
-
-    monkeypatch.setitem(sys.modules, "epmoe.quant.nvfp4", fake)
-    monkeypatch.setattr(epmoe.quant, "nvfp4", fake, raising=False)
+def test_static_global_scale_sends_no_scale_payload(fake_fi):
     from epmoe.dispatch.flashinfer_a2a import FlashInferA2ADispatcher
 
-    d = FlashInferA2ADispatcher(_spec(0, 1, 4, 2, 64, 4, NVFP4, nvfp4_global_scale=0.25))
+    d = FlashInferA2ADispatcher(_spec(0, 1, 4, 2, 64, 4, NVFP4, nvfp4_global_scale=448.0 * 6 / 4.0))
     assert [s.name for s in d.slots] == ["hidden", "scales", "topk_ids", "topk_weights"]
-    tokens, h = d.dispatch(torch.randn(3, 64).bfloat16(), torch.tensor([[0, 1]] * 3, dtype=torch.int32), torch.rand(3, 2))
-    assert float(seen[0]) == 0.25 and tokens.hidden.global_scale.dim() == 0
+    x = torch.randn(3, 64).bfloat16()
+    tokens, h = d.dispatch(x, torch.tensor([[0, 1]] * 3, dtype=torch.int32), torch.rand(3, 2))
+    assert tokens.hidden.global_scale.dim() == 0 and float(tokens.hidden.global_scale) == 672.0
     d.combine(torch.zeros(tokens.num_tokens, 64, dtype=torch.bfloat16), h)
+    with pytest.raises(ValueError, match="not epmoe.quant.codec"):
+        FlashInferA2ADispatcher(_spec(0, 1, 4, 2, 64, 4, PayloadFormat("nvfp4", torch.uint8, 2, 32, torch.uint8, "linear", True)))
 
 
 def test_payload_order_keeps_alignment():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flashinfer_fakes as ff
+from tests.cpu import flashinfer_fakes as ff
 from epmoe.config import MoEConfig
 from epmoe.dispatch.base import DispatchedTokens
 from epmoe.experts.base import ExpertsSpec
@@ -210,7 +210,7 @@ def test_backend_pads_hidden_and_slices_output(monkeypatch):
     E, I, H = 4, 128, 96  # quantized modes pad H to 128
     c = MoEConfig(num_experts=E, top_k=1, hidden_size=H, intermediate_size=I)
     ex, rec = _experts(monkeypatch, "mxfp4_w4a16", c, ep_size=1, ep_rank=0)
-    from test_flashinfer_layouts import _mx_weights
+    from tests.cpu.test_flashinfer_layouts import _mx_weights
 
     ex.load_weights(_mx_weights(E, I, H, 5))
     tokens = DispatchedTokens(torch.randn(2, H).bfloat16(), torch.tensor([[1], [-1]], dtype=torch.int32), torch.ones(2, 1))
@@ -224,7 +224,7 @@ def test_backend_pads_hidden_and_slices_output(monkeypatch):
 def test_backend_refuses_wrong_checkpoint_format(monkeypatch):
     c = MoEConfig(num_experts=2, top_k=1, hidden_size=128, intermediate_size=128)
     ex, _ = _experts(monkeypatch, "mxfp4_w4a16", c, ep_size=1, ep_rank=0)
-    from test_flashinfer_layouts import _mx_weights
+    from tests.cpu.test_flashinfer_layouts import _mx_weights
 
     with pytest.raises(ValueError, match="needs mxfp4 expert weights, got mxfp8"):
         ex.load_weights(_mx_weights(2, 128, 128, 1, fmt="mxfp8"))
@@ -234,7 +234,7 @@ def test_nongated_w13_truncated_at_load(monkeypatch):
     E, I, H = 2, 128, 128
     c = MoEConfig(num_experts=E, top_k=1, hidden_size=H, intermediate_size=I, activation="relu2")
     ex, rec = _experts(monkeypatch, "mxfp4_w4a16", c, ep_size=1, ep_rank=0)
-    from test_flashinfer_layouts import _mx_weights
+    from tests.cpu.test_flashinfer_layouts import _mx_weights
 
     w = _mx_weights(E, 2 * I, H, 2, gated=False)  # a checkpoint storing 2I fc1 rows
     w = ExpertWeights(format="mxfp4", w1=w.w1, w1_scale=w.w1_scale, w2=w.w2[:, :, : I // 2], w2_scale=w.w2_scale[:, :, : I // 32])

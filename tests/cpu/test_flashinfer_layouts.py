@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flashinfer_fakes as ff
+from tests.cpu import flashinfer_fakes as ff
 from epmoe.config import MoEConfig
 from epmoe.quant.flashinfer_layout import (
     bias13_to_w31,

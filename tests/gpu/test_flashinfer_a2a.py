@@ -136,6 +136,18 @@ def _check_arrivals(tokens, handle, ids_all, rank, ep):
     assert got == want
 
 
+def _check_plan_workspace(d, ep, max_t):
+    """The quant plan's workspace formula must equal FlashInfer's own sizing."""
+    try:
+        from epmoe.quant.workspace import flashinfer_a2a_workspace_bytes
+    except ImportError:
+        return
+    want = flashinfer_a2a_workspace_bytes(ep, max_t, d.dispatch_bytes_per_token, d.combine_bytes_per_token)
+    assert d.workspace_bytes_required == want, (
+        f"FlashInfer sizes {d.workspace_bytes_required} B/rank, epmoe.quant.workspace says {want}"
+    )
+
+
 def _torch_reference_dispatcher(spec):
     try:
         from epmoe.dispatch.torch_a2a import TorchA2ADispatcher
@@ -161,6 +173,7 @@ def test_bf16_single_gpu_bit_exact(T):
         assert handle.runtime_max_tokens_per_rank == max(1, T)
         st = d.stats
         assert st.dispatch_bytes_sent == 0 and st.combine_bytes_sent == 0  # ep=1: nothing leaves the GPU
+        _check_plan_workspace(d, 1, 128)
         ref_d = _torch_reference_dispatcher(_spec(0, 1, 128))
         if ref_d is not None:
             t2, h2 = ref_d.dispatch(x, ids, w)
@@ -218,6 +231,7 @@ def test_nvfp4_single_gpu():
         blk = x.float().view(-1, H // 16, 16).abs().amax(-1, keepdim=True)
         err = (xq.view(-1, H // 16, 16) - x.float().view(-1, H // 16, 16)).abs()
         assert (err <= 0.2 * blk + 1e-6).all(), f"seed={seed}: NVFP4 error beyond its bound"
+        _check_plan_workspace(d, 1, 128)
         print(f"[flashinfer-a2a] ep=1 nvfp4 bytes exact; {d.dispatch_bytes_per_token} B/token on the wire "
               f"(bf16: {H * 2 + 8 * K})")
     finally:

@@ -334,9 +334,11 @@ class FlashInferA2ADispatcher(Dispatcher):
                 st.tokens_sent += sends
                 st.dispatch_bytes_sent += sends * self.dispatch_bytes_per_token
                 st.combine_bytes_sent += rows * self.combine_wire_bytes_per_token
-                if sends:
-                    key = self.wire.name
-                    st.by_format[key] = st.by_format.get(key, 0) + sends * self.dispatch_bytes_per_token
+                if sends:  # same shape as the torch dispatcher's: {format: {payload, routing}}
+                    fmt = st.by_format.setdefault(self.wire.name, {"payload": 0, "routing": 0})
+                    routing = sum(sl.bytes_per_token for sl in self.slots if sl.name in ("topk_ids", "topk_weights"))
+                    fmt["payload"] += sends * (self.dispatch_bytes_per_token - routing)
+                    fmt["routing"] += sends * routing
         return self._stats
 
     @stats.setter

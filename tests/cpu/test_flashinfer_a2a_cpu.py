@@ -197,7 +197,7 @@ def test_bytes_count_matches_remote_destinations(fake_fi):
         assert st.tokens_sent == sends, f"seed={seed} rank={r}"
         assert st.dispatch_bytes_sent == sends * (H * 2 + K * 4 + K * 4)
         assert st.combine_bytes_sent == rows * H * 2
-        assert st.by_format == ({"bf16": sends * (H * 2 + 8 * K)} if sends else {})
+        assert st.by_format == ({"bf16": {"payload": sends * H * 2, "routing": sends * 8 * K}} if sends else {})
         st.reset()
         assert d.stats.dispatch_bytes_sent == 0
 

@@ -563,10 +563,9 @@ def _truncate_nongated(weights: ExpertWeights, intermediate: int) -> ExpertWeigh
 
 
 def quantize_weights_online(weights: ExpertWeights, fmt: str) -> ExpertWeights:
-    """Quantize unquantized canonical weights to `fmt` with epmoe's own codecs (epmoe.quant.<fmt>).
-
-    Each codec returns (data, block scales[, global scale]) per the quant package's API; this maps
-    them onto ExpertWeights' quantized fields."""
+    """Quantize unquantized canonical weights to `fmt` at load with epmoe's reference codecs
+    (epmoe.quant.<fmt>): MXFP4 / MXFP8 per 32 along K, FP8 128x128 blocks, NVFP4 per 16 with one
+    global scale per expert (stored as a dequantization factor, ExpertWeights' convention)."""
     import importlib
     from dataclasses import replace
 
@@ -581,12 +580,15 @@ def quantize_weights_online(weights: ExpertWeights, fmt: str) -> ExpertWeights:
         w = getattr(weights, name)
         if w is None:
             continue
-        quantize = getattr(codec, "quantize_weight", None) or codec.quantize
-        q = quantize(w)
-        data, scales = q[0], q[1]
-        fields[name] = data
-        fields[name + "_scale"] = scales
-        if WEIGHT_FORMATS[fmt].has_global_scale:
-            gs = q[2] if len(q) > 2 else getattr(q, "global_scale")
-            fields[name + "_global_scale"] = gs.float().reshape(-1).expand(w.shape[0]).contiguous()
+        if fmt == "nvfp4":
+            # One multiplier per expert (448 * 6 / amax), broadcast over its rows.
+            gs = torch.stack([codec.compute_global_scale(w[e]) for e in range(w.shape[0])])
+            q = codec.quantize(w, gs[:, None].expand(w.shape[:-1]).contiguous())
+            fields[name + "_global_scale"] = (1.0 / gs).float().contiguous()
+        elif fmt == "fp8_block":
+            q = codec.quantize_weight(w)
+        else:
+            q = codec.quantize(w)
+        fields[name] = q[0]
+        fields[name + "_scale"] = q[1]
     return replace(weights, **fields)

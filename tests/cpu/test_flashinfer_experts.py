@@ -246,3 +246,35 @@ def test_quant_slot_table_covers_every_variant():
     from epmoe.quant.flashinfer_layout import CUTLASS_VARIANTS
 
     assert set(QUANT_SCALE_SLOTS) == set(CUTLASS_VARIANTS)
+
+
+def test_online_quantization_round_trips():
+    """Unquantized checkpoints are quantized at load with epmoe's codecs, in ExpertWeights' layout
+    and scale convention (dequantization factors)."""
+    from epmoe.experts.flashinfer_cutlass import quantize_weights_online
+    from epmoe.quant import fp8_block, mxfp4, mxfp8, nvfp4
+
+    seed = 21
+    g = torch.Generator().manual_seed(seed)
+    E, I, H = 2, 128, 256
+    c = MoEConfig(num_experts=E, top_k=1, hidden_size=H, intermediate_size=I)
+    w = ExpertWeights(w1=torch.randn(E, I, H, generator=g), w3=torch.randn(E, I, H, generator=g),
+                      w2=torch.randn(E, H, I, generator=g) * torch.tensor([1.0, 30.0]).view(E, 1, 1))
+    deq = {
+        "mxfp4": lambda q, n: mxfp4.dequantize(getattr(q, n), getattr(q, n + "_scale"), torch.float32),
+        "mxfp8": lambda q, n: mxfp8.dequantize(getattr(q, n), getattr(q, n + "_scale"), torch.float32),
+        "fp8_block": lambda q, n: fp8_block.dequantize_weight(getattr(q, n), getattr(q, n + "_scale"), torch.float32),
+        "nvfp4": lambda q, n: nvfp4.dequantize(
+            getattr(q, n), getattr(q, n + "_scale"),
+            (1.0 / getattr(q, n + "_global_scale"))[:, None].expand(getattr(q, n).shape[:-1]), torch.float32),
+    }
+    tol = {"mxfp4": 0.2, "nvfp4": 0.15, "mxfp8": 0.05, "fp8_block": 0.05}
+    for fmt, fn in deq.items():
+        q = quantize_weights_online(w, fmt)
+        q.validate(c)
+        for n in ("w1", "w3", "w2"):
+            ref = getattr(w, n)
+            err = (fn(q, n) - ref).norm() / ref.norm()
+            assert err < tol[fmt], f"seed={seed} {fmt} {n}: rel err {err:.3f}"
+    q = quantize_weights_online(w, "nvfp4")
+    assert q.w2_global_scale[1] > 10 * q.w2_global_scale[0], "one global scale per expert"

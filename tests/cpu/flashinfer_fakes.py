@@ -323,6 +323,84 @@ def install(monkeypatch, *, version: str = "0.7.2.post1", cutlass_params=CUTLASS
         return x.to(torch.float8_e4m3fn), torch.full((x.shape[0] * x.shape[1] // 32,), 127, dtype=torch.uint8)
 
     fi.mxfp8_quantize = mxfp8_quantize
+    # ---- SM100 (CuTe-DSL / TRT-LLM-gen) stand-ins
+    from dataclasses import dataclass as _dc
+    from enum import Enum as _Enum
+
+    class QuantFormat(_Enum):
+        BF16 = 0
+        NVFP4 = 5
+        MXFP4 = 6
+
+    @_dc(frozen=True)
+    class QuantConfig:
+        weight: Any = QuantFormat.BF16
+        activation: Any = QuantFormat.BF16
+
+    @_dc(frozen=True)
+    class SwiGLU:
+        alpha: float = 1.0
+        beta: float = 0.0
+        limit: float = float("inf")
+
+    @_dc(frozen=True)
+    class ReLU2:
+        pass
+
+    class CuteDslMoEWrapper:
+        def __init__(self, num_experts, top_k, hidden_size, intermediate_size, use_cuda_graph=False,
+                     max_num_tokens=None, num_local_experts=None, local_expert_offset=0, tile_size=128,
+                     sf_vec_size=16, output_dtype=torch.bfloat16, device="cuda", enable_pdl=True,
+                     activation_type=3, swiglu_alpha=1.0, swiglu_beta=0.0, swiglu_limit=float("inf"),
+                     situ_beta=None, situ_linear_beta=None, use_fused_finalize=True, quant_mode="w4a4"):
+            rec.add("CuteDslMoEWrapper", **{k: v for k, v in locals().items() if k not in ("self", "rec")})
+            self.hidden_size = hidden_size
+
+        def run(self, **kw):
+            rec.add("cutedsl_run", **kw)
+            return torch.zeros(kw["token_selected_experts"].shape[0], self.hidden_size, dtype=torch.bfloat16)
+
+    def prepare_cute_dsl_weights(w1_bf16, w2_bf16, *, quant, num_local_experts, hidden_size, intermediate_size,
+                                 activation=None, device=None, nvfp4_4over6=None):
+        rec.add("prepare_cute_dsl_weights", w1=w1_bf16.clone(), w2=w2_bf16.clone(), quant=quant, activation=activation)
+        E = num_local_experts
+        view = {"w1_weight": torch.zeros(E, w1_bf16.shape[1], hidden_size // 2, dtype=torch.uint8),
+                "w1_weight_sf": torch.zeros(E, 4, dtype=torch.uint8), "w1_alpha": torch.ones(E),
+                "w2_weight": torch.zeros(E, hidden_size, intermediate_size // 2, dtype=torch.uint8),
+                "w2_weight_sf": torch.zeros(E, 4, dtype=torch.uint8), "w2_alpha": torch.ones(E)}
+        if quant.activation == QuantFormat.NVFP4:
+            view["fc2_input_scale"] = torch.ones(1)
+        return view
+
+    def prepare_trtllm_fp4_weights(w1_bf16, w2_bf16, *, quant, num_local_experts, hidden_size, intermediate_size,
+                                   activation=None, device=None, permute_cache=None):
+        rec.add("prepare_trtllm_fp4_weights", w1=w1_bf16.clone(), quant=quant, activation=activation)
+        E = num_local_experts
+        return {"gemm1_weights": torch.zeros(E, w1_bf16.shape[1], hidden_size // 2, dtype=torch.uint8),
+                "gemm1_weights_scale": torch.zeros(E, w1_bf16.shape[1], hidden_size // 32, dtype=torch.uint8),
+                "gemm2_weights": torch.zeros(E, hidden_size, intermediate_size // 2, dtype=torch.uint8),
+                "gemm2_weights_scale": torch.zeros(E, hidden_size, intermediate_size // 32, dtype=torch.uint8),
+                "output1_scale_scalar": torch.ones(E), "output1_scale_gate_scalar": torch.ones(E),
+                "output2_scale_scalar": torch.ones(E)}
+
+    def trtllm_fp4_block_scale_routed_moe(**kw):
+        rec.add("trtllm_routed", **kw)
+        return [torch.zeros(kw["hidden_states"].shape[0], kw["hidden_states"].shape[1], dtype=torch.bfloat16)]
+
+    def fp4_quantize(x, global_scale=None, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout=True, **kw):
+        rec.add("fp4_quantize", shape=tuple(x.shape), swizzled=is_sf_swizzled_layout, global_scale=global_scale)
+        return (torch.zeros(x.shape[0], x.shape[1] // 2, dtype=torch.uint8),
+                torch.zeros(x.shape[0] * x.shape[1] // 16, dtype=torch.uint8))
+
+    fm.QuantFormat, fm.QuantConfig, fm.SwiGLU, fm.ReLU2 = QuantFormat, QuantConfig, SwiGLU, ReLU2
+    fm.CuteDslMoEWrapper = CuteDslMoEWrapper
+    fm.trtllm_fp4_block_scale_routed_moe = trtllm_fp4_block_scale_routed_moe
+    prep = _module("flashinfer.fused_moe.prepare")
+    prep.prepare_cute_dsl_weights = prepare_cute_dsl_weights
+    prep.prepare_trtllm_fp4_weights = prepare_trtllm_fp4_weights
+    fm.prepare = prep
+    fi.fp4_quantize = fp4_quantize
+    monkeypatch.setitem(sys.modules, "flashinfer.fused_moe.prepare", prep)
     jit = _module("flashinfer.jit")
     env = _module("flashinfer.jit.env")
     env.get_aot_artifacts = lambda name: ()

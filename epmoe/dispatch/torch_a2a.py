@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.core import dist as edist
+from epmoe.core.fault import run_collective
 from epmoe.dispatch.base import DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 
@@ -114,7 +115,10 @@ class TorchA2ADispatcher(Dispatcher):
     # ------------------------------------------------------------------ helpers
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> None:
         if self._distributed:
-            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.spec.group)
+            run_collective(
+                lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.spec.group, async_op=True),
+                self.spec.timeout_s, "all_to_all of token rows",
+            )
         else:
             out.copy_(inp)
 
@@ -128,9 +132,44 @@ class TorchA2ADispatcher(Dispatcher):
         bad = ((topk_ids < -1) | (topk_ids >= E)).any()
         return None, bad
 
+    # ------------------------------------------------------------------ static (CUDA graph) mode
+    def _dispatch_static(self, hidden, topk_ids, topk_weights):
+        """Every rank sends all its M rows to every rank (ids local there or -1): equal splits, no
+        host sync, fixed shapes. Costs bandwidth for tokens a rank does not need; meant for decode."""
+        s = self.spec
+        ep, E_local, M = s.ep_size, s.num_local_experts, s.max_tokens_per_rank
+        if hidden.shape[0] != M:
+            raise ValueError(f"static dispatch takes exactly max_tokens_per_rank={M} rows, got {hidden.shape[0]}")
+        ids = topk_ids.to(torch.int64)
+        ranks = torch.arange(ep, device=ids.device).view(ep, 1, 1)
+        dest = torch.where(ids >= 0, ids // E_local, torch.full_like(ids, -1)).unsqueeze(0)  # [1, M, K]
+        on = dest == ranks  # [ep, M, K]
+        local_ids = torch.where(on, ids.unsqueeze(0) - ranks * E_local, torch.full_like(on, -1, dtype=torch.int64))
+        local_w = torch.where(on, topk_weights.float().unsqueeze(0), torch.zeros((), device=ids.device))
+        send = self._codec.pack(hidden.repeat(ep, 1), local_ids.reshape(ep * M, -1), local_w.reshape(ep * M, -1))
+        recv = torch.empty_like(send)
+        self._a2a_meta(recv, send)  # equal splits
+        recv_hidden, recv_ids, recv_w = self._codec.unpack(recv)
+        handle = TorchA2AHandle(num_tokens=M, bytes_sent=(ep - 1) * M * self._codec.row_bytes)
+        return DispatchedTokens(hidden=recv_hidden, topk_ids=recv_ids, topk_weights=recv_w, static=True), handle
+
+    def _combine_static(self, expert_output, handle):
+        s = self.spec
+        ep, M = s.ep_size, s.max_tokens_per_rank
+        back = expert_output.to(s.combine_dtype).contiguous()
+        got = torch.empty_like(back)
+        self._a2a_meta(got, back)
+        got = got.view(ep, M, s.hidden_size)
+        out = got[0].float()
+        for r in range(1, ep):  # rank order: deterministic
+            out = out + got[r].float()
+        return out.to(s.combine_dtype)
+
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         s = self.spec
+        if s.static_shapes:
+            return self._dispatch_static(hidden, topk_ids, topk_weights)
         ep, E_local = s.ep_size, s.num_local_experts
         error, bad_ids = self._validate(hidden, topk_ids, topk_weights)
 
@@ -157,7 +196,7 @@ class TorchA2ADispatcher(Dispatcher):
                 f"topk_ids holds expert id {int(bad[0])} outside [0, {s.num_experts}) "
                 f"(-1 marks 'no expert'); fix the router output or num_experts"
             )
-        edist.raise_if_any_failed(error, failed, s.group)
+        edist.raise_if_any_failed(error, failed, s.group, s.timeout_s)
 
         # rows in rank-major order, tokens ascending within a rank
         rank_of_row, token_of_row = sent.t().nonzero(as_tuple=True)
@@ -190,13 +229,18 @@ class TorchA2ADispatcher(Dispatcher):
 
     def _a2a_meta(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         if self._distributed:
-            dist.all_to_all_single(out, inp, group=self.spec.group)
+            run_collective(
+                lambda: dist.all_to_all_single(out, inp, group=self.spec.group, async_op=True),
+                self.spec.timeout_s, "all_to_all of split sizes",
+            )
         else:
             out.copy_(inp)
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_output: torch.Tensor, handle: TorchA2AHandle) -> torch.Tensor:
         s = self.spec
+        if s.static_shapes:
+            return self._combine_static(expert_output, handle)
         N = sum(handle.recv_counts)
         if expert_output.shape != (N, s.hidden_size):
             raise ValueError(

@@ -187,6 +187,31 @@ def _tokens_for_step(args, rank: int, step: int) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point. Faults end with one report and a non-zero exit on every rank (torchrun-friendly)."""
+    from epmoe.core.errors import BackendUnavailableError, ConfigMismatchError, PeerInputError
+    from epmoe.core.fault import CollectiveFailure
+
+    try:
+        return _main(argv)
+    except CollectiveFailure as e:
+        text = e.report.format() if e.report is not None else f"epmoe: {e}"
+        _die(text, 1)
+    except (PeerInputError, ConfigMismatchError, BackendUnavailableError) as e:
+        _die(f"epmoe: rank {detect_launch_env().rank}: {type(e).__name__}: {e}", 1)
+    return 1
+
+
+def _die(text: str, code: int) -> None:
+    """Print once and leave without tearing down process groups (a peer may be gone)."""
+    if os.environ.get("EPMOE_DEBUG"):
+        raise
+    sys.stderr.write(text.rstrip() + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("tokens", "steps", "layers"):
         if getattr(args, name) < (0 if name == "tokens" else 1):
@@ -240,7 +265,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for L in range(num_layers):
         layer = EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=max_tokens,
                       experts=args.experts, quant=args.quant, dispatch_dtype=args.dispatch_dtype,
-                      deterministic=args.deterministic, name=f"EPMoE[layer {L}]")
+                      deterministic=args.deterministic, timeout_s=args.timeout, name=f"EPMoE[layer {L}]")
         layer.load_weights(wdir, layer_idx=L)
         layers.append(layer)
         gates.append(read_gate(wdir, L).to(device))

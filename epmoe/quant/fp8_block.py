@@ -36,8 +36,11 @@ class FP8BlockTensor(NamedTuple):
 
 
 def _scale_from_amax(amax: torch.Tensor, eps: float) -> torch.Tensor:
-    # clamp keeps NaN (poison) and turns inf into FLT_MAX (saturation)
-    return amax.clamp(min=eps, max=FLOAT32_MAX) / E4M3_MAX
+    # clamp keeps NaN (poison) and turns inf into FLT_MAX (saturation). Divide by a device tensor,
+    # not a Python number: CUDA turns `t / scalar` into `t * (1 / scalar)`, which would make GPU
+    # and CPU scales differ in the last bit.
+    denom = torch.tensor(E4M3_MAX, dtype=torch.float32, device=amax.device)
+    return amax.clamp(min=eps, max=FLOAT32_MAX) / denom
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

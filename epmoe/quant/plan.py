@@ -252,6 +252,25 @@ def detect_arch(device) -> str:
     return by_major[major]
 
 
+_ARCH_FAMILY = {
+    "sm80": "sm80", "sm86": "sm80", "sm87": "sm80", "sm89": "sm80",
+    "sm90": "sm90", "sm90a": "sm90",
+    "sm100": "sm100", "sm100a": "sm100", "sm103": "sm100", "sm103a": "sm100",
+    "sm120": "sm120", "sm120a": "sm120", "sm121": "sm120", "sm121a": "sm120",
+}
+
+
+def normalize_arch(arch: str) -> str:
+    """"cpu" or an "smXY" string (e.g. f"sm{major}{minor}") -> the plan's arch family
+    (sm103 -> sm100, sm121 -> sm120, sm86/sm89 -> sm80); ValueError for unknown ones."""
+    if arch in ARCHES:
+        return arch
+    key = str(arch).lower()
+    if key in _ARCH_FAMILY:
+        return _ARCH_FAMILY[key]
+    raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHES} (or an smXY string such as 'sm103')")
+
+
 def installed_flashinfer_version() -> Optional[str]:
     """FlashInfer's version string if the package is installed (metadata only, no import), else None."""
     from importlib import metadata
@@ -356,7 +375,8 @@ def resolve_quant_plan(
     dispatch_dtype:    "auto", "bf16", "nvfp4", "fp8"
     dispatcher:        "torch", "reference", "flashinfer", "deepep", "deepep_ll"
     experts_backend:   "auto" or one of EXPERTS_BACKEND_NAMES
-    arch:              "cpu", "sm80", "sm90", "sm100", "sm120" (`detect_arch(device)`)
+    arch:              "cpu", "sm80", "sm90", "sm100", "sm120" (`detect_arch(device)`); smXY strings
+                       are mapped to their family (`normalize_arch`: sm103 -> sm100, sm121 -> sm120)
     flashinfer_version: installed FlashInfer version string, None when not installed
                        (`installed_flashinfer_version()`)
     humming:           Humming W4A8 (MXFP4 weights x FP8 activations, FlashInfer
@@ -371,7 +391,8 @@ def resolve_quant_plan(
         _check_choice("quant mode", mode_req, EXPERT_MODES)
     _check_choice("dispatch dtype", dispatch_dtype, DISPATCH_DTYPES)
     _check_choice("dispatcher", dispatcher, DISPATCHER_NAMES)
-    _check_choice("arch", arch, ARCHES)
+    arch_in = arch
+    arch = normalize_arch(arch)
     if experts_backend != "auto":
         _check_choice("experts backend", experts_backend, EXPERTS_BACKEND_NAMES)
     _check_bool("humming", humming)
@@ -379,6 +400,8 @@ def resolve_quant_plan(
     if flashinfer_version is not None:
         _parse_version(flashinfer_version, "flashinfer_version")
     notes = []
+    if arch != arch_in:
+        notes.append(f"arch {arch_in} -> {arch} family")
 
     # 2-3. checkpoint family and expert mode
     family = checkpoint_family(config.quant_method)

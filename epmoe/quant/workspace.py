@@ -468,3 +468,24 @@ def memory_required(
         weights_bytes=per_expert * L * layers,
         workspace=ws,
     )
+
+
+def format_plan_report(
+    plan: QuantPlan,
+    config: MoEConfig,
+    ep_size: int,
+    max_tokens_per_rank: int,
+    *,
+    num_moe_layers: Optional[int] = None,
+) -> str:
+    """What the launcher's `--plan` prints: the plan, the workspace table and the memory budget,
+    plus the dispatch bytes per token relative to BF16."""
+    mem = memory_required(plan, config, ep_size, max_tokens_per_rank, num_moe_layers=num_moe_layers)
+    ws = mem.workspace
+    bf16_tok = config.hidden_size * 2 + ws.topk_ids_bytes_per_token + ws.topk_weights_bytes_per_token
+    ratio = (
+        f"dispatch bytes/token {ws.dispatch_bytes_per_token} = {ws.dispatch_bytes_per_token / bf16_tok:.3f}x BF16 "
+        f"({bf16_tok}); hidden payload {ws.hidden_bytes_per_token + ws.scale_bytes_per_token + ws.global_scale_bytes_per_token}"
+        f" = {(ws.hidden_bytes_per_token + ws.scale_bytes_per_token + ws.global_scale_bytes_per_token) / (config.hidden_size * 2):.3f}x BF16"
+    )
+    return "\n".join([plan.describe(), ws.format_table(), "  " + ratio, mem.format_table()])

@@ -47,7 +47,7 @@ def test_old_call_signature():
         (dict(requested_mode="int4"), "unknown quant mode 'int4'"),
         (dict(dispatch_dtype="fp4"), "unknown dispatch dtype 'fp4'"),
         (dict(dispatcher="nccl"), "unknown dispatcher 'nccl'"),
-        (dict(arch="sm89"), "unknown arch 'sm89'"),
+        (dict(arch="sm75"), "unknown arch 'sm75'"),
         (dict(experts_backend="cutlass"), "unknown experts backend 'cutlass'"),
         (dict(flashinfer_version="latest"), "flashinfer_version='latest' is not a valid version"),
     ],
@@ -328,6 +328,15 @@ def test_describe_fingerprint_frozen_and_formats():
     assert q.dispatch_format(torch.float16).dtype == torch.float16
     assert QuantPlan().dispatch_format(torch.bfloat16).name == "bf16"
     assert p.weight_format == "nvfp4" and not p.is_w4a16 and p.dispatch_quantized
+
+
+def test_arch_strings_map_to_family():
+    p = resolve_quant_plan(cfg("nvfp4"), arch="sm103")
+    assert p.arch == "sm100" and p.expert_mode == "nvfp4_w4a4" and "arch sm103 -> sm100 family" in notes(p)
+    assert resolve_quant_plan(cfg(), arch="sm121").arch == "sm120"
+    assert resolve_quant_plan(cfg(), arch="sm89").arch == "sm80"
+    with pytest.raises(ValueError, match="unknown arch 'sm75'"):
+        resolve_quant_plan(cfg(), arch="sm75")
 
 
 def test_detect_arch_cpu():

@@ -200,3 +200,15 @@ def test_workspace_errors():
         workspace_breakdown(resolve_quant_plan(odd), odd, 2, 8)
     with pytest.raises(TypeError, match="QuantPlan"):
         workspace_breakdown({}, c, 2, 8)
+
+
+def test_plan_report_for_launcher():
+    c = gpt_oss()
+    plan = resolve_quant_plan(c, arch="sm90", dispatcher="flashinfer", flashinfer_version=FI)
+    r = __import__("epmoe.quant.workspace", fromlist=["format_plan_report"]).format_plan_report(plan, c, 8, 256)
+    assert r.startswith("quant plan:") and "sizes use 3072" in r and "x BF16" in r and "memory per rank" in r
+    d = dsv3(quant_method="modelopt_fp4")
+    pd = resolve_quant_plan(d, arch="sm100", dispatcher="flashinfer", flashinfer_version=FI)
+    from epmoe.quant.workspace import format_plan_report
+
+    assert "hidden payload 4036 = 0.282x BF16" in format_plan_report(pd, d, 8, 256, num_moe_layers=58)

@@ -34,8 +34,9 @@ token's first valid expert (no extra destination) or, for a token with none, thi
 FlashInfer's `moe_a2a_sanitize_expert_ids` (run inside `MoeAlltoAll.dispatch`) sets padded rows to -1,
 and we convert to LOCAL ids (-1 where the expert lives on another rank) for `DispatchedTokens`.
 
-Per-call agreement. All ranks must pass the same `runtime_max_tokens_per_rank`. Option
-`runtime_max_tokens`:
+Per-call agreement. All ranks must pass the same `runtime_max_tokens_per_rank`. With
+`spec.static_shapes` (CUDA-graph mode) it is always max_tokens_per_rank and nothing syncs with the
+host; otherwise option `runtime_max_tokens`:
   "allreduce" (default)  one small all-reduce (MAX) over the EP group per dispatch agrees on it and,
                          in the same collective, on input errors (a rank with a bad input raises its
                          own error, the others a peer error: nobody hangs in the kernel). Not capturable
@@ -213,6 +214,9 @@ class FlashInferA2ADispatcher(Dispatcher):
         mode = spec.option("runtime_max_tokens", "allreduce")
         if mode not in RUNTIME_MAX_MODES:
             raise ValueError(f"option runtime_max_tokens={mode!r}; use one of {RUNTIME_MAX_MODES}")
+        self.static_shapes = bool(getattr(spec, "static_shapes", False))
+        if self.static_shapes:  # CUDA-graph mode: fixed receive block, no collective, no host sync
+            mode = "static"
         self.runtime_max_mode = mode
         self.low_precision_combine = bool(spec.option("low_precision_combine", False))
         static_gs = spec.option("nvfp4_global_scale", None)
@@ -229,7 +233,7 @@ class FlashInferA2ADispatcher(Dispatcher):
         self.combine_wire_bytes_per_token = spec.hidden_size * (1 if self.low_precision_combine else elem)
         if self.wire.is_quantized:
             _check_codec(self.wire)
-        self.handle_bytes = bool(spec.option("handle_bytes", True))
+        self.handle_bytes = bool(spec.option("handle_bytes", True)) and not self.static_shapes
 
         avail = self.availability(spec.device, spec.ep_size) if spec.option("check_availability", True) else Availability.yes()
         if not avail:
@@ -434,7 +438,8 @@ class FlashInferA2ADispatcher(Dispatcher):
             remote_sends=sends,
             remote_rows=rows,
         )
-        tokens = DispatchedTokens(hidden=x, topk_ids=local_ids, topk_weights=recv["topk_weights"], layout="flat")
+        extra = {"static": True} if self.static_shapes else {}
+        tokens = DispatchedTokens(hidden=x, topk_ids=local_ids, topk_weights=recv["topk_weights"], layout="flat", **extra)
         return tokens, handle
 
     def _quantize_nvfp4(self, hidden: torch.Tensor):

@@ -442,7 +442,8 @@ class FlashInferCutlassExperts(Experts):
         return dict(self._params)
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, weights: ExpertWeights) -> None:
+    def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
+        """Validate and convert to the kernel layout; touches no live tensor (phase 1 of a load)."""
         if not self.config.is_gated and weights.w1.shape[1] > self.config.intermediate_size:
             weights = _truncate_nongated(weights, self.config.intermediate_size)
         self.check_local_weights(weights)
@@ -455,24 +456,22 @@ class FlashInferCutlassExperts(Experts):
                 )
             weights = quantize_weights_online(weights, want)
         new = convert_for_cutlass(weights.to(self.device), self.config, self.variant, self.act_dtype)
+        check_reload(self._params, new)
+        return new
+
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
+        """Install (first load) or copy in place (reload: every parameter keeps its storage, so
+        captured CUDA graphs stay valid)."""
         if not self._params:
-            self._params = new
+            self._params = prepared
             self._allocate_workspace()
             return
-        # Reload: copy in place so every parameter keeps its storage (captured graphs stay valid).
-        if set(new) != set(self._params):
-            raise ValueError(
-                f"reloaded weights produce kernel tensors {sorted(new)}, the layer holds "
-                f"{sorted(self._params)}; rebuild the layer to change the weight set"
-            )
-        for k, v in new.items():
-            old = self._params[k]
-            if old.shape != v.shape or old.dtype != v.dtype:
-                raise ValueError(
-                    f"reloading {k!r} would change it from {list(old.shape)} {old.dtype} to "
-                    f"{list(v.shape)} {v.dtype}; rebuild the layer instead"
-                )
-            old.copy_(v)
+        check_reload(self._params, prepared)
+        for k, v in prepared.items():
+            self._params[k].copy_(v)
+
+    def load_weights(self, weights: ExpertWeights) -> None:
+        self.commit_weights(self.prepare_weights(weights))
 
     def _allocate_workspace(self) -> None:
         """One GEMM workspace for the most rows a forward receives (spec.max_tokens)."""
@@ -549,6 +548,24 @@ class FlashInferCutlassExperts(Experts):
         if g.pads_hidden:
             out = out[:, : g.hidden_size].contiguous()
         return out
+
+
+def check_reload(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
+    """A reload must produce the same tensors (names, shapes, dtypes) as the first load."""
+    if not current:
+        return
+    if set(new) != set(current):
+        raise ValueError(
+            f"reloaded weights produce kernel tensors {sorted(new)}, the layer holds "
+            f"{sorted(current)}; rebuild the layer to change the weight set"
+        )
+    for k, v in new.items():
+        old = current[k]
+        if old.shape != v.shape or old.dtype != v.dtype:
+            raise ValueError(
+                f"reloading {k!r} would change it from {list(old.shape)} {old.dtype} to "
+                f"{list(v.shape)} {v.dtype}; rebuild the layer instead"
+            )
 
 
 def _truncate_nongated(weights: ExpertWeights, intermediate: int) -> ExpertWeights:

@@ -33,7 +33,7 @@ import torch
 from epmoe.core.availability import Availability
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts.base import Experts, ExpertsSpec
-from epmoe.experts.flashinfer_cutlass import INSTALL_HINT, _device_arch, _spec_mode, version_at_least
+from epmoe.experts.flashinfer_cutlass import INSTALL_HINT, _device_arch, _spec_mode, check_reload, version_at_least
 from epmoe.quant.flashinfer_layout import w31
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
@@ -275,6 +275,12 @@ class FlashInferCuteDslExperts(Experts):
         return dict(self._params)
 
     def load_weights(self, weights: ExpertWeights) -> None:
+        self.commit_weights(self.prepare_weights(weights))
+
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
+        _store_in_place(self._params, prepared)
+
+    def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)
         from flashinfer.fused_moe.prepare import prepare_cute_dsl_weights
 
@@ -285,7 +291,9 @@ class FlashInferCuteDslExperts(Experts):
             num_local_experts=self.spec.num_local_experts, hidden_size=self.config.hidden_size,
             intermediate_size=self.config.intermediate_size, activation=_activation_config(self._fm, self.config),
         )
-        _store_in_place(self._params, new)
+        new = {k: v for k, v in new.items() if isinstance(v, torch.Tensor)}
+        check_reload(self._params, new)
+        return new
 
     def forward(self, tokens) -> torch.Tensor:
         x = tokens.hidden
@@ -334,6 +342,12 @@ class FlashInferTrtllmExperts(Experts):
         return dict(self._params)
 
     def load_weights(self, weights: ExpertWeights) -> None:
+        self.commit_weights(self.prepare_weights(weights))
+
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
+        _store_in_place(self._params, prepared)
+
+    def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)
         from flashinfer.fused_moe.prepare import prepare_trtllm_fp4_weights
 
@@ -354,7 +368,9 @@ class FlashInferTrtllmExperts(Experts):
                        ("gemm1_clamp_limit", self.config.swiglu_limit)):
             if v is not None:
                 new[key] = torch.full((E,), float(v), dtype=torch.float32, device=self.spec.device)
-        _store_in_place(self._params, new)
+        new = {k: v for k, v in new.items() if isinstance(v, torch.Tensor)}
+        check_reload(self._params, new)
+        return new
 
     def forward(self, tokens) -> torch.Tensor:
         x = tokens.hidden
@@ -374,14 +390,11 @@ class FlashInferTrtllmExperts(Experts):
 
 
 def _store_in_place(params: Dict[str, torch.Tensor], new: Dict[str, torch.Tensor]) -> None:
-    """First load keeps `new`; a reload copies into the same storage (captured graphs stay valid)."""
+    """First load keeps `new`; a reload (checked whole before any copy) copies into the same
+    storage, so captured CUDA graphs stay valid."""
     if not params:
-        params.update({k: v for k, v in new.items() if isinstance(v, torch.Tensor)})
+        params.update(new)
         return
+    check_reload(params, new)
     for k, v in new.items():
-        if not isinstance(v, torch.Tensor):
-            continue
-        old = params.get(k)
-        if old is None or old.shape != v.shape or old.dtype != v.dtype:
-            raise ValueError(f"reloading {k!r} changes its shape/dtype; rebuild the layer instead")
-        old.copy_(v)
+        params[k].copy_(v)

@@ -434,3 +434,37 @@ def test_importing_epmoe_does_not_import_flashinfer():
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_static_shapes_mode(fake_fi):
+    """CUDA-graph mode: fixed receive block, no per-call collective, no host read-back."""
+    from epmoe.dispatch.flashinfer_a2a import FlashInferA2ADispatcher
+
+    ep, E, K, H = 2, 8, 2, 16
+    calls = []
+
+    class CountingComm(ff.FakeComm):
+        def allgather(self, data):
+            calls.append(data)
+            return super().allgather(data)
+
+    def rank_fn(r, fabric):
+        spec = DispatchSpec(group=None, ep_rank=r, ep_size=ep, num_experts=E, top_k=K, hidden_size=H,
+                            max_tokens_per_rank=6, payload=BF16, combine_dtype=torch.bfloat16,
+                            device=torch.device("cpu"), static_shapes=True,
+                            options=(("check_availability", False), ("comm_backend", CountingComm(fabric, r))))
+        d = FlashInferA2ADispatcher(spec)
+        n0 = len(calls)
+        x = torch.randn(6, H).bfloat16()
+        ids = torch.tensor([[r * 4, -1]] * 6, dtype=torch.int32)
+        tokens, h = d.dispatch(x, ids, torch.ones(6, K))
+        n1 = len(calls)
+        d.combine(torch.zeros(tokens.num_tokens, H, dtype=torch.bfloat16), h)
+        return tokens, h, n1 - n0
+
+    results, errors = ff.run_ranks(ep, rank_fn)
+    assert not any(errors), errors
+    for tokens, h, n in results:
+        assert n == 0, "static mode must not run a collective per dispatch"
+        assert h.runtime_max_tokens_per_rank == 6 and tokens.num_tokens == 12 and tokens.static
+        assert h.bytes_sent == -1

@@ -278,3 +278,22 @@ def test_online_quantization_round_trips():
             assert err < tol[fmt], f"seed={seed} {fmt} {n}: rel err {err:.3f}"
     q = quantize_weights_online(w, "nvfp4")
     assert q.w2_global_scale[1] > 10 * q.w2_global_scale[0], "one global scale per expert"
+
+
+def test_two_phase_reload_is_all_or_nothing(monkeypatch):
+    E, I, H = 8, 16, 32
+    c = MoEConfig(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I)
+    ex, _ = _experts(monkeypatch, "bf16", c)
+    w = _bf16_weights(4, I, H, 4, 1)
+    ex.commit_weights(ex.prepare_weights(w))
+    before = {k: v.clone() for k, v in ex.parameters().items()}
+    prepared = ex.prepare_weights(_bf16_weights(4, I, H, 4, 2))  # phase 1 changes nothing live
+    assert all(torch.equal(before[k], v) for k, v in ex.parameters().items())
+    ex.commit_weights(prepared)
+    assert not torch.equal(before["fc1_weight"], ex.parameters()["fc1_weight"])
+    bad = dict(prepared)
+    bad["fc2_weight"] = bad["fc2_weight"][:, :, :8]
+    snapshot = {k: v.clone() for k, v in ex.parameters().items()}
+    with pytest.raises(ValueError, match="fc2_weight"):
+        ex.commit_weights(bad)
+    assert all(torch.equal(snapshot[k], v) for k, v in ex.parameters().items()), "nothing copied"

@@ -23,7 +23,7 @@ import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 

@@ -63,7 +63,7 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 

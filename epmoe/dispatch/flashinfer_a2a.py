@@ -129,7 +129,7 @@ def route_expert_ids(topk_ids: torch.Tensor, num_experts: int, fallback_expert: 
     [T, K] int32, contiguous."""
     ids = topk_ids.to(torch.int32)
     valid = (ids >= 0) & (ids < num_experts)
-    first = valid.to(torch.int8).argmax(dim=1, keepdim=True)  # first True (argmax returns the first max)
+    first = valid.to(torch.int32).argmax(dim=1, keepdim=True)  # first True (argmax returns the first max)
     first_valid = ids.gather(1, first)
     fallback = torch.where(valid.any(dim=1, keepdim=True), first_valid, torch.full_like(first_valid, fallback_expert))
     return torch.where(valid, ids, fallback).contiguous()

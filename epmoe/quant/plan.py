@@ -117,13 +117,12 @@ EXPERTS_BACKEND_RULES: Tuple[ExpertsBackendRule, ...] = (
     ExpertsBackendRule("sm90", "flashinfer_cutlass", ("bf16", "fp8_block", "mxfp4_w4a16"), True),
     ExpertsBackendRule("sm90", "flashinfer_cutlass", ("mxfp4_w4a8",), True, HUMMING_MIN_FLASHINFER),
     ExpertsBackendRule("sm90", "reference", _ALL, layouts=("flat", "masked")),
-    ExpertsBackendRule(
-        "sm100", "flashinfer_trtllm",
-        ("bf16", "fp8_block", "nvfp4_w4a4", "mxfp4_w4a16", "mxfp4_w4a8", "mxfp8"), True,
-    ),
+    # rows mirror what the backends implement (flashinfer_layout._VARIANT_BY_MODE_ARCH for CUTLASS,
+    # flashinfer_sm100.TRTLLM_MODES / CUTEDSL_MODES); tests/cpu/test_quant_plan.py checks they agree
+    ExpertsBackendRule("sm100", "flashinfer_trtllm", ("mxfp4_w4a16",), True),
     ExpertsBackendRule("sm100", "flashinfer_cutedsl", ("nvfp4_w4a4",), True, layouts=("flat", "masked")),
     ExpertsBackendRule("sm100", "flashinfer_cutedsl", ("nvfp4_w4a16",), True, "0.6.18"),
-    ExpertsBackendRule("sm100", "flashinfer_cutlass", ("bf16", "fp8_block", "nvfp4_w4a4", "mxfp4_w4a8", "mxfp8"), True),
+    ExpertsBackendRule("sm100", "flashinfer_cutlass", ("bf16", "nvfp4_w4a4", "mxfp4_w4a8", "mxfp8"), True),
     ExpertsBackendRule("sm100", "triton", ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")),
     ExpertsBackendRule("sm100", "reference", _ALL, layouts=("flat", "masked")),
     ExpertsBackendRule("sm120", "flashinfer_cutlass", ("bf16", "nvfp4_w4a4", "mxfp4_w4a8"), True),

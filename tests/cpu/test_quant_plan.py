@@ -240,7 +240,7 @@ def test_humming_and_mxfp8_exclusive(arch):
 def test_mxfp8_act_scaling_rules():
     p = resolve_quant_plan(cfg("mxfp4"), arch="sm100", mxfp8_act_scaling=True, flashinfer_version=FI)
     assert (p.expert_mode, p.act_format, p.mxfp8_act_scaling, p.experts_backend) == (
-        "mxfp4_w4a8", "mxfp8", True, "flashinfer_trtllm",
+        "mxfp4_w4a8", "mxfp8", True, "flashinfer_cutlass",
     )
     p = resolve_quant_plan(cfg("mxfp4"), arch="sm120", mxfp8_act_scaling=True, flashinfer_version=FI)
     assert p.experts_backend == "flashinfer_cutlass"
@@ -271,7 +271,8 @@ def test_explicit_w4a8_implies_path():
         ("fp8", None, "sm90", FI, "torch", "triton"),
         ("nvfp4", None, "sm90", FI, "torch", "triton"),
         ("mxfp4", None, "sm90", None, "torch", "triton"),
-        ("nvfp4", None, "sm100", FI, "flashinfer", "flashinfer_trtllm"),
+        ("nvfp4", None, "sm100", FI, "flashinfer", "flashinfer_cutedsl"),
+        ("mxfp4", None, "sm100", FI, "flashinfer", "flashinfer_trtllm"),
         ("nvfp4", None, "sm100", None, "torch", "reference"),
         ("nvfp4", "nvfp4_w4a16", "sm100", FI, "torch", "flashinfer_cutedsl"),
         ("nvfp4", "nvfp4_w4a16", "sm100", "0.6.17", "torch", "triton"),
@@ -351,3 +352,20 @@ def test_detect_arch_cpu():
     assert detect_arch("cpu") == "cpu"
     with pytest.raises(ValueError, match="pass arch= explicitly"):
         detect_arch("meta")
+
+
+def test_backend_table_matches_what_the_flashinfer_backends_implement():
+    """The plan's table may only promise modes the backends run (one source of truth per backend)."""
+    from epmoe.experts.flashinfer_sm100 import CUTEDSL_MODES, TRTLLM_MODES
+    from epmoe.quant import flashinfer_layout
+    from epmoe.quant.plan import EXPERTS_BACKEND_RULES
+
+    arch_num = {"sm90": 90, "sm100": 100, "sm120": 120}
+    for rule in EXPERTS_BACKEND_RULES:
+        for mode in rule.modes:
+            if rule.backend == "flashinfer_cutlass":
+                flashinfer_layout.resolve_cutlass_variant(mode, arch_num[rule.arch])  # raises if not
+            elif rule.backend == "flashinfer_trtllm":
+                assert mode in TRTLLM_MODES, (rule, mode)
+            elif rule.backend == "flashinfer_cutedsl":
+                assert mode in CUTEDSL_MODES, (rule, mode)

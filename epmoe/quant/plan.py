@@ -83,7 +83,9 @@ DISPATCH_SUPPORT: Dict[str, Tuple[str, ...]] = {
 }
 # Dispatch dtypes each expert mode can consume. BF16 always works (experts quantize themselves).
 CONSUMABLE_DISPATCH: Dict[str, Tuple[str, ...]] = {
-    "bf16": ("bf16",),
+    # BF16 experts take a quantized dispatch when asked for explicitly: tokens travel as NVFP4 / FP8
+    # (less link traffic) and are dequantized on arrival (lossy; auto never picks it)
+    "bf16": ("bf16", "nvfp4", "fp8"),
     "fp8_block": ("bf16", "fp8"),
     "nvfp4_w4a4": ("bf16", "nvfp4"),
     "nvfp4_w4a16": ("bf16",),
@@ -523,6 +525,11 @@ def resolve_quant_plan(
             raise ValueError(
                 f"dispatch_dtype={dispatch_dtype!r} is not supported by {what} (supports {supported}); "
                 f"use dispatch_dtype='auto' or one of {supported}, or another dispatcher"
+            )
+        if resolved_dispatch != "bf16" and mode == "bf16":
+            notes.append(
+                f"dispatch {resolved_dispatch} for bf16 experts: tokens are quantized before the A2A and "
+                "dequantized on arrival (lossy transport, requested explicitly)"
             )
         if resolved_dispatch not in consumable:
             if mode in ("nvfp4_w4a16", "mxfp4_w4a16") and resolved_dispatch == "nvfp4":

@@ -166,8 +166,9 @@ def test_fp8_dispatch_rules(dispatcher):
     p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher=dispatcher)
     assert p.dispatch_dtype == "fp8"
     assert resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher=dispatcher, dispatch_dtype="bf16").dispatch_dtype == "bf16"
-    with pytest.raises(ValueError, match=r"dispatch_dtype='fp8' cannot feed expert mode 'bf16'.*'fp8_block'"):
-        resolve_quant_plan(cfg(), arch="sm90", dispatcher=dispatcher, dispatch_dtype="fp8")
+    # bf16 experts take an explicit fp8 dispatch, dequantized on arrival (noted in the plan)
+    p = resolve_quant_plan(cfg(), arch="sm90", dispatcher=dispatcher, dispatch_dtype="fp8")
+    assert p.dispatch_dtype == "fp8" and any("dequantized on arrival" in n for n in p.notes), p.describe()
     with pytest.raises(ValueError, match=r"dispatch_dtype='nvfp4'|not supported"):
         resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher=dispatcher, dispatch_dtype="nvfp4")
 
@@ -369,3 +370,10 @@ def test_backend_table_matches_what_the_flashinfer_backends_implement():
                 assert mode in TRTLLM_MODES, (rule, mode)
             elif rule.backend == "flashinfer_cutedsl":
                 assert mode in CUTEDSL_MODES, (rule, mode)
+
+
+def test_bf16_experts_take_explicit_quantized_dispatch_but_auto_never_picks_it():
+    p = resolve_quant_plan(cfg(), arch="cpu", dispatch_dtype="nvfp4")
+    assert (p.expert_mode, p.dispatch_dtype) == ("bf16", "nvfp4")
+    assert any("dequantized on arrival" in n for n in p.notes)
+    assert resolve_quant_plan(cfg(), arch="cpu").dispatch_dtype == "bf16"

@@ -450,31 +450,33 @@ def judge_requested(args, cfg, device: torch.device, device_problems: List[str],
         if not distributed.get(need):
             problems.append(f"ep={ep_size} on {device.type} needs the torch.distributed '{need}' backend, which this "
                             f"torch build lacks; install a torch build with {need}")
-    by_key = {(b.kind, b.name): b for b in backends}
-    d = by_key.get(("dispatcher", args.dispatcher)) or dispatcher_status(args.dispatcher, device, ep_size)
-    if d.status != OK:
-        from epmoe.dispatch import DISPATCHERS
+    from epmoe.dispatch import DISPATCHERS
+    from epmoe.experts import EXPERTS
 
-        if args.dispatcher not in DISPATCHERS and args.dispatcher not in EXPECTED_BACKENDS["dispatcher"]:
-            problems.append(f"--dispatcher {args.dispatcher!r} is not a dispatcher; choose one of {DISPATCHERS.names()}")
-        else:
+    by_key = {(b.kind, b.name): b for b in backends}
+    # names first: a typo is reported as a typo, not as whatever the quant plan makes of it
+    known_dispatcher = args.dispatcher in DISPATCHERS or args.dispatcher in EXPECTED_BACKENDS["dispatcher"]
+    known_experts = args.experts == "auto" or args.experts in EXPERTS or args.experts in EXPECTED_BACKENDS["experts"]
+    if not known_dispatcher:
+        problems.append(f"--dispatcher {args.dispatcher!r} is not a dispatcher; choose one of {DISPATCHERS.names()}")
+    else:
+        d = by_key.get(("dispatcher", args.dispatcher)) or dispatcher_status(args.dispatcher, device, ep_size)
+        if d.status != OK:
             problems.append(f"--dispatcher {args.dispatcher}: {d.reason}" + (f"; {d.hint}" if d.hint else ""))
     experts = args.experts
-    try:
-        plan = _plan_for(cfg, args, args.experts, arch)
-        experts = plan.experts_backend
-        e = by_key.get(("experts", experts)) or experts_status(experts, cfg, args, device, ep_size, arch)
-        if e.status != OK:
-            from epmoe.experts import EXPERTS
-
-            if experts not in EXPERTS and experts not in EXPECTED_BACKENDS["experts"]:
-                problems.append(f"--experts {experts!r} is not an experts backend; choose 'auto' or one of {EXPERTS.names()}")
-            else:
+    if not known_experts:
+        problems.append(f"--experts {args.experts!r} is not an experts backend; choose 'auto' or one of {EXPERTS.names()}")
+    elif known_dispatcher:
+        try:
+            plan = _plan_for(cfg, args, args.experts, arch)
+            experts = plan.experts_backend
+            e = by_key.get(("experts", experts)) or experts_status(experts, cfg, args, device, ep_size, arch)
+            if e.status != OK:
                 label = f"--experts {args.experts}" + (f" (-> {experts})" if args.experts != experts else "")
                 problems.append(f"{label}: {e.reason}" + (f"; {e.hint}" if e.hint else ""))
-    except ValueError as err:
-        problems.append(f"quant plan (--quant {args.quant or 'bf16'}, --dispatch-dtype {args.dispatch_dtype}, "
-                        f"--experts {args.experts}): {err}")
+        except ValueError as err:
+            problems.append(f"quant plan (--quant {args.quant or 'bf16'}, --dispatch-dtype {args.dispatch_dtype}, "
+                            f"--dispatcher {args.dispatcher}, --experts {args.experts}): {err}")
     if cfg.num_experts % ep_size:
         problems.append(f"num_experts={cfg.num_experts} is not divisible by ep={ep_size}; use an EP size dividing it")
     return RequestedConfig(device=str(device), dispatcher=args.dispatcher, experts=experts, quant=args.quant or "bf16",

@@ -4,6 +4,7 @@ and the per-backend isolation (a backend that is missing, broken, or raising nev
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from epmoe.dispatch import DISPATCHERS
 from epmoe.experts import EXPERTS
 from epmoe.launch import doctor
 from epmoe.launch.cli import build_parser
+from epmoe.quant import plan as quant_plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,6 +136,17 @@ def fake_backends(monkeypatch, tmp_path):
     for name, target in entries.items():
         monkeypatch.setitem(DISPATCHERS._entries, name, target)
     monkeypatch.setitem(EXPERTS._entries, "zz_needs_cuda", "epmoe_doctor_fakes:ExpertsNeedsCuda")
+    # the quant plan only knows real backend names: plan the fakes like the defaults, then name them
+    real_resolve = quant_plan.resolve_quant_plan
+
+    def resolve(config, *, dispatcher="torch", experts_backend="auto", **kw):
+        fake_d, fake_e = dispatcher.startswith("zz_"), experts_backend.startswith("zz_")
+        plan = real_resolve(config, dispatcher="torch" if fake_d else dispatcher,
+                            experts_backend="auto" if fake_e else experts_backend, **kw)
+        return dataclasses.replace(plan, dispatcher=dispatcher,
+                                   experts_backend=experts_backend if fake_e else plan.experts_backend)
+
+    monkeypatch.setattr(quant_plan, "resolve_quant_plan", resolve)
 
 
 def _args(*argv: str) -> argparse.Namespace:

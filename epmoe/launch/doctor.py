@@ -111,6 +111,7 @@ class CudaInfo:
     peer_access: Tuple[Tuple[Optional[bool], ...], ...]  # [i][j]; None on the diagonal
     nvlink: Tuple[Tuple[Optional[bool], ...], ...]  # [i][j] via pynvml; empty when not probed
     nvlink_active_links: Tuple[int, ...]
+    fabric: Tuple[str, ...]  # per GPU: multi-node NVLink (MNNVL) fabric membership, via NVML
     nvlink_note: str
     topo: Optional[str]  # `nvidia-smi topo -m` output
     nccl_version: Optional[str]
@@ -195,16 +196,30 @@ def _arch(major: int, minor: int) -> str:
     return f"sm{major}{minor}"
 
 
-def _nvml_matrices(n: int, bus_ids: Sequence[str]) -> Tuple[tuple, tuple, str]:
-    """(nvlink [i][j] bools, active links per GPU, note) via pynvml; empty when unavailable."""
+def _fabric_state(pynvml, handle) -> str:
+    """Is this GPU part of a multi-node NVLink fabric (GB200 NVL72 etc.)? The test FlashInfer's MNNVL uses."""
+    import ctypes
+
+    try:
+        info = pynvml.c_nvmlGpuFabricInfoV_t()
+        pynvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
+        if info.state >= pynvml.NVML_GPU_FABRIC_STATE_COMPLETED and any(info.clusterUuid):
+            return "MNNVL fabric member"
+        return "no NVLink fabric"
+    except Exception as e:  # noqa: BLE001 - NOT_SUPPORTED on GPUs without a fabric, old drivers, old pynvml
+        return f"no NVLink fabric ({_short(e)})"
+
+
+def _nvml_matrices(n: int, bus_ids: Sequence[str]) -> Tuple[tuple, tuple, tuple, str]:
+    """(nvlink [i][j] bools, active links per GPU, fabric state per GPU, note) via pynvml; empty when unavailable."""
     if importlib.util.find_spec("pynvml") is None:
-        return (), (), "pynvml not installed (pip install nvidia-ml-py); see nvidia-smi topo -m instead"
+        return (), (), (), "pynvml not installed (pip install nvidia-ml-py); see nvidia-smi topo -m instead"
     try:
         import pynvml  # nvidia-ml-py: a thin ctypes binding, safe to import
 
         pynvml.nvmlInit()
     except Exception as e:  # noqa: BLE001
-        return (), (), f"NVML init failed ({_short(e)})"
+        return (), (), (), f"NVML init failed ({_short(e)})"
     try:
         handles = []
         note = ""
@@ -243,9 +258,10 @@ def _nvml_matrices(n: int, bus_ids: Sequence[str]) -> Tuple[tuple, tuple, str]:
                 except Exception:  # noqa: BLE001
                     row.append(None)
             matrix.append(tuple(row))
-        return tuple(matrix), tuple(active), note
+        fabric = tuple(_fabric_state(pynvml, h) for h in handles)
+        return tuple(matrix), tuple(active), fabric, note
     except Exception as e:  # noqa: BLE001
-        return (), (), f"NVML query failed ({_short(e)})"
+        return (), (), (), f"NVML query failed ({_short(e)})"
     finally:
         try:
             pynvml.nvmlShutdown()
@@ -282,11 +298,11 @@ def probe_cuda() -> CudaInfo:
     try:
         available = torch.cuda.is_available()
     except Exception as e:  # noqa: BLE001
-        return CudaInfo(False, torch_cuda, 0, (), (), (), (), "", None, nccl, f"torch.cuda.is_available() raised {_short(e)}")
+        return CudaInfo(False, torch_cuda, 0, (), (), (), (), (), "", None, nccl, f"torch.cuda.is_available() raised {_short(e)}")
     if not available:
         note = ("torch is a CPU-only build" if torch_cuda is None
                 else "no CUDA GPU visible (driver missing, or CUDA_VISIBLE_DEVICES hides them)")
-        return CudaInfo(False, torch_cuda, 0, (), (), (), (), "", _nvidia_smi_topo() if torch_cuda else None, nccl, note)
+        return CudaInfo(False, torch_cuda, 0, (), (), (), (), (), "", _nvidia_smi_topo() if torch_cuda else None, nccl, note)
     n = torch.cuda.device_count()
     gpus, bus_ids = [], []
     for i in range(n):
@@ -314,8 +330,9 @@ def probe_cuda() -> CudaInfo:
             except Exception:  # noqa: BLE001
                 row.append(None)
         peer.append(tuple(row))
-    nvlink, active, nv_note = _nvml_matrices(n, bus_ids) if n else ((), (), "")
-    return CudaInfo(True, torch_cuda, n, tuple(gpus), tuple(peer), nvlink, active, nv_note, _nvidia_smi_topo(), nccl, "")
+    nvlink, active, fabric, nv_note = _nvml_matrices(n, bus_ids) if n else ((), (), (), "")
+    return CudaInfo(True, torch_cuda, n, tuple(gpus), tuple(peer), nvlink, active, fabric, nv_note, _nvidia_smi_topo(),
+                    nccl, "")
 
 
 def probe_host() -> Dict[str, Any]:
@@ -598,6 +615,8 @@ def format_report(r: DoctorReport) -> str:
                 L += _matrix("NVLink P2P (NVML)", c.nvlink)
         if c.nvlink_active_links:
             L.append("  active NVLinks per GPU: " + ", ".join(f"GPU{i} {n}" for i, n in enumerate(c.nvlink_active_links)))
+        if c.fabric:
+            L.append("  multi-node NVLink: " + ", ".join(f"GPU{i} {f}" for i, f in enumerate(c.fabric)))
         if c.nvlink_note:
             L.append(f"  NVLink: {c.nvlink_note}")
     if c.topo:

@@ -190,3 +190,59 @@ def test_package_probe_reports_missing_with_hint():
     assert info.status == "no"
     info = doctor.probe_package(doctor.PackageProbe("torch", ("torch",), "everything", ""))
     assert info.status == "ok" and info.version in (torch.__version__, torch.__version__.split("+")[0])
+
+
+# ---------------------------------------------------------------- the GPU code path, with stand-ins
+def test_gpu_host_report_with_stand_ins(monkeypatch):
+    """Two fake H200s (peer access one way only), a fake pynvml with NVLink between them: the matrices,
+    arch, memory and NCCL version land in the report without touching a real GPU."""
+    import importlib.machinery
+
+    props = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=141 << 30,
+                                  multi_processor_count=132, pci_bus_id=0x18, pci_domain_id=0, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (100 << 30, 141 << 30))
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: (i, j) == (0, 1))
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 28, 9))
+    monkeypatch.setattr(doctor, "_nvidia_smi_topo", lambda: "        GPU0    GPU1\nGPU0     X      NV18\nGPU1    NV18     X")
+
+    nvml = types.ModuleType("pynvml")
+    nvml.__spec__ = importlib.machinery.ModuleSpec("pynvml", None)
+    calls = []
+    nvml.NVML_FEATURE_ENABLED, nvml.NVML_NVLINK_MAX_LINKS = 1, 18
+    nvml.NVML_P2P_CAPS_INDEX_NVLINK, nvml.NVML_P2P_STATUS_OK = 3, 0
+    nvml.NVML_GPU_FABRIC_STATE_COMPLETED = 3
+    nvml.nvmlInit = lambda: calls.append("init")
+    nvml.nvmlShutdown = lambda: calls.append("shutdown")
+    nvml.nvmlDeviceGetHandleByPciBusId = lambda bus: ("h", bus)
+    nvml.nvmlDeviceGetNvLinkState = lambda h, link: 1 if link < 18 else 0
+    nvml.nvmlDeviceGetP2PStatus = lambda a, b, cap: 0
+
+    import ctypes
+
+    class FabricInfo(ctypes.Structure):  # zeros: not part of a fabric (like an H200 HGX board)
+        _fields_ = [("clusterUuid", ctypes.c_ubyte * 16), ("state", ctypes.c_uint)]
+
+    nvml.c_nvmlGpuFabricInfoV_t = FabricInfo
+    nvml.nvmlDeviceGetGpuFabricInfoV = lambda h, ref: None
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+
+    report = doctor.collect(_args())
+    c = report.cuda
+    assert c.available and c.device_count == 2 and c.nccl_version == "2.28.9"
+    assert [g.arch for g in c.gpus] == ["sm90", "sm90"] and c.gpus[0].free_bytes == 100 << 30
+    assert c.gpus[0].pci_bus == "00000000:18:00.0"
+    assert c.peer_access == ((None, True), (False, None))
+    assert c.nvlink == ((None, True), (True, None)) and c.nvlink_active_links == (18, 18)
+    assert c.fabric == ("no NVLink fabric", "no NVLink fabric")
+    assert calls == ["init", "shutdown"]
+    assert report.requested.device == "cuda" and report.requested.ok  # torch + reference run on any GPU
+    assert any("no peer access" in n for n in report.notes)  # GPU1 -> GPU0 is missing
+    text = doctor.format_report(report)
+    for needle in ("GPU0 | NVIDIA H200 | sm90 | 141.0 GiB total, 100.0 GiB free", "NCCL              | 2.28.9",
+                   "peer access (torch.cuda.can_device_access_peer):", "NVLink P2P (NVML):",
+                   "active NVLinks per GPU: GPU0 18, GPU1 18", "nvidia-smi topo -m:", "NV18"):
+        assert needle in text, (needle, text)
+    json.dumps(report.to_dict())  # everything serialises

@@ -143,3 +143,61 @@ def test_real_mpirun_two_processes():
     (r,) = _run_all([cmd], [env])
     assert r.returncode == 0, _log([r])
     assert "check | passed" in r.stdout and "(mpirun," in r.stdout, _log([r])
+
+
+# ---------------------------------------------------------------- mpi4py rendezvous, with a stand-in MPI
+class _FakeComm:
+    def __init__(self, rank, hosts):
+        self.rank, self.hosts = rank, hosts
+
+    def Get_rank(self):
+        return self.rank
+
+    def allgather(self, value):
+        return list(self.hosts)
+
+    def bcast(self, value, root=0):
+        assert root == 0
+        return value if self.rank == 0 else ("10.0.0.1", 29400)
+
+
+def _fake_mpi(monkeypatch, comm):
+    import types
+
+    mpi4py = types.ModuleType("mpi4py")
+    mpi4py.MPI = types.SimpleNamespace(COMM_WORLD=comm)
+    monkeypatch.setitem(sys.modules, "mpi4py", mpi4py)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # set first so that teardown restores the original state
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
+
+
+def test_mpi4py_rendezvous_broadcasts_rank0_address(monkeypatch):
+    from epmoe.launch.env import LaunchEnv, _mpi_rendezvous
+
+    _fake_mpi(monkeypatch, _FakeComm(1, ["node0", "node1"]))
+    _mpi_rendezvous(LaunchEnv(1, 2, 0, "mpirun"))
+    assert os.environ["MASTER_ADDR"] == "10.0.0.1" and os.environ["MASTER_PORT"] == "29400"
+
+
+def test_mpi4py_rendezvous_refuses_loopback_across_hosts(monkeypatch):
+    import socket
+
+    from epmoe.launch.env import LaunchEnv, _mpi_rendezvous
+
+    _fake_mpi(monkeypatch, _FakeComm(0, ["node0", "node1"]))
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's /etc/hosts default
+    with pytest.raises(RuntimeError, match=r"resolves to 127\.0\.1\.1.*export MASTER_ADDR="):
+        _mpi_rendezvous(LaunchEnv(0, 2, 0, "mpirun"))
+    assert "MASTER_ADDR" not in os.environ
+
+
+def test_mpi4py_rendezvous_single_host_loopback_is_fine(monkeypatch):
+    import socket
+
+    from epmoe.launch.env import LaunchEnv, _mpi_rendezvous
+
+    _fake_mpi(monkeypatch, _FakeComm(0, ["node0", "node0"]))
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.0.1")
+    _mpi_rendezvous(LaunchEnv(0, 2, 0, "mpirun"))
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and int(os.environ["MASTER_PORT"]) > 0

@@ -44,17 +44,23 @@ class ReferenceExperts(Experts):
     def parameters(self) -> Dict[str, torch.Tensor]:
         return dict(self._params)
 
-    def load_weights(self, weights: ExpertWeights) -> None:
+    def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)
         dev, dt = self.spec.device, self.config.dtype
         new = {"w13": weights.w13(), "w2": weights.w2}
         if self.config.has_bias:
             new["b13"], new["b2"] = weights.b13, weights.b2
+        return {k: v.to(device=dev, dtype=dt).contiguous() for k, v in new.items()}
+
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
         if not self._params:
-            self._params = {k: v.to(device=dev, dtype=dt).contiguous() for k, v in new.items()}
+            self._params = prepared
             return
-        for k, v in new.items():  # reload: copy in place so storage (and captured graphs) survive
+        for k, v in prepared.items():  # reload: copy in place so storage (and captured graphs) survive
             self._params[k].copy_(v)
+
+    def load_weights(self, weights: ExpertWeights) -> None:
+        self.commit_weights(self.prepare_weights(weights))
 
     def forward(self, tokens) -> torch.Tensor:
         if tokens.layout != "flat":
@@ -70,6 +76,8 @@ class ReferenceExperts(Experts):
         out = torch.zeros(N, self.config.hidden_size, dtype=torch.float32, device=x.device)
         ids, w = tokens.topk_ids, tokens.topk_weights
         p = self._params
+        if tokens.static:
+            return self._forward_dense(x, ids, w, out)
         for e in range(self.spec.num_local_experts):
             rows, ks = (ids == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
@@ -82,4 +90,20 @@ class ReferenceExperts(Experts):
             if "b2" in p:
                 y = y + p["b2"][e].float()
             out.index_add_(0, rows, y * w[rows, ks].float().unsqueeze(1))
+        return out.to(self.config.dtype)
+
+    def _forward_dense(self, x, ids, w, out) -> torch.Tensor:
+        """No host sync, fixed shapes (CUDA-graph safe): every local expert runs on every row and rows
+        that did not choose it get weight 0. Costs E_local x the FLOPs; fine for decode-sized batches."""
+        p = self._params
+        xf = x.float()
+        for e in range(self.spec.num_local_experts):
+            we = torch.where(ids == e, w.float(), torch.zeros((), device=x.device)).sum(dim=1)  # [N]
+            h = xf @ p["w13"][e].float().t()
+            if "b13" in p:
+                h = h + p["b13"][e].float()
+            y = apply_activation(self.config, h) @ p["w2"][e].float().t()
+            if "b2" in p:
+                y = y + p["b2"][e].float()
+            out += we.unsqueeze(1) * y
         return out.to(self.config.dtype)

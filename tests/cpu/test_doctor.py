@@ -34,7 +34,7 @@ def _doctor(*args: str, pythonpath: str = "") -> subprocess.CompletedProcess:
 
 def test_cpu_default_report_and_json(tmp_path):
     out = tmp_path / "doctor.json"
-    r = _doctor("--json", str(out))
+    r = _doctor("--device", "cpu", "--json", str(out))  # the CPU default, also on a GPU host
     assert r.returncode == 0, r.stdout + r.stderr
     text = r.stdout
     assert "torch.distributed | gloo ok" in text, text
@@ -59,13 +59,13 @@ def test_cpu_default_report_and_json(tmp_path):
     for kind, names in doctor.EXPECTED_BACKENDS.items():
         for name in names:
             assert (kind, name) in backends, (kind, name)
+    assert data["requested"]["device"] == "cpu"
     if not torch.cuda.is_available():
         assert data["cuda"]["available"] is False and data["cuda"]["gpus"] == []
-        assert data["requested"]["device"] == "cpu"
 
 
 def test_flashinfer_dispatcher_cannot_run_on_cpu():
-    r = _doctor("--dispatcher", "flashinfer")
+    r = _doctor("--dispatcher", "flashinfer", "--device", "cpu")
     assert r.returncode == 3, r.stdout + r.stderr
     assert "CANNOT RUN" in r.stdout
     assert "--dispatcher flashinfer:" in r.stderr, r.stderr  # names the flag and says why
@@ -89,7 +89,7 @@ def test_deep_ep_is_probed_not_imported(tmp_path):
     meta = tmp_path / "deep_ep-1.2.3.dist-info"
     meta.mkdir()
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: deep_ep\nVersion: 1.2.3\n")
-    r = _doctor("--json", str(tmp_path / "d.json"), pythonpath=str(tmp_path))
+    r = _doctor("--device", "cpu", "--json", str(tmp_path / "d.json"), pythonpath=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "deep_ep was imported" not in r.stdout + r.stderr
     packages = {p["name"]: p for p in json.loads((tmp_path / "d.json").read_text())["packages"]}
@@ -229,7 +229,7 @@ def test_gpu_host_report_with_stand_ins(monkeypatch):
     nvml.nvmlDeviceGetGpuFabricInfoV = lambda h, ref: None
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
 
-    report = doctor.collect(_args())
+    report = doctor.collect(_args("--experts", "reference"))  # (auto picks a GPU kernel family on sm90)
     c = report.cuda
     assert c.available and c.device_count == 2 and c.nccl_version == "2.28.9"
     assert [g.arch for g in c.gpus] == ["sm90", "sm90"] and c.gpus[0].free_bytes == 100 << 30

@@ -60,7 +60,7 @@ def _log(results) -> str:
     return "\n".join(f"--- node {i} rc={r.returncode}\n{r.stdout}\n{r.stderr[-4000:]}" for i, r in enumerate(results))
 
 
-LAUNCH_ARGS = ["--preset", "tiny", "--check", "--steps", "3", "--tokens", "16", "--tokens-jitter", "1.0",
+LAUNCH_ARGS = ["--device", "cpu", "--preset", "tiny", "--check", "--steps", "3", "--tokens", "16", "--tokens-jitter", "1.0",
                "--max-tokens-per-rank", "8", "--layers", "2"]
 
 

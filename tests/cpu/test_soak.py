@@ -25,7 +25,7 @@ def _env() -> dict:
 def test_soak_two_ranks_no_growth(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SOAK),
-           "--steps", "300", "--bad-every", "100", "--check-every", "100", "--tol-objects", "200",
+           "--device", "cpu", "--steps", "300", "--bad-every", "100", "--check-every", "100", "--tol-objects", "200",
            "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=REPO)
     log = r.stdout + r.stderr[-3000:]
@@ -43,7 +43,7 @@ def test_soak_two_ranks_no_growth(tmp_path):
 
 def test_soak_flags_an_injected_leak(tmp_path):
     """One process, 64 KiB kept per step: ~16 MiB after warm-up, above the 8 MiB noise floor."""
-    cmd = [sys.executable, str(SOAK), "--steps", "300", "--inject-leak-kib", "64", "--json", str(tmp_path / "s.json")]
+    cmd = [sys.executable, str(SOAK), "--device", "cpu", "--steps", "300", "--inject-leak-kib", "64", "--json", str(tmp_path / "s.json")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=REPO)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "GREW: rank 0 rss" in r.stdout, r.stdout

@@ -9,6 +9,7 @@ from epmoe.experts.base import Experts, ExpertsSpec
 
 EXPERTS: "Registry[Experts]" = Registry("experts backend")
 EXPERTS.register("reference", "epmoe.experts.reference:ReferenceExperts")
+EXPERTS.register("masked_reference", "epmoe.experts.masked:MaskedReferenceExperts")
 
 
 def get_experts_class(name: str):

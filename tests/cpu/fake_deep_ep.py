@@ -132,7 +132,7 @@ class Buffer:
         # float8 tensors do not pickle: travel as bytes
         wire = data.view(torch.uint8) if data.dtype == torch.float8_e4m3fn else data
         everyone = _gather((wire, scales, topk_idx, topk_weights, is_token_in_rank), self.group)
-        rows, srows, ids, ws, src_rank, src_idx = [], [], [], [], [], []
+        rows, srows, ids, ws, src_idx = [], [], [], [], []
         lo, hi = me * E_local, (me + 1) * E_local
         for s in range(R):
             d_s, sc_s, idx_s, w_s, in_s = everyone[s]
@@ -144,13 +144,20 @@ class Buffer:
             mine = (local >= lo) & (local < hi)
             ids.append(torch.where(mine, local - lo, torch.full_like(local, -1)))
             ws.append(torch.where(mine, w_s[t], torch.zeros_like(w_s[t])))
-            src_rank.append(torch.full((t.numel(),), s, dtype=torch.int64))
             src_idx.append(t)
         recv = torch.cat(rows).view(data.dtype)
         recv_ids, recv_w = torch.cat(ids), torch.cat(ws)
         per_expert = [int((recv_ids == e).sum()) for e in range(E_local)]
         per_expert = [-(-n // expert_alignment) * expert_alignment for n in per_expert]
-        raw = ("fake-normal-handle", torch.cat(src_rank), torch.cat(src_idx), data.shape[0])
+        # DeepEP's handle: (rank_prefix_matrix [R, R] int32: [i][j] = tokens ranks 0..i send to j,
+        # channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx [N] int32, is_token_in_rank,
+        # send_head [T, R] int32); the channel matrices and send_head are not emulated (zeros).
+        sent = torch.stack([everyone[s][4].sum(dim=0) for s in range(R)]).to(torch.int32)  # [src, dst]
+        rank_prefix = sent.cumsum(dim=0).to(torch.int32)
+        C = (config.num_sms if config is not None else 20) // 2
+        raw = (rank_prefix, torch.zeros(R, C, dtype=torch.int32), torch.zeros(R, C, dtype=torch.int32),
+               torch.cat(src_idx).to(torch.int32), is_token_in_rank,
+               torch.zeros(data.shape[0], R, dtype=torch.int32))
         out_x = (recv, torch.cat(srows)) if scales is not None else recv
         return out_x, recv_ids, recv_w, per_expert, raw, _Event()
 
@@ -158,14 +165,16 @@ class Buffer:
                 async_finish=False, allocate_on_comm_stream=False):
         _check(x.dtype == torch.bfloat16, "false and \"Unsupported type\"")  # SWITCH_TYPES: BF16 only
         _check(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and contiguous")
-        _, src_rank, src_idx, num_tokens = handle
-        _check(x.shape[0] == src_rank.shape[0], "x.size(0) == num_recv_tokens")
+        rank_prefix, _, _, src_idx, _, send_head = handle
+        _check(x.shape[0] == src_idx.shape[0], "x.size(0) == num_recv_tokens")
         self.calls.append(("combine", x.dtype, config))
-        everyone = _gather((x, src_rank, src_idx), self.group)
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32)
-        for y, sr, si in everyone:  # rank order
-            m = sr == self.rank
-            out.index_add_(0, si[m], y[m].float())
+        everyone = _gather((x, rank_prefix, src_idx), self.group)
+        me = self.rank
+        out = torch.zeros(send_head.shape[0], x.shape[1], dtype=torch.float32)
+        for r, (y, rp, si) in enumerate(everyone):  # rank order; rank r holds my rows in one run
+            begin = int(rp[me - 1, r]) if me > 0 else 0
+            end = int(rp[me, r])
+            out.index_add_(0, si[begin:end].long(), y[begin:end].float())
         return out.to(torch.bfloat16), None, _Event()
 
     # ------------------------------------------------------------------ low-latency mode
@@ -189,18 +198,23 @@ class Buffer:
         everyone = _gather((x, topk_idx), self.group)
         recv = torch.full((E_local, R * M, H), float("nan"), dtype=torch.bfloat16)  # garbage past the counts
         count = torch.zeros(E_local, dtype=torch.int32)
-        slot_src = torch.full((E_local, R * M, 2), -1, dtype=torch.int64)  # (source rank, token) per slot
+        # DeepEP's handle: src_info [E_local, R*M] int32 = source token of each slot; layout_range
+        # [E_local, R] int64 = count | begin << 32 of each source rank's run of slots
+        src_info = torch.full((E_local, R * M), -1, dtype=torch.int32)
+        layout_range = torch.zeros(E_local, R, dtype=torch.int64)
         for e in range(E_local):
             g = me * E_local + e
             n = 0
             for s in range(R):
                 xs, idx_s = everyone[s]
+                begin = n
                 for t in (idx_s == g).any(dim=1).nonzero().flatten().tolist():
                     recv[e, n] = xs[t]
-                    slot_src[e, n, 0], slot_src[e, n, 1] = s, t
+                    src_info[e, n] = t
                     n += 1
+                layout_range[e, s] = (n - begin) | (begin << 32)
             count[e] = n
-        raw = ("fake-ll-handle", slot_src, M, H, num_experts)
+        raw = (src_info, layout_range, M, H, num_experts)
         if not use_fp8:
             return recv, count, raw, _Event(), None
         data, sc = _fp8_cast(recv.view(-1, H).nan_to_num(0.0))
@@ -214,7 +228,7 @@ class Buffer:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
-        _, slot_src, M, H, E = handle
+        src_info, layout_range, M, H, E = handle
         R, me = self.group_size, self.rank
         E_local = E // R
         _check(x.dim() == 3 and x.is_contiguous() and x.dtype == torch.bfloat16, "x 3-D contiguous bf16")
@@ -222,7 +236,7 @@ class Buffer:
         _check(topk_idx.dtype == topk_idx_t and topk_weights.dtype == torch.float32, "topk dtypes")
         _check(topk_weights.shape[0] <= M, "topk_weights.size(0) <= num_max_dispatch_tokens_per_rank")
         self.calls.append(("low_latency_combine", x.dtype, topk_idx.dtype))
-        everyone = _gather((x, slot_src), self.group)
+        everyone = _gather((x, src_info, layout_range), self.group)
         T = topk_idx.shape[0]
         result = torch.zeros(T, H, dtype=torch.float32)
         for t in range(T):
@@ -231,8 +245,10 @@ class Buffer:
                 if g < 0:
                     continue
                 owner, e = divmod(g, E_local)
-                y_o, src_o = everyone[owner]
-                hit = ((src_o[e, :, 0] == me) & (src_o[e, :, 1] == t)).nonzero().flatten()
+                y_o, info_o, range_o = everyone[owner]
+                packed = int(range_o[e, me])
+                n, begin = packed & 0xFFFFFFFF, packed >> 32
+                hit = (info_o[e, begin:begin + n] == t).nonzero().flatten()
                 _check(hit.numel() == 1, "one slot per (token, expert)")
-                result[t] += topk_weights[t, k] * y_o[e, int(hit[0])].float()
+                result[t] += topk_weights[t, k] * y_o[e, begin + int(hit[0])].float()
         return result.to(torch.bfloat16), _Event(), None

@@ -16,6 +16,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_deepep.py")
 def _load():
     spec = importlib.util.spec_from_file_location("bench_deepep", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_deepep"] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 

@@ -278,7 +278,7 @@ def main(argv=None) -> int:
             return 2
         ranks = args.ranks or min(n_gpu, 8)
         try:
-            import deep_ep  # noqa: F401  (fail here, once, with the reason)
+            import deep_ep  # noqa: F401,I001  (fail here, once, with the reason)
         except Exception as e:  # noqa: BLE001
             print(f"deep_ep unavailable ({type(e).__name__}: {e}); {dd.INSTALL_HINT}", file=sys.stderr)
             return 2

@@ -26,7 +26,6 @@ low-latency mode). With both checks off the low-latency path makes no host sync 
 from __future__ import annotations
 
 import importlib
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, List, Optional, Tuple

@@ -17,7 +17,7 @@ Install it with `sys.modules["deep_ep"] = fake_deep_ep` (tests do, per process).
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional
+from typing import Any, List
 
 import torch
 import torch.distributed as dist

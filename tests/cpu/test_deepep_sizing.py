@@ -4,7 +4,6 @@ DeepEP's C++ formulas (csrc/config.hpp, csrc/deep_ep.cpp at the pinned V1 commit
 from __future__ import annotations
 
 import pytest
-import torch
 
 from epmoe.dispatch import deepep as dd
 

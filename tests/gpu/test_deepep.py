@@ -191,7 +191,6 @@ def _ll_one_rank_worker(rank, world, seed):
         return f"3 rounds, max rel err {err:.2e}"
 
     def timing():
-        d = state["d_bf16"]
         T = LL1_M
         xt = torch.randn(T, H, device=dev).to(torch.bfloat16)
         it, iw = _routing(seed + 4, T, E, K, dev, drop=0.0)

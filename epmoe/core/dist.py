@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+import pickle
+
 import torch
 import torch.distributed as dist
 
 from epmoe.core.errors import ConfigMismatchError, PeerInputError
+from epmoe.core.fault import run_collective
 
 
 def is_distributed(group: Any = None) -> bool:
@@ -52,30 +55,40 @@ def barrier(group: Any = None) -> None:
         dist.barrier(group=group)
 
 
-def all_gather_objects(obj: Any, group: Any = None) -> List[Any]:
+def _all_gather(src: torch.Tensor, group: Any, timeout_s: Optional[float], what: str) -> List[torch.Tensor]:
+    parts = [torch.empty_like(src) for _ in range(group_size(group))]
+    # list form: the same call on torch 2.8 .. 2.13, gloo and NCCL
+    run_collective(lambda: dist.all_gather(parts, src, group=group, async_op=True), timeout_s, what)
+    return parts
+
+
+def all_gather_objects(obj: Any, group: Any = None, timeout_s: Optional[float] = None) -> List[Any]:
+    """All-gather picklable objects (with an optional timeout on gloo, unlike dist.all_gather_object)."""
     if not is_distributed(group):
         return [obj]
-    out: List[Any] = [None] * group_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    data = pickle.dumps(obj)
+    sizes = gather_ints([len(data)], group, timeout_s)[:, 0].tolist()
+    buf = torch.zeros(max(sizes), dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = _all_gather(buf.to(collective_device(group)), group, timeout_s, "all_gather of objects")
+    return [pickle.loads(p[:n].cpu().numpy().tobytes()) for p, n in zip(parts, sizes)]
 
 
-def gather_ints(values: Sequence[int], group: Any = None) -> torch.Tensor:
+def gather_ints(values: Sequence[int], group: Any = None, timeout_s: Optional[float] = None) -> torch.Tensor:
     """All-gather a few ints from every rank -> int64 CPU tensor [group_size, len(values)]."""
     local = torch.tensor(list(values), dtype=torch.int64)
     if not is_distributed(group):
         return local.unsqueeze(0)
-    dev = collective_device(group)
-    src = local.to(dev)
-    parts = [torch.empty_like(src) for _ in range(group_size(group))]
-    dist.all_gather(parts, src, group=group)  # list form: same call on torch 2.8 .. 2.13, gloo and NCCL
+    parts = _all_gather(local.to(collective_device(group)), group, timeout_s, "all_gather of ints")
     return torch.stack(parts).cpu()
 
 
-def agree_fingerprint(fingerprint: Dict[str, str], group: Any = None, what: str = "EPMoE") -> None:
+def agree_fingerprint(
+    fingerprint: Dict[str, str], group: Any = None, what: str = "EPMoE", timeout_s: Optional[float] = None
+) -> None:
     """Compare `fingerprint` (field -> value) across the group; on any difference raise
     ConfigMismatchError on EVERY rank, naming the fields, their values and the ranks."""
-    gathered = all_gather_objects(dict(fingerprint), group)
+    gathered = all_gather_objects(dict(fingerprint), group, timeout_s)
     if len(gathered) <= 1:
         return
     fields = sorted(set().union(*(g.keys() for g in gathered)))
@@ -96,14 +109,19 @@ def agree_fingerprint(fingerprint: Dict[str, str], group: Any = None, what: str 
         )
 
 
-def raise_if_any_failed(local_error: Optional[BaseException], failed_ranks: Sequence[int], group: Any = None) -> None:
+def raise_if_any_failed(
+    local_error: Optional[BaseException], failed_ranks: Sequence[int], group: Any = None,
+    timeout_s: Optional[float] = None,
+) -> None:
     """Called by every rank after an agreement collective that told each rank which ranks failed.
 
     A failing rank re-raises its own error; the others raise RemoteRankError naming the
     failing ranks and their messages (gathered here, so every rank calls this collectively)."""
     if not failed_ranks:
         return
-    messages = all_gather_objects(None if local_error is None else f"{type(local_error).__name__}: {local_error}", group)
+    messages = all_gather_objects(
+        None if local_error is None else f"{type(local_error).__name__}: {local_error}", group, timeout_s
+    )
     if local_error is not None:
         raise local_error
     detail = "; ".join(f"rank {global_rank(group, r)}: {messages[r]}" for r in failed_ranks)

@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 
 from epmoe.core import dist as edist
+from epmoe.core.fault import run_collective
 from epmoe.dispatch.base import DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
-from epmoe.quant.payload import PayloadFormat, QuantizedActivation
+from epmoe.quant import codec
+from epmoe.quant.payload import PayloadFormat
 
 
 @dataclass(frozen=True)
@@ -44,58 +46,35 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _RowCodec:
-    """Packs/unpacks the dispatch row for one wire format."""
+    """The dispatch row for one wire format: [payload (epmoe.quant.codec wire row) | ids | weights]."""
 
     def __init__(self, spec: DispatchSpec):
         self.spec = spec
         self.wire: PayloadFormat = spec.wire_format
         H, K = spec.hidden_size, spec.top_k
-        self.data_bytes = self.wire.data_bytes_per_token(H)
-        self.scale_bytes = self.wire.scale_bytes_per_token(H)
-        self.gscale_bytes = 4 if self.wire.global_scale else 0
-        self.payload_bytes = self.data_bytes + self.scale_bytes + self.gscale_bytes
+        self.payload_bytes = codec.wire_bytes_per_token(self.wire, H) if self.wire.is_quantized \
+            else self.wire.data_bytes_per_token(H)
         self.routing_bytes = K * 4 + K * 4
         self.row_bytes = self.payload_bytes + self.routing_bytes
 
     def pack(self, hidden: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        parts: List[torch.Tensor] = []
         if self.wire.is_quantized:
-            from epmoe.quant.codec import quantize_activation
-
-            q = quantize_activation(hidden, self.wire)
-            parts += [_as_bytes(q.data), _as_bytes(q.scales)]
-            if self.wire.global_scale:
-                g = q.global_scale.float().reshape(-1).expand(hidden.shape[0]).reshape(-1, 1)
-                parts.append(_as_bytes(g))
+            payload = codec.pack_rows(codec.quantize_activation(hidden, self.wire))
         else:
-            parts.append(_as_bytes(hidden.to(self.wire.dtype)))
-        parts += [_as_bytes(local_ids.to(torch.int32)), _as_bytes(weights.to(torch.float32))]
-        return torch.cat(parts, dim=1)
+            payload = _as_bytes(hidden.to(self.wire.dtype))
+        return torch.cat([payload, _as_bytes(local_ids.to(torch.int32)), _as_bytes(weights.to(torch.float32))], dim=1)
 
     def unpack(self, rows: torch.Tensor) -> Tuple[object, torch.Tensor, torch.Tensor]:
         N, H, K = rows.shape[0], self.spec.hidden_size, self.spec.top_k
         o = self.payload_bytes
-        ids = rows[:, o : o + 4 * K].contiguous().view(torch.int32)
-        w = rows[:, o + 4 * K :].contiguous().view(torch.float32)
-        data = rows[:, : self.data_bytes].contiguous().view(self.wire.dtype)
+        ids = rows[:, o : o + 4 * K].contiguous().view(torch.int32).reshape(N, K)
+        w = rows[:, o + 4 * K :].contiguous().view(torch.float32).reshape(N, K)
         if not self.wire.is_quantized:
-            hidden = data.reshape(N, H)
-        else:
-            s0 = self.data_bytes
-            scales = rows[:, s0 : s0 + self.scale_bytes].contiguous().view(self.wire.scale_dtype)
-            gscale = None
-            if self.wire.global_scale:
-                g0 = s0 + self.scale_bytes
-                gscale = rows[:, g0 : g0 + 4].contiguous().view(torch.float32).reshape(N)
-            hidden = QuantizedActivation(
-                format=self.wire, data=data.reshape(N, -1), scales=scales.reshape(N, -1),
-                hidden_size=H, global_scale=gscale,
-            )
-            if not self.spec.payload.is_quantized:  # experts take unquantized: dequantize here
-                from epmoe.quant.codec import dequantize_activation
-
-                hidden = dequantize_activation(hidden, self.spec.payload.dtype)
-        return hidden, ids.reshape(N, K), w.reshape(N, K)
+            return rows[:, :o].contiguous().view(self.wire.dtype).reshape(N, H), ids, w
+        hidden = codec.unpack_rows(rows[:, :o].contiguous(), self.wire, H)
+        if self.spec.payload != self.wire:  # experts take another format: dequantize on arrival
+            hidden = codec.dequantize_activation(hidden, self.spec.combine_dtype)
+        return hidden, ids, w
 
 
 class TorchA2ADispatcher(Dispatcher):
@@ -103,18 +82,17 @@ class TorchA2ADispatcher(Dispatcher):
 
     def __init__(self, spec: DispatchSpec):
         super().__init__(spec)
-        if spec.wire_format.is_quantized and spec.payload.is_quantized and spec.payload != spec.wire_format:
-            raise ValueError(
-                f"wire format {spec.wire_format.name} differs from the experts' payload "
-                f"{spec.payload.name}; the torch dispatcher converts only to unquantized payloads"
-            )
+
         self._codec = _RowCodec(spec)
         self._distributed = edist.is_distributed(spec.group)
 
     # ------------------------------------------------------------------ helpers
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> None:
         if self._distributed:
-            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.spec.group)
+            run_collective(
+                lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.spec.group, async_op=True),
+                self.spec.timeout_s, "all_to_all of token rows",
+            )
         else:
             out.copy_(inp)
 
@@ -128,9 +106,44 @@ class TorchA2ADispatcher(Dispatcher):
         bad = ((topk_ids < -1) | (topk_ids >= E)).any()
         return None, bad
 
+    # ------------------------------------------------------------------ static (CUDA graph) mode
+    def _dispatch_static(self, hidden, topk_ids, topk_weights):
+        """Every rank sends all its M rows to every rank (ids local there or -1): equal splits, no
+        host sync, fixed shapes. Costs bandwidth for tokens a rank does not need; meant for decode."""
+        s = self.spec
+        ep, E_local, M = s.ep_size, s.num_local_experts, s.max_tokens_per_rank
+        if hidden.shape[0] != M:
+            raise ValueError(f"static dispatch takes exactly max_tokens_per_rank={M} rows, got {hidden.shape[0]}")
+        ids = topk_ids.to(torch.int64)
+        ranks = torch.arange(ep, device=ids.device).view(ep, 1, 1)
+        dest = torch.where(ids >= 0, ids // E_local, torch.full_like(ids, -1)).unsqueeze(0)  # [1, M, K]
+        on = dest == ranks  # [ep, M, K]
+        local_ids = torch.where(on, ids.unsqueeze(0) - ranks * E_local, torch.full_like(on, -1, dtype=torch.int64))
+        local_w = torch.where(on, topk_weights.float().unsqueeze(0), torch.zeros((), device=ids.device))
+        send = self._codec.pack(hidden.repeat(ep, 1), local_ids.reshape(ep * M, -1), local_w.reshape(ep * M, -1))
+        recv = torch.empty_like(send)
+        self._a2a_meta(recv, send)  # equal splits
+        recv_hidden, recv_ids, recv_w = self._codec.unpack(recv)
+        handle = TorchA2AHandle(num_tokens=M, bytes_sent=(ep - 1) * M * self._codec.row_bytes)
+        return DispatchedTokens(hidden=recv_hidden, topk_ids=recv_ids, topk_weights=recv_w, static=True), handle
+
+    def _combine_static(self, expert_output, handle):
+        s = self.spec
+        ep, M = s.ep_size, s.max_tokens_per_rank
+        back = expert_output.to(s.combine_dtype).contiguous()
+        got = torch.empty_like(back)
+        self._a2a_meta(got, back)
+        got = got.view(ep, M, s.hidden_size)
+        out = got[0].float()
+        for r in range(1, ep):  # rank order: deterministic
+            out = out + got[r].float()
+        return out.to(s.combine_dtype)
+
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         s = self.spec
+        if s.static_shapes:
+            return self._dispatch_static(hidden, topk_ids, topk_weights)
         ep, E_local = s.ep_size, s.num_local_experts
         error, bad_ids = self._validate(hidden, topk_ids, topk_weights)
 
@@ -157,7 +170,7 @@ class TorchA2ADispatcher(Dispatcher):
                 f"topk_ids holds expert id {int(bad[0])} outside [0, {s.num_experts}) "
                 f"(-1 marks 'no expert'); fix the router output or num_experts"
             )
-        edist.raise_if_any_failed(error, failed, s.group)
+        edist.raise_if_any_failed(error, failed, s.group, s.timeout_s)
 
         # rows in rank-major order, tokens ascending within a rank
         rank_of_row, token_of_row = sent.t().nonzero(as_tuple=True)
@@ -190,13 +203,18 @@ class TorchA2ADispatcher(Dispatcher):
 
     def _a2a_meta(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         if self._distributed:
-            dist.all_to_all_single(out, inp, group=self.spec.group)
+            run_collective(
+                lambda: dist.all_to_all_single(out, inp, group=self.spec.group, async_op=True),
+                self.spec.timeout_s, "all_to_all of split sizes",
+            )
         else:
             out.copy_(inp)
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_output: torch.Tensor, handle: TorchA2AHandle) -> torch.Tensor:
         s = self.spec
+        if s.static_shapes:
+            return self._combine_static(expert_output, handle)
         N = sum(handle.recv_counts)
         if expert_output.shape != (N, s.hidden_size):
             raise ValueError(

@@ -78,7 +78,12 @@ def load_config(args: argparse.Namespace, device: torch.device) -> "tuple[MoECon
             hf = json.load(f)
     else:
         hf = dict(PRESETS[args.preset or "tiny"])
-    dtype = parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.dtype:
+        dtype = parse_dtype(args.dtype)
+    elif args.plan:
+        dtype = MoEConfig.from_hf_config(hf).dtype  # plan for the model as deployed (its own dtype)
+    else:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: float32 keeps --check tight
     cfg = MoEConfig.from_hf_config(hf, dtype=dtype)
     if args.quant is None and cfg.quant_method is not None:
         cfg = cfg.replace(quant_method=None)  # synthetic weights are unquantized unless --quant asks
@@ -126,29 +131,26 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
     if cfg.num_experts % ep:
         print(f"error: num_experts={cfg.num_experts} is not divisible by ep={ep}", file=sys.stderr)
         return 2
+    from epmoe.experts import EXPERTS
+    from epmoe.quant.plan import installed_flashinfer_version
+
     plan = resolve_quant_plan(cfg, requested_mode=args.quant, dispatch_dtype=args.dispatch_dtype,
-                              dispatcher=args.dispatcher, experts_backend=args.experts, arch=arch)
+                              dispatcher=args.dispatcher, experts_backend=args.experts, arch=arch,
+                              flashinfer_version=installed_flashinfer_version(),
+                              registered_backends=EXPERTS.names())
     max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
     E_local = cfg.num_experts // ep
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "
           f"I={cfg.intermediate_size} activation={cfg.activation} routing={cfg.routing} "
           f"bias={cfg.has_bias} dtype={dtype_name(cfg.dtype)} layers={cfg.num_layers}")
-    print(plan.describe())
     print(f"placement: ep={ep}, {E_local} experts per rank (contiguous)")
     for r in range(ep):
         print(f"  rank {r}: experts [{r * E_local}, {(r + 1) * E_local})")
-    print(f"memory per rank (max_tokens_per_rank={max_tokens}):")
-    print(f"  expert weights, one layer:  {_fmt_bytes(weight_bytes_per_rank(cfg, ep, 1))}")
-    print(f"  expert weights, {cfg.num_layers} layers: {_fmt_bytes(weight_bytes_per_rank(cfg, ep, cfg.num_layers))}")
-    try:
-        from epmoe.quant.workspace import workspace_breakdown
+    from epmoe.quant.workspace import format_plan_report
 
-        print(workspace_breakdown(plan, cfg, ep, max_tokens).format_table())
-    except ImportError:
-        elem = torch.tensor([], dtype=cfg.dtype).element_size()
-        row = cfg.hidden_size * elem + cfg.top_k * 8
-        print(f"  dispatch receive buffer (worst case, {ep} x {max_tokens} rows of {row} B): "
-              f"{_fmt_bytes(ep * max_tokens * row)}")
+    print(f"memory per rank (max_tokens_per_rank={max_tokens}, K = hidden_size {cfg.hidden_size}"
+          + (f", checkpoint K {cfg.hidden_size_unpadded}" if cfg.hidden_size_unpadded else "") + "):")
+    print(format_plan_report(plan, cfg, ep, max_tokens, num_moe_layers=cfg.num_layers))
     return 0
 
 
@@ -187,6 +189,31 @@ def _tokens_for_step(args, rank: int, step: int) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point. Faults end with one report and a non-zero exit on every rank (torchrun-friendly)."""
+    from epmoe.core.errors import BackendUnavailableError, ConfigMismatchError, PeerInputError
+    from epmoe.core.fault import CollectiveFailure
+
+    try:
+        return _main(argv)
+    except CollectiveFailure as e:
+        text = e.report.format() if e.report is not None else f"epmoe: {e}"
+        _die(text, 1)
+    except (PeerInputError, ConfigMismatchError, BackendUnavailableError) as e:
+        _die(f"epmoe: rank {detect_launch_env().rank}: {type(e).__name__}: {e}", 1)
+    return 1
+
+
+def _die(text: str, code: int) -> None:
+    """Print once and leave without tearing down process groups (a peer may be gone)."""
+    if os.environ.get("EPMOE_DEBUG"):
+        raise
+    sys.stderr.write(text.rstrip() + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("tokens", "steps", "layers"):
         if getattr(args, name) < (0 if name == "tokens" else 1):
@@ -240,7 +267,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for L in range(num_layers):
         layer = EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=max_tokens,
                       experts=args.experts, quant=args.quant, dispatch_dtype=args.dispatch_dtype,
-                      deterministic=args.deterministic, name=f"EPMoE[layer {L}]")
+                      deterministic=args.deterministic, timeout_s=args.timeout, name=f"EPMoE[layer {L}]")
         layer.load_weights(wdir, layer_idx=L)
         layers.append(layer)
         gates.append(read_gate(wdir, L).to(device))

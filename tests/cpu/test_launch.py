@@ -39,7 +39,7 @@ def test_torchrun_four_ranks_check():
 def test_plan_dsv3_prints_placement_and_memory():
     r = _run(["--plan", "--preset", "dsv3", "--ep", "8"])
     assert r.returncode == 0, r.stderr
-    for needle in ("E=256 top_k=8 H=7168 I=2048", "rank 7: experts [224, 256)", "expert weights, one layer",
+    for needle in ("E=256 top_k=8 H=7168 I=2048", "rank 7: experts [224, 256)", "expert weights :", "a2a workspace",
                    "quant plan:"):
         assert needle in r.stdout, (needle, r.stdout)
 

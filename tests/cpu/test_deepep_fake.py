@@ -254,7 +254,13 @@ def test_shared_buffer_and_sizing_errors():
 def _layer_worker(rank, world, seed, dispatcher, experts, tokens_per_rank):
     _install_fake()
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=32, dtype=torch.bfloat16)
-    layer = EPMoE(cfg, dispatcher=dispatcher, experts=experts, device="cpu", max_num_tokens_per_rank=M)
+    plan = None
+    if experts == "masked_reference":  # not in the quant plan's backend table yet: pass the plan
+        from epmoe.quant.plan import QuantPlan
+
+        plan = QuantPlan(expert_mode="bf16", dispatch_dtype="bf16", experts_backend=experts, dispatcher=dispatcher)
+    layer = EPMoE(cfg, dispatcher=dispatcher, experts=experts if plan is None else "auto", device="cpu",
+                  max_num_tokens_per_rank=M, plan=plan)
     layer.load_weights(random_weights(cfg, seed))
     g = torch.Generator().manual_seed(seed + 100 + rank)
     x = torch.randn(tokens_per_rank[rank], H, generator=g).to(torch.bfloat16)

@@ -177,8 +177,11 @@ def _ll_one_rank_worker(rank, world, seed):
         return "T=0 ok"
 
     def layer():
-        layer = EPMoE(cfg, dispatcher="deepep_ll", experts="masked_reference", device=dev,
-                      max_num_tokens_per_rank=LL1_M, dispatcher_options={"deepep_buffer": state["buffer"]})
+        # masked_reference is not in the quant plan's backend table yet: pass the plan explicitly
+        plan = QuantPlan(expert_mode="bf16", dispatch_dtype="bf16", experts_backend="masked_reference",
+                         dispatcher="deepep_ll", arch="sm90")
+        layer = EPMoE(cfg, dispatcher="deepep_ll", device=dev, plan=plan, max_num_tokens_per_rank=LL1_M,
+                      dispatcher_options={"deepep_buffer": state["buffer"]})
         layer.load_weights(w_all)
         g2 = torch.Generator().manual_seed(seed + 3)
         xs = torch.randn(2 * LL1_M + 5, H, generator=g2).to(torch.bfloat16).to(dev)

@@ -31,4 +31,4 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("requires_flashinfer") and not _has("flashinfer"):
             item.add_marker(pytest.mark.skip(reason="flashinfer is not installed (pip install 'epmoe[gpu]')"))
         if item.get_closest_marker("requires_deepep") and not _has("deep_ep"):
-            item.add_marker(pytest.mark.skip(reason="deep_ep is not installed (scripts/build_deepep.sh)"))
+            item.add_marker(pytest.mark.skip(reason="deep_ep is not installed (docs/deepep.md)"))

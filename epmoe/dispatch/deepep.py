@@ -38,7 +38,7 @@ from epmoe.core.errors import BackendUnavailableError
 from epmoe.dispatch.base import DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 
-INSTALL_HINT = "build it with scripts/build_deepep.sh (see README GPU section)"
+INSTALL_HINT = "build DeepEP V1 for your GPU and put deep_ep on PYTHONPATH (docs/deepep.md)"
 
 # ---------------------------------------------------------------------------------- DeepEP facts
 # Constants of DeepEP V1 (csrc/kernels/configs.cuh, launch.cuh, config.hpp); the sizing below mirrors
@@ -348,13 +348,19 @@ def _device_problem(device: torch.device) -> Optional[Availability]:
 
 
 def _availability(device: torch.device, ep_size: int, low_latency: bool) -> Availability:
+    # Device first: importing deep_ep initialises its runtime, which a CPU machine (and the
+    # launcher's --doctor there) must never do.
+    problem = _device_problem(device)
+    if problem is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("deep_ep") is None:
+            return Availability.no("deep_ep is not installed", INSTALL_HINT)
+        return problem
     try:
         _import_deep_ep()
     except BackendUnavailableError as e:
         return Availability.no(e.reason, e.hint)
-    problem = _device_problem(device)
-    if problem is not None:
-        return problem
     if not low_latency:
         return normal_mode_ep_support(ep_size)
     return Availability.yes()

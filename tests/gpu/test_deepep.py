@@ -1,4 +1,4 @@
-"""DeepEP dispatchers on real GPUs (DeepEP V1 built by scripts/build_deepep.sh; docs/deepep.md).
+"""DeepEP dispatchers on real GPUs (DeepEP V1, docs/deepep.md).
 
 One GPU (what runs today): DeepEP's normal kernels cannot run with one rank, so the one-GPU tests
 drive the LOW-LATENCY path with ep_size = 1 (NVSHMEM with one PE; every message is a local copy):

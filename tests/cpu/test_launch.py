@@ -58,3 +58,13 @@ def test_preset_too_large_asks_for_scale():
 def test_bad_flags(args, needle):
     r = _run(args + ["--steps", "1"])
     assert r.returncode != 0 and needle in (r.stdout + r.stderr), r.stderr
+
+
+def test_bench_layer_dry_run():
+    r = subprocess.run([sys.executable, "benchmarks/bench_layer.py", "--dry-run", "--tokens", "128,4096",
+                        "--experts", "triton,grouped_mm"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert "T/rank=128: baseline, triton eager, triton graph" in r.stdout
+    r = subprocess.run([sys.executable, "benchmarks/bench_layer.py", "--dry-run", "--tokens", "0"],
+                       capture_output=True, text=True, timeout=60, env=ENV)
+    assert r.returncode != 0 and "--tokens must be positive" in r.stderr

@@ -1,0 +1,513 @@
+"""`TritonExperts` ("triton"): grouped expert GEMMs in Triton for Hopper (and any sm80+ GPU), built
+in seconds at first use. Flat layout only.
+
+    experts = TritonExperts(spec)          # spec.plan.expert_mode: bf16 | fp8_block | nvfp4_w4a16 | mxfp4_w4a16
+    experts.load_weights(weights)          # canonical float ExpertWeights (quantized here for the
+                                           #   quantized modes), or experts.load_quantized(QuantizedExpertWeights)
+    out [N, H] = experts(tokens)           # DispatchedTokens, flat layout
+
+Forward (no host sync, fixed shapes for a fixed N, so it can be captured in a CUDA graph):
+  1. `align`: sort the N*K (row, slot) entries by local expert, pad each expert to BLOCK_M rows
+     (torch ops).
+  2. gemm1: gathered rows x[tok] @ [w1; w3][e].T (+ b13), activation fused in the epilogue -> [P, I]
+     (fp8_block: fp8 out with 1x128 scales, also fused).
+  3. gemm2: act @ w2[e].T (+ b2), times the routing weight, stored by entry -> y [N*K, H].
+  4. reduce: out[n] = sum_k y[n*K + k] over valid k in fixed k order (deterministic, no atomics).
+
+Modes (kernel-facing weight layouts; canonical formats in `epmoe.experts.kernel_formats`):
+  bf16         w13 [E, R, H], w2 [E, H, I] in the model dtype (R = 2I gate-then-up, or I for relu2)
+  fp8_block    W8A8: w13/w2 e4m3 with 128x128 fp32 block scales (gate and up each their own grid);
+               activations quantized per token in 1x128 groups (on the fly, or taken from an fp8_block
+               payload); the activation of gemm1 is re-quantized 1x128 in gemm1's epilogue
+  nvfp4_w4a16  e2m1 weights (k64-interleaved), e4m3 scale per 16 and fp32 global scale per expert and
+               projection half; bf16 activations, weights dequantized exactly to bf16 in the kernel
+  mxfp4_w4a16  as nvfp4 with an e8m0 scale per 32 and no global scale
+Biases are kept in float32: b13 [E, R], b2 [E, H].
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from epmoe.core.availability import Availability
+from epmoe.core.errors import BackendUnavailableError
+from epmoe.experts import kernel_formats as kf
+from epmoe.experts.align import align_blocks, sort_by_expert
+from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.quant.payload import PayloadFormat, QuantizedActivation
+from epmoe.quant.weights import ExpertWeights
+
+SUPPORTED_MODES = ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")
+_W_FMT = {"bf16": 0, "fp8_block": 1, "nvfp4_w4a16": 2, "mxfp4_w4a16": 3}
+FP8_BLOCK_PAYLOAD = PayloadFormat(
+    "fp8_block", torch.float8_e4m3fn, block_size=128, scale_dtype=torch.float32, scale_layout="linear"
+)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Static tile shape of one grouped GEMM launch (no autotuning: no device time spent)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """block_m is shared by both GEMMs (they share the padded routing)."""
+
+    name: str
+    block_m: int
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+
+    def describe(self) -> str:
+        g1, g2 = self.gemm1, self.gemm2
+        return (
+            f"{self.name}: BM={self.block_m} g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},"
+            f"s{g1.num_stages}) g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages})"
+        )
+
+
+# Presets for H200, chosen by reasoning (see benchmarks/bench_experts.py for the measured sweep):
+# "decode": few rows per expert -> weight streaming; small BLOCK_M, deep pipeline, many programs.
+# "prefill": >= 128 rows per expert -> tensor-core bound; 128-row tiles, gate+up = 256 columns.
+_DENSE_PRESETS = {
+    "decode": TritonConfig("decode", 16, GemmConfig(64, 128, 4, 4), GemmConfig(64, 128, 4, 4)),
+    "small": TritonConfig("small", 32, GemmConfig(64, 128, 4, 4), GemmConfig(128, 64, 4, 4)),
+    "medium": TritonConfig("medium", 64, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
+    "prefill": TritonConfig("prefill", 128, GemmConfig(128, 64, 8, 3), GemmConfig(256, 64, 8, 3)),
+    "prefill_n128": TritonConfig("prefill_n128", 128, GemmConfig(128, 64, 8, 3), GemmConfig(128, 64, 4, 4)),
+    "prefill_m64": TritonConfig("prefill_m64", 64, GemmConfig(128, 64, 4, 4), GemmConfig(256, 64, 8, 3)),
+}
+# fp8 W8A8: BLOCK_K == 128 (one scale per K step); gemm1 BLOCK_N == 128 (one 1x128 group per row).
+_FP8_PRESETS = {
+    "decode": TritonConfig("decode", 16, GemmConfig(128, 128, 4, 4), GemmConfig(64, 128, 4, 4)),
+    "small": TritonConfig("small", 32, GemmConfig(128, 128, 4, 4), GemmConfig(128, 128, 4, 4)),
+    "medium": TritonConfig("medium", 64, GemmConfig(128, 128, 4, 4), GemmConfig(128, 128, 4, 4)),
+    "prefill": TritonConfig("prefill", 128, GemmConfig(128, 128, 8, 3), GemmConfig(128, 128, 8, 3)),
+}
+# fp4 W4A16: BLOCK_K == 64 (the interleave block).
+_FP4_PRESETS = {
+    "decode": TritonConfig("decode", 16, GemmConfig(64, 64, 4, 4), GemmConfig(64, 64, 4, 4)),
+    "small": TritonConfig("small", 32, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
+    "medium": TritonConfig("medium", 64, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
+    "prefill": TritonConfig("prefill", 128, GemmConfig(64, 64, 8, 3), GemmConfig(128, 64, 8, 3)),
+}
+
+
+def presets_for(mode: str) -> Dict[str, TritonConfig]:
+    if mode == "fp8_block":
+        return _FP8_PRESETS
+    if mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
+        return _FP4_PRESETS
+    return _DENSE_PRESETS
+
+
+def pick_config(mode: str, num_entries: int, num_experts: int) -> TritonConfig:
+    """Preset by the mean rows per local expert (a host int: no sync)."""
+    rows = num_entries / max(num_experts, 1)
+    name = "decode" if rows <= 16 else "small" if rows <= 40 else "medium" if rows <= 96 else "prefill"
+    return presets_for(mode)[name]
+
+
+# --------------------------------------------------------------------------- kernels (lazy)
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_module(device: torch.device):
+    """The Triton kernels (imports triton). CPU tensors run only under the Triton interpreter, which
+    must be switched on (TRITON_INTERPRET=1) before triton is first imported in the process."""
+    if device.type != "cuda" and not interpreter_enabled():
+        raise RuntimeError(
+            f"Triton kernels on device {device} need the interpreter: set TRITON_INTERPRET=1 before "
+            "importing triton (tests do this in a subprocess)"
+        )
+    from epmoe.experts import triton_kernels
+
+    return triton_kernels
+
+
+# --------------------------------------------------------------------------- backend
+
+
+def _mode_of(spec: ExpertsSpec) -> str:
+    plan = spec.plan
+    return "bf16" if plan is None else str(getattr(plan, "expert_mode", "bf16"))
+
+
+def _activation_args(config):
+    """(ACT, HAS_LIMIT, alpha, beta, limit) for the kernels."""
+    if config.activation == "relu2":
+        return 2, False, 1.0, 0.0, 0.0
+    a, b, lim = config.swiglu_alpha, config.swiglu_beta, config.swiglu_limit
+    if a is None and b is None and lim is None:
+        return 0, False, 1.0, 0.0, 0.0
+    return (
+        1,
+        lim is not None,
+        1.0 if a is None else float(a),
+        0.0 if b is None else float(b),
+        0.0 if lim is None else float(lim),
+    )
+
+
+class TritonExperts(Experts):
+    name = "triton"
+    accepted_layouts = ("flat",)
+
+    @classmethod
+    def availability(cls, spec: ExpertsSpec) -> Availability:
+        mode = _mode_of(spec)
+        if mode not in SUPPORTED_MODES:
+            return Availability.no(
+                f"expert mode {mode!r} is not implemented by the triton backend",
+                f"use one of {SUPPORTED_MODES}",
+            )
+        cfg = spec.config
+        if cfg.dtype not in (torch.bfloat16, torch.float16):
+            return Availability.no(
+                f"model dtype {cfg.dtype} is not supported by the triton backend", "use bfloat16 or float16"
+            )
+        if mode in ("nvfp4_w4a16", "mxfp4_w4a16") and (cfg.hidden_size % 64 or cfg.intermediate_size % 64):
+            return Availability.no(
+                f"{mode} needs hidden_size and intermediate_size divisible by 64, got "
+                f"H={cfg.hidden_size}, I={cfg.intermediate_size}",
+                "use bf16 or fp8_block for this shape",
+            )
+        if importlib.util.find_spec("triton") is None:
+            return Availability.no("triton is not installed", "pip install triton")
+        device = torch.device(spec.device)
+        if device.type == "cpu":
+            if interpreter_enabled():
+                return Availability.yes("Triton interpreter on CPU (TRITON_INTERPRET=1, slow)")
+            return Availability.no(
+                "the triton backend needs a CUDA device",
+                "run on a GPU (or set TRITON_INTERPRET=1 for the slow CPU interpreter)",
+            )
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return Availability.no(f"device {device} is not a usable CUDA device", "run on an NVIDIA GPU")
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 0):
+            return Availability.no(f"sm{major}{minor} is too old for these kernels", "use an sm80+ GPU")
+        if mode == "fp8_block" and (major, minor) < (8, 9):
+            return Availability.no(f"fp8 needs sm89+, this GPU is sm{major}{minor}", "use bf16 or a W4A16 mode")
+        return Availability.yes(f"sm{major}{minor}")
+
+    def __init__(self, spec: ExpertsSpec):
+        super().__init__(spec)
+        avail = self.availability(spec)
+        if not avail:
+            raise BackendUnavailableError(self.name, avail.reason, avail.hint)
+        self.mode = _mode_of(spec)
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        cfg = self.config
+        self.num_experts = spec.num_local_experts
+        self.hidden_size = cfg.hidden_size
+        self.intermediate_size = cfg.intermediate_size
+        self.gated = cfg.is_gated
+        self.act_args = _activation_args(cfg)
+        self._params: Dict[str, torch.Tensor] = {}
+        # Set by benchmarks to force a tile preset (TritonConfig); None = pick by rows per expert.
+        self.config_override: Optional[TritonConfig] = None
+        name = spec.option("triton_config")
+        if name is not None:
+            presets = presets_for(self.mode)
+            if name not in presets:
+                raise ValueError(f"triton_config={name!r}; use one of {sorted(presets)}")
+            self.config_override = presets[name]
+
+    # ------------------------------------------------------------------ format
+    @property
+    def payload_format(self) -> PayloadFormat:
+        plan = self.spec.plan
+        if self.mode == "fp8_block" and plan is not None and getattr(plan, "dispatch_dtype", None) == "fp8":
+            return FP8_BLOCK_PAYLOAD
+        return PayloadFormat.unquantized(self.config.dtype)
+
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        return dict(self._params)
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: ExpertWeights) -> None:
+        """Canonical float weights of the local experts -> kernel layout (quantized for quantized
+        modes, a few experts at a time to bound temporary memory). A reload copies in place."""
+        self.check_local_weights(weights)
+        E, R = self.num_experts, self.config.w13_rows
+        new: Dict[str, torch.Tensor] = {}
+        if self.mode == "bf16":
+            dt = self.config.dtype
+            new["w13"] = self._stack_w13(weights, slice(0, E)).to(dt)
+            new["w2"] = weights.w2.to(self.device, dt).contiguous()
+        else:
+            chunk = max(1, (1 << 27) // (R * self.hidden_size))  # ~128M values of float32 scratch
+            parts = []
+            for lo in range(0, E, chunk):
+                sub = ExpertWeights(
+                    w1=weights.w1[lo : lo + chunk].to(self.device),
+                    w2=weights.w2[lo : lo + chunk].to(self.device),
+                    w3=None if weights.w3 is None else weights.w3[lo : lo + chunk].to(self.device),
+                )
+                parts.append(self._kernel_tensors(kf.quantize_expert_weights(sub, self.mode)))
+            new = {k: torch.cat([p[k] for p in parts], dim=0).contiguous() for k in parts[0]}
+        self._add_biases(new, weights.b13, weights.b2)
+        self._install(new)
+
+    def load_quantized(self, weights: kf.QuantizedExpertWeights) -> None:
+        """Pre-quantized local experts in the canonical formats of `kernel_formats` (e.g. from an
+        fp8 / nvfp4 / mxfp4 checkpoint). A reload copies in place."""
+        fmt = kf.WEIGHT_FORMAT_OF_MODE.get(self.mode)
+        if fmt is None:
+            raise ValueError(f"load_quantized needs a quantized expert mode; this backend runs {self.mode!r}")
+        for name, t in (("w13", weights.w13), ("w2", weights.w2)):
+            if t.format != fmt:
+                raise ValueError(f"{name} is in format {t.format!r}; mode {self.mode!r} needs {fmt!r}")
+        s = self.spec
+        if weights.num_experts != s.num_local_experts or weights.first_expert != s.first_local_expert:
+            raise ValueError(
+                f"quantized weights hold experts [{weights.first_expert}, "
+                f"{weights.first_expert + weights.num_experts}); this rank owns "
+                f"[{s.first_local_expert}, {s.first_local_expert + s.num_local_experts})"
+            )
+        new = self._kernel_tensors(weights, check=True)
+        self._add_biases(new, weights.b13, weights.b2)
+        self._install(new)
+
+    def _stack_w13(self, weights: ExpertWeights, sl: slice) -> torch.Tensor:
+        w1 = weights.w1[sl].to(self.device)
+        if weights.w3 is None:
+            return w1.contiguous()
+        return torch.cat([w1, weights.w3[sl].to(self.device)], dim=1).contiguous()
+
+    def _expected_shapes(self) -> Dict[str, tuple]:
+        E, H, I, R = self.num_experts, self.hidden_size, self.intermediate_size, self.config.w13_rows
+        halves = 2 if self.gated else 1
+        if self.mode == "fp8_block":
+            return {
+                "w13": (E, R, H),
+                "w13_scale": (E, halves * kf._cdiv(I, 128), kf._cdiv(H, 128)),
+                "w2": (E, H, I),
+                "w2_scale": (E, kf._cdiv(H, 128), kf._cdiv(I, 128)),
+            }
+        group = kf.NVFP4_BLOCK if self.mode == "nvfp4_w4a16" else kf.MXFP4_BLOCK
+        shapes = {
+            "w13": (E, R, H // 2),
+            "w13_scale": (E, R, H // group),
+            "w2": (E, H, I // 2),
+            "w2_scale": (E, H, I // group),
+        }
+        if self.mode == "nvfp4_w4a16":
+            shapes["w13_global_scale"] = (E, halves)
+            shapes["w2_global_scale"] = (E, 1)
+        return shapes
+
+    def _kernel_tensors(self, q: kf.QuantizedExpertWeights, check: bool = False) -> Dict[str, torch.Tensor]:
+        dev = self.device
+        out = {
+            "w13": q.w13.data.to(dev),
+            "w13_scale": q.w13.scale.to(dev),
+            "w2": q.w2.data.to(dev),
+            "w2_scale": q.w2.scale.to(dev),
+        }
+        if self.mode == "nvfp4_w4a16":
+            g13 = q.w13.global_scale.float().to(dev)
+            g2 = q.w2.global_scale.float().to(dev)
+            out["w13_global_scale"] = g13.reshape(g13.shape[0], -1)
+            out["w2_global_scale"] = g2.reshape(g2.shape[0], 1)
+        if check:
+            expected = self._expected_shapes()
+            E = q.num_experts
+            for name, shape in expected.items():
+                shape = (E,) + shape[1:]
+                if tuple(out[name].shape) != shape:
+                    raise ValueError(
+                        f"quantized expert tensor {name!r} has shape {list(out[name].shape)}, "
+                        f"expected {list(shape)} for mode {self.mode!r}"
+                    )
+        if self.mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
+            out["w13"] = kf.interleave_fp4_k64(out["w13"])
+            out["w2"] = kf.interleave_fp4_k64(out["w2"])
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def _add_biases(self, new: Dict[str, torch.Tensor], b13, b2) -> None:
+        if self.config.has_bias:
+            new["b13"] = b13.to(self.device, torch.float32).contiguous()
+            new["b2"] = b2.to(self.device, torch.float32).contiguous()
+
+    def _install(self, new: Dict[str, torch.Tensor]) -> None:
+        if not self._params:
+            self._params = new
+            return
+        for name, t in new.items():
+            old = self._params[name]
+            if old.shape != t.shape or old.dtype != t.dtype:
+                raise ValueError(
+                    f"reloaded {name!r} has shape {list(t.shape)} {t.dtype}; the loaded one is "
+                    f"{list(old.shape)} {old.dtype}"
+                )
+            old.copy_(t)  # in place: captured CUDA graphs keep pointing at valid weights
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens) -> torch.Tensor:
+        if getattr(tokens, "layout", "flat") != "flat":
+            raise ValueError(f"experts backend 'triton' takes the flat layout, got {tokens.layout!r}")
+        if not self._params:
+            raise RuntimeError("TritonExperts.forward before load_weights; load the local experts first")
+        hidden, topk_ids, topk_weights = tokens.hidden, tokens.topk_ids, tokens.topk_weights
+        H, E = self.hidden_size, self.num_experts
+        N = hidden.shape[0]
+        if tuple(hidden.shape) != (N, H):
+            raise ValueError(f"hidden has shape {list(hidden.shape)}; expected [num_tokens, {H}]")
+        if topk_ids is None or topk_ids.dim() != 2 or topk_ids.shape[0] != N:
+            raise ValueError(
+                f"topk_ids has shape {None if topk_ids is None else list(topk_ids.shape)}; "
+                f"expected [{N}, top_k]"
+            )
+        K = topk_ids.shape[1]
+        if topk_weights is None or tuple(topk_weights.shape) != (N, K):
+            raise ValueError(
+                f"topk_weights has shape {None if topk_weights is None else list(topk_weights.shape)}; "
+                f"expected [{N}, {K}]"
+            )
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected torch.int32")
+        out_dtype = self.config.dtype
+        if N == 0:
+            return torch.empty(0, H, dtype=out_dtype, device=self.device)
+
+        x, x_scale = self._input_activations(hidden)
+        cfg = self.config_override or pick_config(self.mode, N * K, E)
+        ids32 = topk_ids.to(torch.int32).contiguous()
+        w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
+        blocks = align_blocks(sort_by_expert(ids32, E), cfg.block_m)
+        act, act_scale = self._gemm1(x, x_scale, blocks, N * K, K, cfg)
+        y = torch.empty(N * K, H, dtype=out_dtype, device=self.device)
+        self._gemm2(act, act_scale, blocks, N * K, w_flat, y, cfg)
+        out = torch.empty(N, H, dtype=out_dtype, device=self.device)
+        km = kernel_module(self.device)
+        BLOCK_H = 1024
+        km.moe_reduce_kernel[(N, triton_cdiv(H, BLOCK_H))](
+            y, ids32, out, H, E, y.stride(0), out.stride(0), TOP_K=K, BLOCK_H=BLOCK_H, num_warps=4
+        )
+        return out
+
+    def _input_activations(self, hidden):
+        """-> (x [N, H], x_scale [N, H/128] or None) in the form gemm1 reads."""
+        if isinstance(hidden, QuantizedActivation):
+            f = hidden.format
+            if self.mode != "fp8_block" or f.name != "fp8_block" or f.block_size != 128:
+                raise TypeError(
+                    f"experts backend 'triton' in mode {self.mode!r} cannot take a {f.describe()} payload; "
+                    f"it consumes {self.payload_format.describe()}"
+                )
+            return hidden.data.contiguous(), hidden.scales.to(torch.float32).contiguous()
+        if hidden.dtype != self.config.dtype:
+            raise TypeError(f"hidden has dtype {hidden.dtype}; expected the model dtype {self.config.dtype}")
+        x = hidden.contiguous()
+        if self.mode != "fp8_block":
+            return x, None
+        N, H = x.shape
+        q = torch.empty(N, H, dtype=torch.float8_e4m3fn, device=self.device)
+        s = torch.empty(N, triton_cdiv(H, 128), dtype=torch.float32, device=self.device)
+        kernel_module(self.device).quant_fp8_rows_kernel[(N, triton_cdiv(H, 128))](
+            x, q, s, H, x.stride(0), q.stride(0), s.stride(0), GROUP=128, num_warps=1
+        )
+        return q, s
+
+    def _gemm1(self, x, x_scale, blocks, num_entries, top_k, cfg: TritonConfig):
+        p = self._params
+        H, I = self.hidden_size, self.intermediate_size
+        P = blocks.num_padded_rows
+        g = cfg.gemm1
+        fp8 = self.mode == "fp8_block"
+        out = torch.empty(P, I, dtype=torch.float8_e4m3fn if fp8 else self.config.dtype, device=self.device)
+        out_s = torch.empty(P, triton_cdiv(I, 128), dtype=torch.float32, device=self.device) if fp8 else out
+        w, ws = p["w13"], p.get("w13_scale", p["w13"])
+        wg = p.get("w13_global_scale", w)
+        b = p.get("b13", w)
+        xs = x_scale if x_scale is not None else x
+        ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
+        self._check_gemm_config(g, gate_up=True)
+        grid = (blocks.max_blocks * triton_cdiv(I, g.block_n),)
+        kernel_module(self.device).moe_gemm1_kernel[grid](
+            x, xs, w, ws, wg, b, out, out_s,
+            blocks.sorted_ids, blocks.block_expert,
+            num_entries, blocks.max_blocks, H, I,
+            x.stride(0), xs.stride(0),
+            w.stride(0), w.stride(1),
+            ws.stride(0), ws.stride(1) if ws.dim() > 1 else 0,
+            wg.stride(0),
+            b.stride(0),
+            out.stride(0), out_s.stride(0),
+            alpha, beta, limit,
+            TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated, ACT=ACT, HAS_LIMIT=HAS_LIMIT,
+            HAS_BIAS=self.config.has_bias, OUT_FP8=fp8,
+            BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
+            EVEN_K=H % g.block_k == 0,
+            num_warps=g.num_warps, num_stages=g.num_stages,
+        )  # fmt: skip
+        return out, (out_s if fp8 else None)
+
+    def _gemm2(self, act, act_scale, blocks, num_entries, w_flat, y, cfg: TritonConfig):
+        p = self._params
+        H, I = self.hidden_size, self.intermediate_size
+        g = cfg.gemm2
+        w, ws = p["w2"], p.get("w2_scale", p["w2"])
+        wg = p.get("w2_global_scale", w)
+        b = p.get("b2", w)
+        a_s = act_scale if act_scale is not None else act
+        self._check_gemm_config(g, gate_up=False)
+        grid = (blocks.max_blocks * triton_cdiv(H, g.block_n),)
+        kernel_module(self.device).moe_gemm2_kernel[grid](
+            act, a_s, w, ws, wg, b, y, w_flat,
+            blocks.sorted_ids, blocks.block_expert,
+            num_entries, blocks.max_blocks, H, I,
+            act.stride(0), a_s.stride(0),
+            w.stride(0), w.stride(1),
+            ws.stride(0), ws.stride(1) if ws.dim() > 1 else 0,
+            wg.stride(0),
+            b.stride(0),
+            y.stride(0),
+            W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias,
+            BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
+            EVEN_K=I % g.block_k == 0,
+            num_warps=g.num_warps, num_stages=g.num_stages,
+        )  # fmt: skip
+
+    def _check_gemm_config(self, g: GemmConfig, gate_up: bool) -> None:
+        if self.mode == "fp8_block":
+            if g.block_k != 128 or (gate_up and g.block_n != 128) or (not gate_up and 128 % g.block_n and g.block_n % 128):
+                raise ValueError(f"fp8_block needs BLOCK_K=128 (and gemm1 BLOCK_N=128), got {g}")
+        elif self.mode in ("nvfp4_w4a16", "mxfp4_w4a16") and g.block_k != 64:
+            raise ValueError(f"{self.mode} needs BLOCK_K=64 (the fp4 interleave block), got {g}")
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = [
+    "TritonExperts",
+    "TritonConfig",
+    "GemmConfig",
+    "pick_config",
+    "presets_for",
+    "kernel_module",
+    "SUPPORTED_MODES",
+    "FP8_BLOCK_PAYLOAD",
+]

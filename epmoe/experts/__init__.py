@@ -9,6 +9,8 @@ from epmoe.experts.base import Experts, ExpertsSpec
 
 EXPERTS: "Registry[Experts]" = Registry("experts backend")
 EXPERTS.register("reference", "epmoe.experts.reference:ReferenceExperts")
+EXPERTS.register("triton", "epmoe.experts.triton_experts:TritonExperts")
+EXPERTS.register("grouped_mm", "epmoe.experts.grouped_mm:GroupedMMExperts")
 
 
 def get_experts_class(name: str):

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from epmoe.config import MoEConfig
+from epmoe.experts.activation import apply_activation
 from epmoe.quant.weights import ExpertWeights
 
 
@@ -77,17 +78,7 @@ def random_local_routing(
 
 def activation_reference(config: MoEConfig, g: torch.Tensor, u: Optional[torch.Tensor]) -> torch.Tensor:
     """The activation of `epmoe.config` in the dtype of g."""
-    if config.activation == "relu2":
-        return torch.relu(g) ** 2
-    a, b, lim = config.swiglu_alpha, config.swiglu_beta, config.swiglu_limit
-    if a is None and b is None and lim is None:
-        return torch.nn.functional.silu(g) * u
-    a = 1.0 if a is None else a
-    b = 0.0 if b is None else b
-    if lim is not None:
-        g = g.clamp(max=lim)
-        u = u.clamp(-lim, lim)
-    return g * torch.sigmoid(a * g) * (u + b)
+    return apply_activation(config, g, u)
 
 
 def experts_reference(

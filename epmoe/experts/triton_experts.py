@@ -399,12 +399,18 @@ class TritonExperts(Experts):
         y = torch.empty(N * K, H, dtype=out_dtype, device=self.device)
         self._gemm2(act, act_scale, blocks, N * K, w_flat, y, cfg)
         out = torch.empty(N, H, dtype=out_dtype, device=self.device)
-        km = kernel_module(self.device)
         BLOCK_H = 1024
-        km.moe_reduce_kernel[(N, triton_cdiv(H, BLOCK_H))](
-            y, ids32, out, H, E, y.stride(0), out.stride(0), TOP_K=K, BLOCK_H=BLOCK_H, num_warps=4
+        self._launch(
+            "moe_reduce_kernel",
+            (N, triton_cdiv(H, BLOCK_H)),
+            (y, ids32, out, H, E, y.stride(0), out.stride(0)),
+            dict(TOP_K=K, BLOCK_H=BLOCK_H, num_warps=4),
         )
         return out
+
+    def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
+        """Every kernel launch goes through here (tools replace it to record the launches)."""
+        getattr(kernel_module(self.device), kernel_name)[grid](*args, **kwargs)
 
     def _input_activations(self, hidden):
         """-> (x [N, H], x_scale [N, H/128] or None) in the form gemm1 reads."""
@@ -424,8 +430,11 @@ class TritonExperts(Experts):
         N, H = x.shape
         q = torch.empty(N, H, dtype=torch.float8_e4m3fn, device=self.device)
         s = torch.empty(N, triton_cdiv(H, 128), dtype=torch.float32, device=self.device)
-        kernel_module(self.device).quant_fp8_rows_kernel[(N, triton_cdiv(H, 128))](
-            x, q, s, H, x.stride(0), q.stride(0), s.stride(0), GROUP=128, num_warps=1
+        self._launch(
+            "quant_fp8_rows_kernel",
+            (N, triton_cdiv(H, 128)),
+            (x, q, s, H, x.stride(0), q.stride(0), s.stride(0)),
+            dict(GROUP=128, num_warps=1),
         )
         return q, s
 
@@ -444,7 +453,7 @@ class TritonExperts(Experts):
         ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
         self._check_gemm_config(g, gate_up=True)
         grid = (blocks.max_blocks * triton_cdiv(I, g.block_n),)
-        kernel_module(self.device).moe_gemm1_kernel[grid](
+        self._launch("moe_gemm1_kernel", grid, (
             x, xs, w, ws, wg, b, out, out_s,
             blocks.sorted_ids, blocks.block_expert,
             num_entries, blocks.max_blocks, H, I,
@@ -455,12 +464,13 @@ class TritonExperts(Experts):
             b.stride(0),
             out.stride(0), out_s.stride(0),
             alpha, beta, limit,
+        ), dict(
             TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated, ACT=ACT, HAS_LIMIT=HAS_LIMIT,
             HAS_BIAS=self.config.has_bias, OUT_FP8=fp8,
             BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
             EVEN_K=H % g.block_k == 0,
             num_warps=g.num_warps, num_stages=g.num_stages,
-        )  # fmt: skip
+        ))  # fmt: skip
         return out, (out_s if fp8 else None)
 
     def _gemm2(self, act, act_scale, blocks, num_entries, w_flat, y, cfg: TritonConfig):
@@ -473,7 +483,7 @@ class TritonExperts(Experts):
         a_s = act_scale if act_scale is not None else act
         self._check_gemm_config(g, gate_up=False)
         grid = (blocks.max_blocks * triton_cdiv(H, g.block_n),)
-        kernel_module(self.device).moe_gemm2_kernel[grid](
+        self._launch("moe_gemm2_kernel", grid, (
             act, a_s, w, ws, wg, b, y, w_flat,
             blocks.sorted_ids, blocks.block_expert,
             num_entries, blocks.max_blocks, H, I,
@@ -483,11 +493,12 @@ class TritonExperts(Experts):
             wg.stride(0),
             b.stride(0),
             y.stride(0),
+        ), dict(
             W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias,
             BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
             EVEN_K=I % g.block_k == 0,
             num_warps=g.num_warps, num_stages=g.num_stages,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def _check_gemm_config(self, g: GemmConfig, gate_up: bool) -> None:
         if self.mode == "fp8_block":

@@ -27,7 +27,7 @@ ACT_SILU = 0  # silu(g) * u
 ACT_SWIGLU_CLAMP = 1  # g' * sigmoid(alpha g') * (u' + beta), optional limit clamp
 ACT_RELU2 = 2  # relu(g)^2 (non-gated)
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)  # globals used inside kernels must be constexpr
 
 
 @triton.jit
@@ -175,10 +175,10 @@ def moe_gemm1_kernel(
             else:
                 a_s = tl.load(as_ptrs + kk)
                 g_s = tl.load(sg_ptrs + kk)
-                acc_g += tl.dot(a, g) * (a_s[:, None] * g_s[None, :])
+                acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
                 if GATED:
                     u_s = tl.load(su_ptrs + kk)
-                    acc_u += tl.dot(a, u) * (a_s[:, None] * u_s[None, :])
+                    acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -310,7 +310,7 @@ def moe_gemm2_kernel(
             else:
                 a_s = tl.load(as_ptrs + kk)
                 b_s = tl.load(bs_ptrs + kk)
-                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
     else:

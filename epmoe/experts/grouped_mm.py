@@ -86,11 +86,14 @@ class GroupedMMExperts(Experts):
         in place (captured CUDA graphs stay valid)."""
         self.check_local_weights(weights)
         dev, dt, E = self.device, torch.bfloat16, self.num_experts
+        # Own copies (never aliases of the caller's tensors: a reload copies into them in place).
         w1 = weights.w1.to(dev, dt)
-        new = {
-            "w13": (w1 if weights.w3 is None else torch.cat([w1, weights.w3.to(dev, dt)], dim=1)).contiguous(),
-            "w2": weights.w2.to(dev, dt).contiguous(),
-        }
+        w13 = torch.empty(E, self.config.w13_rows, self.config.hidden_size, dtype=dt, device=dev)
+        if weights.w3 is None:
+            w13.copy_(w1)
+        else:
+            torch.cat([w1, weights.w3.to(dev, dt)], dim=1, out=w13)
+        new = {"w13": w13, "w2": torch.empty(weights.w2.shape, dtype=dt, device=dev).copy_(weights.w2)}
         if self.config.has_bias:
             for name, b in (("b13", weights.b13), ("b2", weights.b2)):
                 padded = torch.zeros(E + 1, b.shape[1], dtype=torch.float32, device=dev)

@@ -92,11 +92,13 @@ _DENSE_PRESETS = {
     "prefill_m64": TritonConfig("prefill_m64", 64, GemmConfig(128, 64, 4, 4), GemmConfig(256, 64, 8, 3)),
 }
 # fp8 W8A8: BLOCK_K == 128 (one scale per K step); gemm1 BLOCK_N == 128 (one 1x128 group per row).
+# The per-K-step scale promotion keeps a second accumulator live: 128-row gate+up tiles spill (sm90
+# compile, benchmarks/aot_sm90.py), so the large presets use 64-row tiles with 8 warps.
 _FP8_PRESETS = {
     "decode": TritonConfig("decode", 16, GemmConfig(128, 128, 4, 4), GemmConfig(64, 128, 4, 4)),
-    "small": TritonConfig("small", 32, GemmConfig(128, 128, 4, 4), GemmConfig(128, 128, 4, 4)),
-    "medium": TritonConfig("medium", 64, GemmConfig(128, 128, 4, 4), GemmConfig(128, 128, 4, 4)),
-    "prefill": TritonConfig("prefill", 128, GemmConfig(128, 128, 8, 3), GemmConfig(128, 128, 8, 3)),
+    "small": TritonConfig("small", 32, GemmConfig(128, 128, 8, 4), GemmConfig(128, 128, 4, 4)),
+    "medium": TritonConfig("medium", 64, GemmConfig(128, 128, 8, 3), GemmConfig(128, 128, 4, 4)),
+    "prefill": TritonConfig("prefill", 64, GemmConfig(128, 128, 8, 4), GemmConfig(256, 128, 8, 3)),
 }
 # fp4 W4A16: BLOCK_K == 64 (the interleave block).
 _FP4_PRESETS = {
@@ -142,6 +144,12 @@ def kernel_module(device: torch.device):
 
 
 # --------------------------------------------------------------------------- backend
+
+
+def _owned(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
+    """A contiguous copy this backend owns (never an alias of the caller's tensor: reloads copy
+    into it in place)."""
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
 
 
 def _mode_of(spec: ExpertsSpec) -> str:
@@ -253,7 +261,7 @@ class TritonExperts(Experts):
         if self.mode == "bf16":
             dt = self.config.dtype
             new["w13"] = self._stack_w13(weights, slice(0, E)).to(dt)
-            new["w2"] = weights.w2.to(self.device, dt).contiguous()
+            new["w2"] = _owned(weights.w2, self.device, dt)
         else:
             chunk = max(1, (1 << 27) // (R * self.hidden_size))  # ~128M values of float32 scratch
             parts = []
@@ -291,7 +299,7 @@ class TritonExperts(Experts):
     def _stack_w13(self, weights: ExpertWeights, sl: slice) -> torch.Tensor:
         w1 = weights.w1[sl].to(self.device)
         if weights.w3 is None:
-            return w1.contiguous()
+            return _owned(w1, self.device, self.config.dtype)
         return torch.cat([w1, weights.w3[sl].to(self.device)], dim=1).contiguous()
 
     def _expected_shapes(self) -> Dict[str, tuple]:
@@ -319,10 +327,10 @@ class TritonExperts(Experts):
     def _kernel_tensors(self, q: kf.QuantizedExpertWeights, check: bool = False) -> Dict[str, torch.Tensor]:
         dev = self.device
         out = {
-            "w13": q.w13.data.to(dev),
-            "w13_scale": q.w13.scale.to(dev),
-            "w2": q.w2.data.to(dev),
-            "w2_scale": q.w2.scale.to(dev),
+            "w13": _owned(q.w13.data, dev),
+            "w13_scale": _owned(q.w13.scale, dev),
+            "w2": _owned(q.w2.data, dev),
+            "w2_scale": _owned(q.w2.scale, dev),
         }
         if self.mode == "nvfp4_w4a16":
             g13 = q.w13.global_scale.float().to(dev)
@@ -346,8 +354,8 @@ class TritonExperts(Experts):
 
     def _add_biases(self, new: Dict[str, torch.Tensor], b13, b2) -> None:
         if self.config.has_bias:
-            new["b13"] = b13.to(self.device, torch.float32).contiguous()
-            new["b2"] = b2.to(self.device, torch.float32).contiguous()
+            new["b13"] = _owned(b13, self.device, torch.float32)
+            new["b2"] = _owned(b2, self.device, torch.float32)
 
     def _install(self, new: Dict[str, torch.Tensor]) -> None:
         if not self._params:

@@ -55,11 +55,15 @@ class Launch:
 def record_launches(config: MoEConfig, mode: str, num_tokens: int, num_experts: int, preset=None):
     """Run TritonExperts.forward on CPU with the kernel launches recorded instead of run."""
     launches = []
-    TE.TritonExperts.availability = classmethod(lambda cls, spec: Availability.yes("aot"))
     # A few local experts are enough: strides and shapes per expert are the real ones.
     ep_size = config.num_experts // num_experts
     spec = ExpertsSpec(config, 0, ep_size, torch.device("cpu"), plan=QuantPlan(expert_mode=mode))
-    ex = TE.TritonExperts(spec)
+    saved = TE.TritonExperts.__dict__["availability"]
+    TE.TritonExperts.availability = classmethod(lambda cls, spec: Availability.yes("aot"))
+    try:
+        ex = TE.TritonExperts(spec)
+    finally:
+        TE.TritonExperts.availability = saved
     ex._launch = lambda name, grid, args, kwargs: launches.append(Launch(name, args, tuple(kwargs.items())))
     ex.load_weights(T.random_expert_weights(config, num_experts, seed=0))
     if preset is not None:

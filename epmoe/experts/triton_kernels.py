@@ -31,26 +31,34 @@ FP8_MAX = tl.constexpr(448.0)  # globals used inside kernels must be constexpr
 
 
 @triton.jit
-def _e2m1_to_f32(code):
-    """e2m1 codes (low 4 bits) -> float32, exact."""
-    c = code.to(tl.int32)
-    mag = c & 7
-    e = mag >> 1
-    m = mag & 1
-    bits = ((e + 126) << 23) | (m << 22)
-    v = tl.where(e == 0, m.to(tl.float32) * 0.5, bits.to(tl.float32, bitcast=True))
-    return tl.where((c & 8) != 0, -v, v)
+def _fp4_dequant(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """One k64 block of fp4 weights -> (w_lo, w_hi) [HALF, BN] in OUT_DTYPE, exact.
 
-
-@triton.jit
-def _fp4_scale_to_f32(s, W_FMT: tl.constexpr):
+    p:      [HALF, BN] uint8, k64-interleaved: byte j holds K elements 64kk + j (low nibble) and
+            64kk + HALF + j (high nibble)
+    s_ptrs: [BN] pointers to each column's scale row (nvfp4: e4m3 per 16; mxfp4: e8m0 per 32)
+    e2m1 -> fp16 bits by shifts alone (sign -> bit 15, exponent|mantissa -> bits 11..9) is exactly
+    value * 2^-14, subnormal 0.5 included; the 2^14 is folded into the scale. ~8 ops per value."""
+    q = p.to(tl.int32)
+    lo = (((q & 7) << 9) | ((q & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((q & 0x70) << 5) | ((q & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     if W_FMT == 2:
-        r = s.to(tl.float32)
+        # nvfp4: groups 4kk .. 4kk+3 cover the block; each half holds two of them.
+        s0 = tl.load(s_ptrs + 4 * kk).to(tl.float32) * 16384.0
+        s1 = tl.load(s_ptrs + 4 * kk + 1).to(tl.float32) * 16384.0
+        s2 = tl.load(s_ptrs + 4 * kk + 2).to(tl.float32) * 16384.0
+        s3 = tl.load(s_ptrs + 4 * kk + 3).to(tl.float32) * 16384.0
+        first = (tl.arange(0, HALF) < 16)[:, None]
+        w_lo = lo * tl.where(first, s0[None, :], s1[None, :])
+        w_hi = hi * tl.where(first, s2[None, :], s3[None, :])
     else:
-        # e8m0: 2^(s - 127); s == 0 is the fp32 subnormal 2^-127.
-        si = s.to(tl.int32)
-        r = tl.where(si == 0, 5.877471754111438e-39, (si << 23).to(tl.float32, bitcast=True))
-    return r
+        # mxfp4: groups 2kk (low half) and 2kk+1 (high half); 2^(s-127) * 2^14 built as fp32 bits
+        # (exact for s <= 240, i.e. any weight below 2^113).
+        e_lo = tl.load(s_ptrs + 2 * kk).to(tl.int32)
+        e_hi = tl.load(s_ptrs + 2 * kk + 1).to(tl.int32)
+        w_lo = lo * ((e_lo + 14) << 23).to(tl.float32, bitcast=True)[None, :]
+        w_hi = hi * ((e_hi + 14) << 23).to(tl.float32, bitcast=True)[None, :]
+    return w_lo.to(OUT_DTYPE), w_hi.to(OUT_DTYPE)
 
 
 @triton.jit
@@ -183,33 +191,23 @@ def moe_gemm1_kernel(
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
     else:
-        # fp4 W4A16, k64-interleaved bytes: byte j of a 64-block = (k0 + j) low, (k0 + 32 + j) high.
-        # BLOCK_K == 64 and H % 64 == 0 (checked by the launcher).
+        # fp4 W4A16, k64-interleaved bytes (see _fp4_dequant). BLOCK_K == 64 and H % 64 == 0
+        # (checked by the launcher).
         HALF: tl.constexpr = BLOCK_K // 2
-        SG: tl.constexpr = 16 if W_FMT == 2 else 32
         offs_h = tl.arange(0, HALF)
         a_lo_ptrs = x_ptr + tok[:, None] * stride_xm + offs_h[None, :]
         g_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_h[:, None]
         u_ptrs = g_ptrs + I * stride_wn
-        sg_base = ws_base + n_c[None, :].to(tl.int64) * stride_wsn
-        su_base = sg_base + I * stride_wsn
+        sg_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
+        su_ptrs = sg_ptrs + I * stride_wsn
         for kk in range(0, num_k):
-            k_lo = kk * BLOCK_K + offs_h
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            p = tl.load(g_ptrs)
-            s_lo = _fp4_scale_to_f32(tl.load(sg_base + (k_lo // SG)[:, None]), W_FMT)
-            s_hi = _fp4_scale_to_f32(tl.load(sg_base + ((k_lo + HALF) // SG)[:, None]), W_FMT)
-            w_lo = (_e2m1_to_f32(p & 0xF) * s_lo).to(a_lo.dtype)
-            w_hi = (_e2m1_to_f32(p >> 4) * s_hi).to(a_lo.dtype)
+            w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
             acc_g = tl.dot(a_lo, w_lo, acc_g)
             acc_g = tl.dot(a_hi, w_hi, acc_g)
             if GATED:
-                q = tl.load(u_ptrs)
-                t_lo = _fp4_scale_to_f32(tl.load(su_base + (k_lo // SG)[:, None]), W_FMT)
-                t_hi = _fp4_scale_to_f32(tl.load(su_base + ((k_lo + HALF) // SG)[:, None]), W_FMT)
-                v_lo = (_e2m1_to_f32(q & 0xF) * t_lo).to(a_lo.dtype)
-                v_hi = (_e2m1_to_f32(q >> 4) * t_hi).to(a_lo.dtype)
+                v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
                 acc_u = tl.dot(a_lo, v_lo, acc_u)
                 acc_u = tl.dot(a_hi, v_hi, acc_u)
             a_lo_ptrs += BLOCK_K
@@ -315,20 +313,14 @@ def moe_gemm2_kernel(
             b_ptrs += BLOCK_K
     else:
         HALF: tl.constexpr = BLOCK_K // 2
-        SG: tl.constexpr = 16 if W_FMT == 2 else 32
         offs_h = tl.arange(0, HALF)
         a_lo_ptrs = a_ptr + rows[:, None] * stride_am + offs_h[None, :]
         b_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_h[:, None]
-        s_base = ws_base + n_c[None, :].to(tl.int64) * stride_wsn
+        s_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
         for kk in range(0, num_k):
-            k_lo = kk * BLOCK_K + offs_h
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            p = tl.load(b_ptrs)
-            s_lo = _fp4_scale_to_f32(tl.load(s_base + (k_lo // SG)[:, None]), W_FMT)
-            s_hi = _fp4_scale_to_f32(tl.load(s_base + ((k_lo + HALF) // SG)[:, None]), W_FMT)
-            w_lo = (_e2m1_to_f32(p & 0xF) * s_lo).to(a_lo.dtype)
-            w_hi = (_e2m1_to_f32(p >> 4) * s_hi).to(a_lo.dtype)
+            w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT, a_ptr.dtype.element_ty)
             acc = tl.dot(a_lo, w_lo, acc)
             acc = tl.dot(a_hi, w_hi, acc)
             a_lo_ptrs += BLOCK_K

@@ -25,3 +25,8 @@ class ConfigMismatchError(ValueError):
 
 class RemoteRankError(RuntimeError):
     """Another rank of the group failed; this rank stops too instead of hanging."""
+
+
+class PeerInputError(ValueError):
+    """Another rank of the group was given invalid input in the same call; every rank raises
+    (the bad rank its own ValueError/TypeError, the others this), so none waits in a collective."""

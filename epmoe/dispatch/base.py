@@ -33,8 +33,14 @@ class DispatchSpec:
     max_tokens_per_rank: the most tokens one rank sends in one dispatch call (per source rank);
                          the layer chunks larger batches. Workspaces are sized from it.
     payload:             what the experts backend consumes (`PayloadFormat`)
+    wire:                how tokens travel, if different from `payload` (e.g. NVFP4 on the wire,
+                         dequantized on arrival for an experts backend that takes BF16)
     combine_dtype:       dtype of expert outputs on the way back (the model dtype)
     workspace_bytes:     optional pre-computed workspace size (quant plan); backends may ignore it
+    timeout_s:           wait at most this long for a collective (host-blocking backends such as gloo;
+                         None: block). Raise epmoe.core.fault.CollectiveTimeoutError past it.
+    static_shapes:       CUDA-graph mode: every call has exactly max_tokens_per_rank rows (padding rows
+                         have all ids -1), buffers keep their shapes and nothing syncs with the host
     options:             backend-specific knobs (frozen mapping as tuple of pairs)
     """
 
@@ -50,7 +56,14 @@ class DispatchSpec:
     device: torch.device
     deterministic: bool = False
     workspace_bytes: Optional[int] = None
+    wire: Optional[PayloadFormat] = None
+    timeout_s: Optional[float] = None
+    static_shapes: bool = False
     options: tuple = ()
+
+    @property
+    def wire_format(self) -> PayloadFormat:
+        return self.payload if self.wire is None else self.wire
 
     @property
     def num_local_experts(self) -> int:
@@ -79,6 +92,7 @@ class DispatchedTokens:
     topk_weights: Optional[torch.Tensor]
     layout: str = "flat"
     expert_counts: Optional[torch.Tensor] = None
+    static: bool = False  # fixed row count with padding rows (ids -1): experts must not sync with the host
 
     @property
     def num_tokens(self) -> int:

@@ -71,7 +71,20 @@ class Experts(abc.ABC):
 
     @abc.abstractmethod
     def load_weights(self, weights: ExpertWeights) -> None:
-        """Take the local experts' canonical weights (first_expert = spec.first_local_expert)."""
+        """Take the local experts' canonical weights (first_expert = spec.first_local_expert).
+
+        A reload must copy into the existing tensors (same storage) and must not change anything
+        when it raises: validate and convert everything first, then copy."""
+
+    def prepare_weights(self, weights: ExpertWeights) -> Any:
+        """Phase 1 of an all-or-nothing (re)load: validate and convert, touching no live tensor.
+        The layer agrees on the outcome across ranks before any rank commits."""
+        self.check_local_weights(weights)
+        return weights
+
+    def commit_weights(self, prepared: Any) -> None:
+        """Phase 2: install what prepare_weights returned (in place on a reload)."""
+        self.load_weights(prepared)
 
     @abc.abstractmethod
     def forward(self, tokens) -> torch.Tensor:

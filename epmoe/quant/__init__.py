@@ -1,6 +1,13 @@
 """Quantization: formats (reference quantize/dequantize), typed quantized tensors, the quant plan,
 workspace sizing, expert-weight containers and layout conversion.
 
+    e2m1, nvfp4, mxfp4, mxfp8, fp8_block   formats (pure torch, CPU and GPU, bit-exact docs in docs/formats.md)
+    payload, codec                         what dispatchers send (PayloadFormat, QuantizedActivation, byte rows)
+    plan                                   QuantPlan / resolve_quant_plan (rules in docs/quant-plan.md)
+    workspace                              workspace and memory sizing from a plan
+    expert_map                             ExpertPlacement: global <-> local expert ids, per-expert slicing
+    weights                                ExpertWeights (canonical expert tensors)
+
 Imports only `epmoe.core` and `epmoe.config`; submodules are imported explicitly
 (`from epmoe.quant import nvfp4`), nothing optional is imported here.
 """

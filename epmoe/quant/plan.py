@@ -1,13 +1,28 @@
-"""`QuantPlan`: the one resolved quantization decision per model, shared by dispatcher, experts
-and checks. Resolved once at start-up by `resolve_quant_plan`; immutable afterwards.
+"""`QuantPlan`: the one resolved quantization decision per model, shared by dispatcher, experts,
+workspace sizing and checks. Resolved once at start-up by `resolve_quant_plan`; immutable.
 
-(Skeleton from the runtime core: unquantized only. The quant-plan issue fills in every mode.)
+Every decision is a rule below, each with a test (tests/cpu/test_quant_plan.py) and a row in
+docs/quant-plan.md. Tables are data (`DEFAULT_MODES`, `COMPATIBLE_MODES`, `DISPATCH_SUPPORT`,
+`CONSUMABLE_DISPATCH`, `EXPERTS_BACKEND_RULES`) so they can be printed (`format_rules_table`).
+
+Resolution order:
+  1. validate names and option types;
+  2. checkpoint quant method (`config.quant_method`) -> checkpoint family;
+  3. expert mode: explicit (checked against the checkpoint) or the default for (family, arch);
+  4. options: Humming W4A8 (SM90 only, inert on Blackwell, FlashInfer >= 0.6.18), MXFP8 activation
+     scaling (Blackwell), mutually exclusive;
+  5. dispatch dtype: explicit (checked against dispatcher and experts) or auto;
+  6. experts backend: explicit (checked against the table) or the first table row that fits;
+  7. combine dtype: the model dtype ("bf16").
+Every default taken and every inert option is recorded in `notes` (printed by `describe()`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
 
 from epmoe.config import MoEConfig
 
@@ -21,17 +36,137 @@ EXPERT_MODES = (
     "mxfp8",
 )
 DISPATCH_DTYPES = ("auto", "bf16", "nvfp4", "fp8")
+COMBINE_DTYPES = ("bf16",)
+ARCHES = ("cpu", "sm80", "sm90", "sm100", "sm120")
+DISPATCHER_NAMES = ("torch", "reference", "flashinfer", "deepep", "deepep_ll")
+EXPERTS_BACKEND_NAMES = ("reference", "triton", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl")
+HUMMING_MIN_FLASHINFER = "0.6.18"
+
+# Checkpoint `quantization_config.quant_method` -> checkpoint family.
+CHECKPOINT_METHODS: Dict[Optional[str], str] = {
+    None: "none",
+    "none": "none",
+    "fp8": "fp8",
+    "mxfp4": "mxfp4",
+    "modelopt_fp4": "nvfp4",
+    "nvfp4": "nvfp4",
+    "mxfp8": "mxfp8",
+}
+# Modes a checkpoint family can run as ("bf16" = dequantize at load; unquantized checkpoints can be
+# quantized online to any mode).
+COMPATIBLE_MODES: Dict[str, Tuple[str, ...]] = {
+    "none": EXPERT_MODES,
+    "fp8": ("fp8_block", "bf16"),
+    "mxfp4": ("mxfp4_w4a16", "mxfp4_w4a8", "bf16"),
+    "nvfp4": ("nvfp4_w4a4", "nvfp4_w4a16", "bf16"),
+    "mxfp8": ("mxfp8", "bf16"),
+}
+# (checkpoint family, arch) -> default expert mode; arch "*" matches any arch.
+DEFAULT_MODES: Dict[Tuple[str, str], Tuple[str, str]] = {
+    ("none", "*"): ("bf16", "unquantized checkpoint"),
+    ("fp8", "*"): ("fp8_block", "FP8 checkpoint, 128x128 weight blocks assumed (DeepSeek-V3 weight_scale_inv)"),
+    ("mxfp4", "*"): ("mxfp4_w4a16", "MXFP4 checkpoint runs W4A16 (BF16 activations) unless an option asks for W4A8"),
+    ("nvfp4", "sm100"): ("nvfp4_w4a4", "NVFP4 checkpoint on SM100 runs W4A4 (FP4 tensor cores)"),
+    ("nvfp4", "sm120"): ("nvfp4_w4a4", "NVFP4 checkpoint on SM120 runs W4A4 (FP4 tensor cores)"),
+    ("nvfp4", "cpu"): ("nvfp4_w4a4", "NVFP4 checkpoint on CPU emulates W4A4 (the checkpoint's intended numerics)"),
+    ("nvfp4", "sm90"): ("nvfp4_w4a16", "NVFP4 checkpoint on SM90 runs W4A16: Hopper has no FP4 MMA, FlashInfer has no SM90 NVFP4 W4A4 MoE kernel"),
+    ("nvfp4", "sm80"): ("nvfp4_w4a16", "NVFP4 checkpoint on SM80 runs W4A16 (no FP4 MMA)"),
+    ("mxfp8", "*"): ("mxfp8", "MXFP8 checkpoint"),
+}
+# Dispatch dtypes each dispatcher can move.
+DISPATCH_SUPPORT: Dict[str, Tuple[str, ...]] = {
+    "torch": ("bf16", "nvfp4", "fp8"),
+    "reference": ("bf16", "nvfp4", "fp8"),
+    "flashinfer": ("bf16", "nvfp4", "fp8"),
+    "deepep": ("bf16", "fp8"),  # DeepEP normal mode: BF16 or FP8 (1x128 scales), no NVFP4
+    "deepep_ll": ("bf16", "fp8"),
+}
+# Dispatch dtypes each expert mode can consume. BF16 always works (experts quantize themselves).
+CONSUMABLE_DISPATCH: Dict[str, Tuple[str, ...]] = {
+    # BF16 experts take a quantized dispatch when asked for explicitly: tokens travel as NVFP4 / FP8
+    # (less link traffic) and are dequantized on arrival (lossy; auto never picks it)
+    "bf16": ("bf16", "nvfp4", "fp8"),
+    "fp8_block": ("bf16", "fp8"),
+    "nvfp4_w4a4": ("bf16", "nvfp4"),
+    "nvfp4_w4a16": ("bf16",),
+    "mxfp4_w4a16": ("bf16",),
+    "mxfp4_w4a8": ("bf16",),  # activations are quantized inside the experts (FP8 / MXFP8)
+    "mxfp8": ("bf16",),
+}
+# "auto" dispatch: the mode's preferred quantized dispatch when the dispatcher can move it.
+PREFERRED_DISPATCH: Dict[str, str] = {"nvfp4_w4a4": "nvfp4", "fp8_block": "fp8"}
+LAYOUT_OF_DISPATCHER: Dict[str, str] = {"deepep_ll": "masked"}
+
+
+@dataclass(frozen=True)
+class ExpertsBackendRule:
+    """One row of the experts-backend table: `backend` runs `modes` on `arch` for `layouts`,
+    needing FlashInfer (>= `min_flashinfer` when set). Rows of one arch are in priority order."""
+
+    arch: str
+    backend: str
+    modes: Tuple[str, ...]
+    requires_flashinfer: bool = False
+    min_flashinfer: Optional[str] = None
+    layouts: Tuple[str, ...] = ("flat",)
+
+
+_ALL = EXPERT_MODES
+EXPERTS_BACKEND_RULES: Tuple[ExpertsBackendRule, ...] = (
+    ExpertsBackendRule("cpu", "reference", _ALL, layouts=("flat", "masked")),
+    ExpertsBackendRule("sm80", "reference", _ALL, layouts=("flat", "masked")),
+    ExpertsBackendRule("sm90", "triton", ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")),
+    ExpertsBackendRule("sm90", "flashinfer_cutlass", ("bf16", "fp8_block", "mxfp4_w4a16"), True),
+    ExpertsBackendRule("sm90", "flashinfer_cutlass", ("mxfp4_w4a8",), True, HUMMING_MIN_FLASHINFER),
+    ExpertsBackendRule("sm90", "reference", _ALL, layouts=("flat", "masked")),
+    # rows mirror what the backends implement (flashinfer_layout._VARIANT_BY_MODE_ARCH for CUTLASS,
+    # flashinfer_sm100.TRTLLM_MODES / CUTEDSL_MODES); tests/cpu/test_quant_plan.py checks they agree
+    ExpertsBackendRule("sm100", "flashinfer_trtllm", ("mxfp4_w4a16",), True),
+    ExpertsBackendRule("sm100", "flashinfer_cutedsl", ("nvfp4_w4a4",), True, layouts=("flat", "masked")),
+    ExpertsBackendRule("sm100", "flashinfer_cutedsl", ("nvfp4_w4a16",), True, "0.6.18"),
+    ExpertsBackendRule("sm100", "flashinfer_cutlass", ("bf16", "nvfp4_w4a4", "mxfp4_w4a8", "mxfp8"), True),
+    ExpertsBackendRule("sm100", "triton", ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")),
+    ExpertsBackendRule("sm100", "reference", _ALL, layouts=("flat", "masked")),
+    ExpertsBackendRule("sm120", "flashinfer_cutlass", ("bf16", "nvfp4_w4a4", "mxfp4_w4a8"), True),
+    ExpertsBackendRule("sm120", "triton", ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")),
+    ExpertsBackendRule("sm120", "reference", _ALL, layouts=("flat", "masked")),
+)
+
+# What the experts' GEMMs consume as activations, per mode (mxfp4_w4a8 depends on the option).
+_ACT_FORMAT = {
+    "bf16": "bf16",
+    "fp8_block": "fp8_block",
+    "nvfp4_w4a4": "nvfp4",
+    "nvfp4_w4a16": "bf16",
+    "mxfp4_w4a16": "bf16",
+    "mxfp8": "mxfp8",
+}
+_WEIGHT_FORMAT = {
+    "bf16": "bf16",
+    "fp8_block": "fp8_block",
+    "nvfp4_w4a4": "nvfp4",
+    "nvfp4_w4a16": "nvfp4",
+    "mxfp4_w4a16": "mxfp4",
+    "mxfp4_w4a8": "mxfp4",
+    "mxfp8": "mxfp8",
+}
 
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """expert_mode:     how expert weights/activations are quantized ("bf16" = unquantized model dtype)
-    dispatch_dtype:  how tokens travel ("bf16" = unquantized model dtype, "nvfp4", "fp8")
-    combine_dtype:   how expert outputs travel back
-    experts_backend: the experts kernel family (a name in epmoe.experts.EXPERTS)
-    dispatcher:      the dispatcher backend (a name in epmoe.dispatch.DISPATCHERS)
-    arch:            "cpu", "sm90", "sm100", "sm120", ...
-    notes:           human-readable decisions (defaults taken, inert flags)"""
+    """expert_mode:      how expert weights/activations are quantized ("bf16" = unquantized model dtype)
+    dispatch_dtype:   how tokens travel ("bf16" = unquantized model dtype, "nvfp4", "fp8" = 1x128 blocks)
+    combine_dtype:    how expert outputs travel back ("bf16" = model dtype)
+    experts_backend:  the experts kernel family (a name in epmoe.experts.EXPERTS)
+    dispatcher:       the dispatcher backend (a name in epmoe.dispatch.DISPATCHERS)
+    arch:             "cpu", "sm80", "sm90", "sm100", "sm120"
+    act_format:       what the experts' GEMMs consume: "bf16", "fp8_block", "nvfp4", "fp8"
+                      (per-tensor, Humming), "mxfp8"
+    checkpoint_quant: checkpoint family: "none", "fp8", "mxfp4", "nvfp4", "mxfp8"
+    humming:          MXFP4 x FP8 Humming path active (FlashInfer `use_wfp4afp8_humming`)
+    mxfp8_act_scaling: MXFP4 x MXFP8 activation path active (FlashInfer `use_mxfp8_act_scaling`)
+    flashinfer_version: the FlashInfer version the plan was resolved against (None: not installed)
+    notes:            human-readable decisions (defaults taken, inert options)"""
 
     expert_mode: str = "bf16"
     dispatch_dtype: str = "bf16"
@@ -39,52 +174,429 @@ class QuantPlan:
     experts_backend: str = "reference"
     dispatcher: str = "torch"
     arch: str = "cpu"
+    act_format: str = "bf16"
+    checkpoint_quant: str = "none"
+    humming: bool = False
+    mxfp8_act_scaling: bool = False
+    flashinfer_version: Optional[str] = None
     notes: Tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def weight_format(self) -> str:
+        """"bf16", "fp8_block", "nvfp4", "mxfp4" or "mxfp8"."""
+        return _WEIGHT_FORMAT[self.expert_mode]
+
+    @property
+    def is_w4a16(self) -> bool:
+        return self.expert_mode in ("nvfp4_w4a16", "mxfp4_w4a16")
+
+    @property
+    def dispatch_quantized(self) -> bool:
+        return self.dispatch_dtype != "bf16"
+
+    @property
+    def layout(self) -> str:
+        """"flat" or "masked" (DeepEP low-latency)."""
+        return LAYOUT_OF_DISPATCHER.get(self.dispatcher, "flat")
+
+    def dispatch_format(self, model_dtype: torch.dtype):
+        """The `PayloadFormat` tokens travel in (the model dtype when dispatch is "bf16")."""
+        from epmoe.quant.codec import payload_format
+
+        return payload_format(self.dispatch_dtype, model_dtype)
+
     def describe(self) -> str:
+        fi = self.flashinfer_version or "not installed"
+        opts = [n for n, on in (("humming", self.humming), ("mxfp8_act_scaling", self.mxfp8_act_scaling)) if on]
         lines = [
-            f"quant plan: experts={self.expert_mode} via {self.experts_backend}, "
-            f"dispatch={self.dispatch_dtype} over {self.dispatcher}, combine={self.combine_dtype}, "
-            f"arch={self.arch}"
+            f"quant plan: experts={self.expert_mode} (weights {self.weight_format}, activations "
+            f"{self.act_format}) via {self.experts_backend}, dispatch={self.dispatch_dtype} over "
+            f"{self.dispatcher} ({self.layout}), combine={self.combine_dtype}, arch={self.arch}, "
+            f"checkpoint={self.checkpoint_quant}, flashinfer={fi}"
+            + (f", options={'+'.join(opts)}" if opts else "")
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def fingerprint(self) -> dict:
+        """Every decision as a string (notes excluded): compared across ranks at construction."""
         return {
             "plan.expert_mode": self.expert_mode,
             "plan.dispatch_dtype": self.dispatch_dtype,
             "plan.combine_dtype": self.combine_dtype,
             "plan.experts_backend": self.experts_backend,
             "plan.dispatcher": self.dispatcher,
+            "plan.arch": self.arch,
+            "plan.act_format": self.act_format,
+            "plan.checkpoint_quant": self.checkpoint_quant,
+            "plan.humming": repr(self.humming),
+            "plan.mxfp8_act_scaling": repr(self.mxfp8_act_scaling),
+            "plan.flashinfer_version": repr(self.flashinfer_version),
         }
 
 
+# ------------------------------------------------------------------ helpers
+def detect_arch(device) -> str:
+    """"cpu" for a CPU device; "sm80"/"sm90"/"sm100"/"sm120" from a CUDA device's capability."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise ValueError(f"cannot derive a quant-plan arch for device {device}; pass arch= explicitly")
+    major, minor = torch.cuda.get_device_capability(device)
+    by_major = {8: "sm80", 9: "sm90", 10: "sm100", 12: "sm120"}
+    if major not in by_major:
+        raise ValueError(
+            f"GPU compute capability {major}.{minor} has no quant-plan arch; supported majors "
+            f"{sorted(by_major)}; pass arch='cpu' to run the reference experts"
+        )
+    return by_major[major]
+
+
+_ARCH_FAMILY = {
+    "sm80": "sm80", "sm86": "sm80", "sm87": "sm80", "sm89": "sm80",
+    "sm90": "sm90", "sm90a": "sm90",
+    "sm100": "sm100", "sm100a": "sm100", "sm103": "sm100", "sm103a": "sm100",
+    "sm120": "sm120", "sm120a": "sm120", "sm121": "sm120", "sm121a": "sm120",
+}
+
+
+def normalize_arch(arch: str) -> str:
+    """"cpu" or an "smXY" string (e.g. f"sm{major}{minor}") -> the plan's arch family
+    (sm103 -> sm100, sm121 -> sm120, sm86/sm89 -> sm80); ValueError for unknown ones."""
+    if arch in ARCHES:
+        return arch
+    key = str(arch).lower()
+    if key in _ARCH_FAMILY:
+        return _ARCH_FAMILY[key]
+    raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHES} (or an smXY string such as 'sm103')")
+
+
+def installed_flashinfer_version() -> Optional[str]:
+    """FlashInfer's version string if the package is installed (metadata only, no import), else None."""
+    from importlib import metadata
+
+    for dist in ("flashinfer-python", "flashinfer"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _parse_version(v: str, what: str):
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(str(v))
+    except InvalidVersion:
+        raise ValueError(f"{what}={v!r} is not a valid version string (e.g. '0.6.18')") from None
+
+
+def flashinfer_at_least(version: Optional[str], minimum: str) -> bool:
+    """PEP 440 comparison (packaging.version): '0.6.18rc1' < '0.6.18' <= '0.6.18.post1'."""
+    if version is None:
+        return False
+    return _parse_version(version, "flashinfer_version") >= _parse_version(minimum, "minimum")
+
+
+def checkpoint_family(quant_method: Optional[str]) -> str:
+    key = None if quant_method is None else str(quant_method).lower()
+    if key not in CHECKPOINT_METHODS:
+        known = sorted(k for k in CHECKPOINT_METHODS if k)
+        raise ValueError(
+            f"checkpoint quant_method={quant_method!r} is not supported; supported: {known} (or none). "
+            "Override MoEConfig.quant_method if the checkpoint is one of these under another name"
+        )
+    return CHECKPOINT_METHODS[key]
+
+
+def default_mode(family: str, arch: str) -> Tuple[str, str]:
+    """(mode, reason) for a checkpoint family on an arch."""
+    return DEFAULT_MODES.get((family, arch)) or DEFAULT_MODES[(family, "*")]
+
+
+def backend_supports(rule: ExpertsBackendRule, mode: str, layout: str, flashinfer_version: Optional[str]) -> bool:
+    if mode not in rule.modes or layout not in rule.layouts:
+        return False
+    if rule.requires_flashinfer and flashinfer_version is None:
+        return False
+    if rule.min_flashinfer and not flashinfer_at_least(flashinfer_version, rule.min_flashinfer):
+        return False
+    return True
+
+
+def candidate_backends(arch: str, mode: str, layout: str = "flat", flashinfer_version: Optional[str] = None) -> list:
+    """Backends that can run (mode, layout) on arch, in priority order."""
+    out = []
+    for rule in EXPERTS_BACKEND_RULES:
+        if rule.arch == arch and backend_supports(rule, mode, layout, flashinfer_version):
+            if rule.backend not in out:
+                out.append(rule.backend)
+    return out
+
+
+def format_rules_table() -> str:
+    """The experts-backend table as aligned text (priority order within each arch)."""
+    rows = [("arch", "backend", "modes", "flashinfer", "layouts")]
+    for r in EXPERTS_BACKEND_RULES:
+        fi = ("needs >= " + r.min_flashinfer) if r.min_flashinfer else ("needs" if r.requires_flashinfer else "-")
+        modes = "all" if r.modes == EXPERT_MODES else ", ".join(r.modes)
+        rows.append((r.arch, r.backend, modes, fi, "/".join(r.layouts)))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; choose one of {tuple(choices)}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+# ------------------------------------------------------------------ the single entry point
 def resolve_quant_plan(
     config: MoEConfig,
     *,
     requested_mode: Optional[str] = None,
     dispatch_dtype: str = "auto",
     dispatcher: str = "torch",
-    experts_backend: str = "reference",
+    experts_backend: str = "auto",
     arch: str = "cpu",
+    flashinfer_version: Optional[str] = None,
+    humming: bool = False,
+    mxfp8_act_scaling: bool = False,
+    registered_backends: Optional[Sequence[str]] = None,
 ) -> QuantPlan:
-    mode = requested_mode or "bf16"
-    if mode not in EXPERT_MODES:
-        raise ValueError(f"unknown quant mode {mode!r}; choose one of {EXPERT_MODES}")
-    if dispatch_dtype not in DISPATCH_DTYPES:
-        raise ValueError(f"unknown dispatch dtype {dispatch_dtype!r}; choose one of {DISPATCH_DTYPES}")
-    if mode != "bf16" or dispatch_dtype not in ("auto", "bf16"):
-        raise ValueError(f"quant mode {mode!r} / dispatch {dispatch_dtype!r} is not implemented yet")
-    notes = ()
+    """Resolve the quantization plan once (see the module docstring for the order of rules).
+
+    requested_mode:    None / "auto" (default from the checkpoint) or one of EXPERT_MODES
+    dispatch_dtype:    "auto", "bf16", "nvfp4", "fp8"
+    dispatcher:        "torch", "reference", "flashinfer", "deepep", "deepep_ll"
+    experts_backend:   "auto" or one of EXPERTS_BACKEND_NAMES
+    arch:              "cpu", "sm80", "sm90", "sm100", "sm120" (`detect_arch(device)`); smXY strings
+                       are mapped to their family (`normalize_arch`: sm103 -> sm100, sm121 -> sm120)
+    flashinfer_version: installed FlashInfer version string, None when not installed
+                       (`installed_flashinfer_version()`)
+    humming:           Humming W4A8 (MXFP4 weights x FP8 activations, FlashInfer
+                       `use_wfp4afp8_humming`): SM90 only, inert on SM100/SM120, needs FlashInfer >= 0.6.18
+    mxfp8_act_scaling: MXFP4 weights x MXFP8 activations (FlashInfer `use_mxfp8_act_scaling`), Blackwell
+    registered_backends: names the experts registry has (`EXPERTS.names()`); "auto" skips table
+                       rows whose backend is not among them (None: every table row counts)
+    Raises ValueError naming the conflicting settings and the fix.
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    mode_req = None if requested_mode in (None, "auto") else requested_mode
+    if mode_req is not None:
+        _check_choice("quant mode", mode_req, EXPERT_MODES)
+    _check_choice("dispatch dtype", dispatch_dtype, DISPATCH_DTYPES)
+    _check_choice("dispatcher", dispatcher, DISPATCHER_NAMES)
+    arch_in = arch
+    arch = normalize_arch(arch)
+    if experts_backend != "auto":
+        _check_choice("experts backend", experts_backend, EXPERTS_BACKEND_NAMES)
+    _check_bool("humming", humming)
+    _check_bool("mxfp8_act_scaling", mxfp8_act_scaling)
+    if flashinfer_version is not None:
+        _parse_version(flashinfer_version, "flashinfer_version")
+    notes = []
+    if arch != arch_in:
+        notes.append(f"arch {arch_in} -> {arch} family")
+
+    # 2-3. checkpoint family and expert mode
+    family = checkpoint_family(config.quant_method)
+    if mode_req is None:
+        mode, why = default_mode(family, arch)
+        notes.append(f"quant mode auto -> {mode} ({why})")
+    else:
+        mode = mode_req
+        if mode not in COMPATIBLE_MODES[family]:
+            raise ValueError(
+                f"quant mode {mode!r} cannot run a {family} checkpoint (quant_method="
+                f"{config.quant_method!r}); choose one of {COMPATIBLE_MODES[family]} or leave the mode "
+                "unset for the default"
+            )
+        if family == "none" and mode != "bf16":
+            notes.append(f"unquantized checkpoint quantized online to {mode} at load")
+        elif family != "none" and mode == "bf16":
+            notes.append(f"{family} checkpoint dequantized to the model dtype at load")
+
+    # 4. options
+    if humming and mxfp8_act_scaling:
+        raise ValueError(
+            "humming=True (SM90 MXFP4 x FP8) and mxfp8_act_scaling=True (Blackwell MXFP4 x MXFP8) are "
+            "mutually exclusive; enable at most one"
+        )
+    mxfp4_family = mode in ("mxfp4_w4a16", "mxfp4_w4a8")
+    use_humming = False
+    use_mxfp8 = False
+    act_format = _ACT_FORMAT.get(mode)
+    if humming:
+        if not mxfp4_family:
+            raise ValueError(
+                f"humming=True applies to MXFP4 experts (mxfp4_w4a16 / mxfp4_w4a8), but the expert mode is "
+                f"{mode!r}; drop humming or use an MXFP4 checkpoint/mode"
+            )
+        if arch in ("sm100", "sm120"):
+            notes.append(
+                f"humming=True is inert on {arch}: Humming W4A8 is an SM90 path; {mode} keeps the "
+                f"{arch} MXFP4 path (config stays portable)"
+            )
+        elif arch != "sm90":
+            raise ValueError(
+                f"humming=True needs an SM90 GPU with FlashInfer >= {HUMMING_MIN_FLASHINFER} "
+                f"(use_wfp4afp8_humming); arch={arch!r}. Drop humming on this machine"
+            )
+        else:
+            _require_humming_flashinfer(flashinfer_version)
+            if mode_req == "mxfp4_w4a16":
+                raise ValueError(
+                    "humming=True selects MXFP4 x FP8 (W4A8) but the requested mode is 'mxfp4_w4a16'; "
+                    "request 'mxfp4_w4a8' (or leave the mode unset), or drop humming"
+                )
+            if mode != "mxfp4_w4a8":
+                notes.append("humming=True on sm90: mxfp4_w4a16 -> mxfp4_w4a8 (MXFP4 x FP8, FlashInfer Humming)")
+            mode, use_humming, act_format = "mxfp4_w4a8", True, "fp8"
+    if mxfp8_act_scaling:
+        if mode == "mxfp8":
+            notes.append("mxfp8_act_scaling=True: mxfp8 experts already take MXFP8 activations")
+        elif not mxfp4_family:
+            raise ValueError(
+                f"mxfp8_act_scaling=True applies to MXFP4 experts (MXFP4 x MXFP8), but the expert mode is "
+                f"{mode!r}; drop the option or use an MXFP4 checkpoint/mode"
+            )
+        elif arch in ("sm90", "sm80"):
+            raise ValueError(
+                f"mxfp8_act_scaling=True (MXFP4 x MXFP8) needs Blackwell (sm100/sm120), arch={arch!r}; "
+                "on sm90 use humming=True (MXFP4 x FP8) or drop the option"
+            )
+        else:
+            if mode_req == "mxfp4_w4a16":
+                raise ValueError(
+                    "mxfp8_act_scaling=True selects MXFP4 x MXFP8 (W4A8) but the requested mode is "
+                    "'mxfp4_w4a16'; request 'mxfp4_w4a8' (or leave the mode unset), or drop the option"
+                )
+            if mode != "mxfp4_w4a8":
+                notes.append(f"mxfp8_act_scaling=True: mxfp4_w4a16 -> mxfp4_w4a8 (MXFP4 x MXFP8) on {arch}")
+            mode, use_mxfp8, act_format = "mxfp4_w4a8", True, "mxfp8"
+    if mode == "mxfp4_w4a8" and not (use_humming or use_mxfp8):
+        # Explicit W4A8 without an option: the arch decides which 8-bit activation path it is.
+        if arch == "sm90":
+            _require_humming_flashinfer(flashinfer_version)
+            use_humming, act_format = True, "fp8"
+            notes.append("mxfp4_w4a8 on sm90 is the Humming path: humming -> True")
+        else:
+            use_mxfp8, act_format = True, "mxfp8"
+            notes.append(f"mxfp4_w4a8 on {arch} uses MXFP8 activations: mxfp8_act_scaling -> True")
+
+    # 5. dispatch dtype
+    layout = LAYOUT_OF_DISPATCHER.get(dispatcher, "flat")
+    if dispatcher == "deepep_ll" and mode == "nvfp4_w4a16":
+        raise ValueError(
+            "dispatcher='deepep_ll' (DeepEP low-latency, masked layout) is W4A4-only for NVFP4 experts, "
+            "but the expert mode is 'nvfp4_w4a16'; use quant mode 'nvfp4_w4a4', or dispatcher "
+            "'flashinfer' / 'torch' / 'deepep' for W4A16"
+        )
+    supported = DISPATCH_SUPPORT[dispatcher]
+    consumable = CONSUMABLE_DISPATCH[mode]
     if dispatch_dtype == "auto":
-        notes = ("dispatch dtype auto -> bf16 (unquantized model dtype)",)
+        preferred = PREFERRED_DISPATCH.get(mode)
+        if preferred and preferred in supported:
+            resolved_dispatch = preferred
+            notes.append(f"dispatch auto -> {preferred} ({mode} experts consume {preferred}; quantized before the A2A)")
+        else:
+            resolved_dispatch = "bf16"
+            if preferred:
+                notes.append(
+                    f"dispatch auto -> bf16 ({dispatcher} cannot move {preferred}; experts quantize after dispatch)"
+                )
+            elif mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
+                notes.append(f"dispatch auto -> bf16 ({mode} consumes BF16 activations: one workspace, BF16 geometry)")
+            else:
+                notes.append(f"dispatch auto -> bf16 (unquantized model dtype; {mode} experts take BF16 input)")
+    else:
+        resolved_dispatch = dispatch_dtype
+        if resolved_dispatch not in supported:
+            what = "DeepEP normal mode" if dispatcher == "deepep" else f"dispatcher {dispatcher!r}"
+            raise ValueError(
+                f"dispatch_dtype={dispatch_dtype!r} is not supported by {what} (supports {supported}); "
+                f"use dispatch_dtype='auto' or one of {supported}, or another dispatcher"
+            )
+        if resolved_dispatch != "bf16" and mode == "bf16":
+            notes.append(
+                f"dispatch {resolved_dispatch} for bf16 experts: tokens are quantized before the A2A and "
+                "dequantized on arrival (lossy transport, requested explicitly)"
+            )
+        if resolved_dispatch not in consumable:
+            if mode in ("nvfp4_w4a16", "mxfp4_w4a16") and resolved_dispatch == "nvfp4":
+                raise ValueError(
+                    f"dispatch_dtype='nvfp4' conflicts with expert mode {mode!r}: W4A16 experts consume "
+                    "BF16 activations, so NVFP4 dispatch would quantize tokens the experts never use (and need "
+                    "a second workspace geometry). Use dispatch_dtype='bf16' (or 'auto'), or quant mode "
+                    "'nvfp4_w4a4' for NVFP4 dispatch"
+                )
+            needs = {"nvfp4": "'nvfp4_w4a4'", "fp8": "'fp8_block'"}[resolved_dispatch]
+            raise ValueError(
+                f"dispatch_dtype={dispatch_dtype!r} cannot feed expert mode {mode!r} (it consumes "
+                f"{consumable}); use dispatch_dtype='auto' / 'bf16', or quant mode {needs}"
+            )
+
+    # 6. experts backend
+    candidates = candidate_backends(arch, mode, layout, flashinfer_version)
+    if registered_backends is not None:
+        missing = [b for b in candidates if b not in registered_backends]
+        candidates = [b for b in candidates if b in registered_backends]
+        if missing and experts_backend == "auto":
+            notes.append(f"experts auto skipped {missing} (not registered in this build)")
+    if experts_backend == "auto":
+        backend = candidates[0] if candidates else "reference"
+        if backend == "reference" and arch != "cpu":
+            notes.append(
+                f"experts auto -> reference: no fast kernel for {mode} ({layout}) on {arch}"
+                + ("" if flashinfer_version else " without FlashInfer")
+                + " (dequantizes weights; slow)"
+            )
+        else:
+            notes.append(f"experts auto -> {backend} (first of {candidates} for {mode} on {arch})")
+    else:
+        backend = experts_backend
+        if backend not in candidates:
+            raise ValueError(
+                f"experts backend {backend!r} cannot run {mode} ({layout} layout) on {arch}"
+                + (f" with FlashInfer {flashinfer_version}" if flashinfer_version else " without FlashInfer")
+                + f"; backends that can: {candidates or ['reference']} (or experts_backend='auto')"
+            )
+
     return QuantPlan(
         expert_mode=mode,
-        dispatch_dtype="bf16",
+        dispatch_dtype=resolved_dispatch,
         combine_dtype="bf16",
-        experts_backend=experts_backend,
+        experts_backend=backend,
         dispatcher=dispatcher,
         arch=arch,
-        notes=notes,
+        act_format=act_format or "bf16",
+        checkpoint_quant=family,
+        humming=use_humming,
+        mxfp8_act_scaling=use_mxfp8,
+        flashinfer_version=flashinfer_version,
+        notes=tuple(notes),
     )
+
+
+def _require_humming_flashinfer(flashinfer_version: Optional[str]) -> None:
+    if flashinfer_version is None:
+        raise ValueError(
+            f"humming (MXFP4 x FP8 on sm90) needs FlashInfer >= {HUMMING_MIN_FLASHINFER} "
+            "(use_wfp4afp8_humming), but FlashInfer is not installed; pip install "
+            f"'flashinfer-python>={HUMMING_MIN_FLASHINFER}' or drop humming"
+        )
+    if not flashinfer_at_least(flashinfer_version, HUMMING_MIN_FLASHINFER):
+        raise ValueError(
+            f"humming (MXFP4 x FP8 on sm90) needs FlashInfer >= {HUMMING_MIN_FLASHINFER}, found "
+            f"{flashinfer_version} (pre-releases such as 0.6.18rc1 are older than 0.6.18); upgrade "
+            f"flashinfer-python or drop humming"
+        )

@@ -1,0 +1,43 @@
+"""epmoe — an expert-parallel Mixture-of-Experts inference runtime built around its all-to-all dispatcher.
+
+Import direction (one way; nothing imports upwards):
+
+    launch -> layer -> {dispatch, experts} -> quant -> core (epmoe.core, epmoe.config)
+
+`dispatch` and `experts` never import each other: the experts backend declares the
+`PayloadFormat` it consumes and the layer hands that to the dispatcher. Optional packages
+(flashinfer, deep_ep, mpi4py, triton) are imported only when a backend that needs them is built.
+
+Public API:
+    MoEConfig                   shape and math of a layer (epmoe.config)
+    EPMoE, MoEOutput, StepStats the layer (epmoe.layer)
+    Routing, route              top-k routing (epmoe.routing)
+    ExpertWeights               canonical expert tensors (epmoe.quant.weights)
+    QuantPlan, resolve_quant_plan  the one quantization decision (epmoe.quant.plan)
+    reference_moe               dense float64 reference (epmoe.reference)
+    load_expert_weights         checkpoint loading (epmoe.checkpoint)
+"""
+
+from epmoe.checkpoint import load_expert_weights
+from epmoe.config import MoEConfig
+from epmoe.layer import EPMoE, MoEOutput, StepStats
+from epmoe.quant.plan import QuantPlan, resolve_quant_plan
+from epmoe.quant.weights import ExpertWeights
+from epmoe.reference import reference_moe
+from epmoe.routing import Routing, route
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EPMoE",
+    "ExpertWeights",
+    "MoEConfig",
+    "MoEOutput",
+    "QuantPlan",
+    "Routing",
+    "StepStats",
+    "load_expert_weights",
+    "reference_moe",
+    "resolve_quant_plan",
+    "route",
+]

@@ -1,0 +1,213 @@
+"""Fault reports: when a collective times out or a rank fails inside a layer, every rank ends with one
+structured report (layer, call sequence number, phase, which rank waits on which) instead of hanging or
+printing a flood of lines.
+
+Mechanism: nothing is written on the hot path. A rank that fails inside a layer call writes its state
+(call, phase, error) to the process group's key-value store and re-raises. A rank whose collective times
+out writes its own state, waits a short grace period for the peers' states, reads them and raises
+`CollectiveTimeoutError` carrying the `FaultReport`.
+
+Timeouts: on gloo every collective of a layer is waited for at most `timeout_s`. On NCCL the CPU does
+not block on collectives (it would cost a host sync and break CUDA graphs): the process group's own
+timeout and watchdog apply (init_process_group(timeout=...), the launcher's --timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from epmoe.core.errors import RemoteRankError
+
+
+class CollectiveFailure(RemoteRankError):
+    """A collective of a layer did not complete. `.report` is the FaultReport (None when raised below
+    a layer, before the layer added its context)."""
+
+    def __init__(self, message: str, report: "Optional[FaultReport]" = None):
+        super().__init__(message)
+        self.report = report
+
+
+class CollectiveTimeoutError(CollectiveFailure):
+    """A collective did not complete within the timeout."""
+
+
+class PeerLostError(CollectiveFailure):
+    """A peer closed its connection inside a collective (it crashed or exited)."""
+
+
+_LOST = ("connection closed by peer", "connection reset", "broken pipe", "connection refused")
+
+
+def _classify(e: RuntimeError, timeout_s: Optional[float], what: str) -> Optional[CollectiveFailure]:
+    msg = str(e).lower()
+    if "timed out" in msg or "timeout" in msg:
+        return CollectiveTimeoutError(f"{what} did not complete within {timeout_s:g} s" if timeout_s
+                                      else f"{what} timed out")
+    if any(m in msg for m in _LOST):
+        return PeerLostError(f"{what}: a peer closed its connection (it crashed or exited)")
+    return None
+
+
+def wait_work(work: Any, timeout_s: Optional[float], what: str) -> None:
+    """Wait for an async collective; on gloo with a timeout, raise CollectiveTimeoutError after it,
+    PeerLostError when a peer went away."""
+    if work is None:
+        return
+    try:
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        failure = _classify(e, timeout_s, what)
+        if failure is None:
+            raise
+        raise failure from e
+
+
+def run_collective(start: Any, timeout_s: Optional[float], what: str) -> None:
+    """`start()` issues an async collective and returns its work; wait as in `wait_work`."""
+    try:
+        work = start()
+    except RuntimeError as e:
+        failure = _classify(e, timeout_s, what)
+        if failure is None:
+            raise
+        raise failure from e
+    wait_work(work, timeout_s, what)
+
+
+@dataclass(frozen=True)
+class RankState:
+    """rank: global rank; status: "failed", "timed out", "no report" (alive elsewhere, or gone)."""
+
+    rank: int
+    status: str
+    call: Optional[int] = None
+    phase: Optional[str] = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class FaultReport:
+    layer: str
+    call: int
+    phase: str
+    rank: int
+    timeout_s: Optional[float]
+    peers: Tuple[RankState, ...]
+    cause: str = "timed out"  # or "lost a peer"
+
+    @property
+    def waiting_on(self) -> List[int]:
+        """Ranks this rank waits on: those that failed, or reported no state, or are at an earlier call."""
+        out = []
+        for p in self.peers:
+            if p.rank == self.rank:
+                continue
+            if p.status not in ("timed out", "lost a peer") or (p.call is not None and p.call < self.call):
+                out.append(p.rank)
+        return out
+
+    def format(self) -> str:
+        what = (f"timed out after {self.timeout_s:g} s" if self.cause == "timed out" and self.timeout_s
+                else "timed out" if self.cause == "timed out" else "lost a peer's connection")
+        lines = [
+            f"epmoe fault report: layer {self.layer!r}, call {self.call}, phase {self.phase!r}: rank {self.rank} "
+            f"{what} waiting on ranks {self.waiting_on or 'unknown'}"
+        ]
+        for p in sorted(self.peers, key=lambda s: s.rank):
+            where = f" in call {p.call}, phase {p.phase!r}" if p.call is not None else ""
+            lines.append(f"  rank {p.rank}: {p.status}{where}{': ' + p.detail if p.detail else ''}")
+        return "\n".join(lines)
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: reports carry only this rank's view
+        return None
+
+
+class FaultWatch:
+    """One per layer. `with watch.phase("dispatch"): ...` inside a call started by `watch.next_call()`."""
+
+    def __init__(self, layer_uid: str, group: Any, timeout_s: Optional[float]):
+        self.layer_uid = layer_uid
+        self.group = group
+        self.timeout_s = timeout_s
+        self.call = 0
+        self.ranks: List[int] = []
+        if dist.is_available() and dist.is_initialized():
+            self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            self.rank = dist.get_rank()
+            self.enforce = dist.get_backend(group) == "gloo" and timeout_s is not None
+        else:
+            self.rank, self.enforce = 0, False
+
+    @property
+    def collective_timeout(self) -> Optional[float]:
+        """What collectives pass to `wait_work` (None: block without a timeout of ours)."""
+        return self.timeout_s if self.enforce else None
+
+    def next_call(self) -> int:
+        self.call += 1
+        return self.call
+
+    def _key(self, rank: int) -> str:
+        return f"epmoe/fault/{self.layer_uid}/{rank}"
+
+    def _write(self, status: str, phase: str, detail: str) -> None:
+        store = _store()
+        if store is None:
+            return
+        try:
+            store.set(self._key(self.rank), json.dumps(
+                {"status": status, "call": self.call, "phase": phase, "detail": detail[:500]}))
+        except Exception:  # noqa: BLE001 - reporting must never mask the real error
+            pass
+
+    def _read_peers(self, grace_s: float) -> Tuple[RankState, ...]:
+        store = _store()
+        states = {}
+        deadline = time.monotonic() + grace_s
+        while True:
+            for r in self.ranks:
+                if r in states or store is None:
+                    continue
+                try:
+                    if store.check([self._key(r)]):
+                        d = json.loads(store.get(self._key(r)))
+                        states[r] = RankState(r, d["status"], d["call"], d["phase"], d["detail"])
+                except Exception:  # noqa: BLE001
+                    pass
+            if len(states) == len(self.ranks) or time.monotonic() >= deadline or store is None:
+                break
+            time.sleep(0.05)
+        return tuple(states.get(r, RankState(r, "no report", detail="alive elsewhere or gone"))
+                     for r in self.ranks)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        try:
+            yield
+        except CollectiveFailure as e:
+            if e.report is not None:
+                raise
+            lost = isinstance(e, PeerLostError)
+            self._write("lost a peer" if lost else "timed out", name, str(e))
+            grace = min(5.0, max(1.0, (self.timeout_s or 4.0) / 4))
+            report = FaultReport(self.layer_uid, self.call, name, self.rank, self.timeout_s, self._read_peers(grace),
+                                 cause="lost a peer" if lost else "timed out")
+            raise type(e)(report.format(), report) from e
+        except BaseException as e:
+            self._write("failed", name, f"{type(e).__name__}: {e}")
+            raise

@@ -1,0 +1,242 @@
+"""`TorchA2ADispatcher` ("torch"): torch.distributed all_to_all_single with exchanged split sizes.
+NCCL on GPU, gloo on CPU: the embedded default that runs anywhere.
+
+dispatch (per call, three collectives):
+  1. meta exchange: all_to_all of [ep, 2] int64 = (rows for that rank, "my input is bad" flag).
+     Every rank learns every sender's flag, so a bad input on one rank makes all ranks raise
+     instead of leaving the others in the next collective.
+  2. payload: each token goes once to every rank owning at least one of its experts, as one packed
+     uint8 row [hidden payload | local top-k ids int32 | top-k weights f32] (one collective instead
+     of three; FP8 scales travel as bytes, which gloo needs anyway).
+combine: all_to_all of the expert outputs back (model dtype), then each rank adds its partial sums
+  per source rank in rank order, in fp32: deterministic on every device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from epmoe.core import dist as edist
+from epmoe.core.fault import run_collective
+from epmoe.dispatch.base import DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
+from epmoe.quant import codec
+from epmoe.quant.payload import PayloadFormat
+
+
+@dataclass(frozen=True)
+class TorchA2AHandle(DispatchHandle):
+    """send_token_idx [S] int64: source token of each sent row (rank-major, tokens ascending);
+    send_counts / recv_counts: rows per peer rank (python ints, used as split sizes)."""
+
+    send_token_idx: Optional[torch.Tensor] = None
+    send_counts: Tuple[int, ...] = ()
+    recv_counts: Tuple[int, ...] = ()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] tensor -> [N, row_bytes] uint8 view (copying only if not contiguous)."""
+    t = t.contiguous()
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()
+    return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
+
+
+class _RowCodec:
+    """The dispatch row for one wire format: [payload (epmoe.quant.codec wire row) | ids | weights]."""
+
+    def __init__(self, spec: DispatchSpec):
+        self.spec = spec
+        self.wire: PayloadFormat = spec.wire_format
+        H, K = spec.hidden_size, spec.top_k
+        self.payload_bytes = codec.wire_bytes_per_token(self.wire, H) if self.wire.is_quantized \
+            else self.wire.data_bytes_per_token(H)
+        self.routing_bytes = K * 4 + K * 4
+        self.row_bytes = self.payload_bytes + self.routing_bytes
+
+    def pack(self, hidden: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.wire.is_quantized:
+            payload = codec.pack_rows(codec.quantize_activation(hidden, self.wire))
+        else:
+            payload = _as_bytes(hidden.to(self.wire.dtype))
+        return torch.cat([payload, _as_bytes(local_ids.to(torch.int32)), _as_bytes(weights.to(torch.float32))], dim=1)
+
+    def unpack(self, rows: torch.Tensor) -> Tuple[object, torch.Tensor, torch.Tensor]:
+        N, H, K = rows.shape[0], self.spec.hidden_size, self.spec.top_k
+        o = self.payload_bytes
+        ids = rows[:, o : o + 4 * K].contiguous().view(torch.int32).reshape(N, K)
+        w = rows[:, o + 4 * K :].contiguous().view(torch.float32).reshape(N, K)
+        if not self.wire.is_quantized:
+            return rows[:, :o].contiguous().view(self.wire.dtype).reshape(N, H), ids, w
+        hidden = codec.unpack_rows(rows[:, :o].contiguous(), self.wire, H)
+        if not self.spec.payload.is_quantized:  # experts take unquantized: dequantize on arrival
+            hidden = codec.dequantize_activation(hidden, self.spec.payload.dtype)
+        return hidden, ids, w
+
+
+class TorchA2ADispatcher(Dispatcher):
+    name = "torch"
+
+    def __init__(self, spec: DispatchSpec):
+        super().__init__(spec)
+        if spec.wire_format.is_quantized and spec.payload.is_quantized and spec.payload != spec.wire_format:
+            raise ValueError(
+                f"wire format {spec.wire_format.name} differs from the experts' payload "
+                f"{spec.payload.name}; the torch dispatcher converts only to unquantized payloads"
+            )
+        self._codec = _RowCodec(spec)
+        self._distributed = edist.is_distributed(spec.group)
+
+    # ------------------------------------------------------------------ helpers
+    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> None:
+        if self._distributed:
+            run_collective(
+                lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.spec.group, async_op=True),
+                self.spec.timeout_s, "all_to_all of token rows",
+            )
+        else:
+            out.copy_(inp)
+
+    def _validate(self, hidden, topk_ids, topk_weights) -> Tuple[Optional[BaseException], Optional[torch.Tensor]]:
+        """Local checks. Returns (error or None, device flag tensor for id range)."""
+        try:
+            self.check_inputs(hidden, topk_ids, topk_weights)
+        except (ValueError, TypeError) as e:
+            return e, None
+        E = self.spec.num_experts
+        bad = ((topk_ids < -1) | (topk_ids >= E)).any()
+        return None, bad
+
+    # ------------------------------------------------------------------ static (CUDA graph) mode
+    def _dispatch_static(self, hidden, topk_ids, topk_weights):
+        """Every rank sends all its M rows to every rank (ids local there or -1): equal splits, no
+        host sync, fixed shapes. Costs bandwidth for tokens a rank does not need; meant for decode."""
+        s = self.spec
+        ep, E_local, M = s.ep_size, s.num_local_experts, s.max_tokens_per_rank
+        if hidden.shape[0] != M:
+            raise ValueError(f"static dispatch takes exactly max_tokens_per_rank={M} rows, got {hidden.shape[0]}")
+        ids = topk_ids.to(torch.int64)
+        ranks = torch.arange(ep, device=ids.device).view(ep, 1, 1)
+        dest = torch.where(ids >= 0, ids // E_local, torch.full_like(ids, -1)).unsqueeze(0)  # [1, M, K]
+        on = dest == ranks  # [ep, M, K]
+        local_ids = torch.where(on, ids.unsqueeze(0) - ranks * E_local, torch.full_like(on, -1, dtype=torch.int64))
+        local_w = torch.where(on, topk_weights.float().unsqueeze(0), torch.zeros((), device=ids.device))
+        send = self._codec.pack(hidden.repeat(ep, 1), local_ids.reshape(ep * M, -1), local_w.reshape(ep * M, -1))
+        recv = torch.empty_like(send)
+        self._a2a_meta(recv, send)  # equal splits
+        recv_hidden, recv_ids, recv_w = self._codec.unpack(recv)
+        handle = TorchA2AHandle(num_tokens=M, bytes_sent=(ep - 1) * M * self._codec.row_bytes)
+        return DispatchedTokens(hidden=recv_hidden, topk_ids=recv_ids, topk_weights=recv_w, static=True), handle
+
+    def _combine_static(self, expert_output, handle):
+        s = self.spec
+        ep, M = s.ep_size, s.max_tokens_per_rank
+        back = expert_output.to(s.combine_dtype).contiguous()
+        got = torch.empty_like(back)
+        self._a2a_meta(got, back)
+        got = got.view(ep, M, s.hidden_size)
+        out = got[0].float()
+        for r in range(1, ep):  # rank order: deterministic
+            out = out + got[r].float()
+        return out.to(s.combine_dtype)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        s = self.spec
+        if s.static_shapes:
+            return self._dispatch_static(hidden, topk_ids, topk_weights)
+        ep, E_local = s.ep_size, s.num_local_experts
+        error, bad_ids = self._validate(hidden, topk_ids, topk_weights)
+
+        meta = torch.zeros(ep, 2, dtype=torch.int64, device=hidden.device)
+        if error is None:
+            ids = topk_ids.to(torch.int64)
+            T = hidden.shape[0]
+            dest = torch.where(ids >= 0, ids // E_local, torch.full_like(ids, -1))  # [T, K]
+            ranks = torch.arange(ep, device=ids.device)
+            sent = (dest.unsqueeze(-1) == ranks).any(dim=1)  # [T, ep]
+            meta[:, 0] = sent.sum(dim=0)
+            meta[:, 1] = bad_ids.to(torch.int64)
+        else:
+            meta[:, 1] = 1
+        recv_meta = torch.empty_like(meta)
+        self._a2a_meta(recv_meta, meta)
+        send_counts = meta[:, 0].tolist()
+        recv_meta_cpu = recv_meta.cpu()
+        recv_counts = recv_meta_cpu[:, 0].tolist()
+        failed = [r for r in range(ep) if recv_meta_cpu[r, 1].item()]
+        if error is None and bad_ids is not None and meta[0, 1].item():
+            bad = topk_ids[(topk_ids < -1) | (topk_ids >= s.num_experts)]
+            error = ValueError(
+                f"topk_ids holds expert id {int(bad[0])} outside [0, {s.num_experts}) "
+                f"(-1 marks 'no expert'); fix the router output or num_experts"
+            )
+        edist.raise_if_any_failed(error, failed, s.group, s.timeout_s)
+
+        # rows in rank-major order, tokens ascending within a rank
+        rank_of_row, token_of_row = sent.t().nonzero(as_tuple=True)
+        row_dest = rank_of_row.unsqueeze(1)
+        row_ids = ids[token_of_row]
+        on_dest = dest[token_of_row] == row_dest
+        local_ids = torch.where(on_dest, row_ids - row_dest * E_local, torch.full_like(row_ids, -1))
+        local_w = torch.where(on_dest, topk_weights[token_of_row].float(), torch.zeros((), device=hidden.device))
+        send_rows = self._codec.pack(hidden[token_of_row], local_ids, local_w)
+
+        recv_rows = torch.empty(sum(recv_counts), self._codec.row_bytes, dtype=torch.uint8, device=hidden.device)
+        self._a2a(recv_rows, send_rows, recv_counts, send_counts)
+        recv_hidden, recv_ids, recv_w = self._codec.unpack(recv_rows)
+
+        me = s.ep_rank
+        sent_remote = sum(c for r, c in enumerate(send_counts) if r != me)
+        nbytes = sent_remote * self._codec.row_bytes
+        st = self.stats
+        st.dispatch_calls += 1
+        st.dispatch_bytes_sent += nbytes
+        st.tokens_sent += sent_remote
+        fmt = st.by_format.setdefault(self._codec.wire.name, {"payload": 0, "routing": 0})
+        fmt["payload"] += sent_remote * self._codec.payload_bytes
+        fmt["routing"] += sent_remote * self._codec.routing_bytes
+        handle = TorchA2AHandle(
+            num_tokens=hidden.shape[0], bytes_sent=nbytes, send_token_idx=token_of_row,
+            send_counts=tuple(send_counts), recv_counts=tuple(recv_counts),
+        )
+        return DispatchedTokens(hidden=recv_hidden, topk_ids=recv_ids, topk_weights=recv_w), handle
+
+    def _a2a_meta(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        if self._distributed:
+            run_collective(
+                lambda: dist.all_to_all_single(out, inp, group=self.spec.group, async_op=True),
+                self.spec.timeout_s, "all_to_all of split sizes",
+            )
+        else:
+            out.copy_(inp)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, expert_output: torch.Tensor, handle: TorchA2AHandle) -> torch.Tensor:
+        s = self.spec
+        if s.static_shapes:
+            return self._combine_static(expert_output, handle)
+        N = sum(handle.recv_counts)
+        if expert_output.shape != (N, s.hidden_size):
+            raise ValueError(
+                f"expert_output has shape {list(expert_output.shape)}; expected [{N}, {s.hidden_size}] "
+                "(one row per dispatched token)"
+            )
+        back = expert_output.to(s.combine_dtype).contiguous()
+        S = sum(handle.send_counts)
+        got = torch.empty(S, s.hidden_size, dtype=s.combine_dtype, device=expert_output.device)
+        self._a2a(got, back, list(handle.send_counts), list(handle.recv_counts))
+        me = s.ep_rank
+        elem = torch.tensor([], dtype=s.combine_dtype).element_size()
+        self.stats.combine_bytes_sent += sum(c for r, c in enumerate(handle.recv_counts) if r != me) * s.hidden_size * elem
+
+        out = torch.zeros(handle.num_tokens, s.hidden_size, dtype=torch.float32, device=expert_output.device)
+        start = 0
+        for c in handle.send_counts:  # rank order: a fixed summation order on every device
+            if c:
+                out.index_add_(0, handle.send_token_idx[start : start + c], got[start : start + c].float())
+            start += c
+        return out.to(s.combine_dtype)

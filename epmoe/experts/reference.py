@@ -1,0 +1,109 @@
+"""`ReferenceExperts`: plain torch, float32 arithmetic, any device. The oracle other backends are
+checked against, and the CPU default.
+
+Per local expert e, on the rows that chose it (fp32 throughout, cast to the model dtype at the end):
+    h = x @ w13[e].T (+ b13[e]);  a = act(h);  y = a @ w2[e].T (+ b2[e]);  out[rows] += w * y
+Experts are visited in ascending order and each adds to distinct rows, so the result is
+deterministic on every device.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from epmoe.config import MoEConfig
+from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.quant.payload import QuantizedActivation
+from epmoe.quant.weights import ExpertWeights
+
+
+def apply_activation(config: MoEConfig, h: torch.Tensor) -> torch.Tensor:
+    """h: [N, 2I] (gate half first) for swiglu, [N, I] for relu2 -> [N, I]. Any float dtype."""
+    if config.activation == "relu2":
+        return torch.relu(h).square()
+    g, u = h.chunk(2, dim=-1)
+    if config.swiglu_alpha is None and config.swiglu_beta is None and config.swiglu_limit is None:
+        return torch.nn.functional.silu(g) * u
+    alpha = 1.0 if config.swiglu_alpha is None else config.swiglu_alpha
+    beta = 0.0 if config.swiglu_beta is None else config.swiglu_beta
+    if config.swiglu_limit is not None:
+        g = g.clamp(max=config.swiglu_limit)
+        u = u.clamp(min=-config.swiglu_limit, max=config.swiglu_limit)
+    return g * torch.sigmoid(alpha * g) * (u + beta)
+
+
+class ReferenceExperts(Experts):
+    name = "reference"
+
+    def __init__(self, spec: ExpertsSpec):
+        super().__init__(spec)
+        self._params: Dict[str, torch.Tensor] = {}
+
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        return dict(self._params)
+
+    def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
+        self.check_local_weights(weights)
+        dev, dt = self.spec.device, self.config.dtype
+        new = {"w13": weights.w13(), "w2": weights.w2}
+        if self.config.has_bias:
+            new["b13"], new["b2"] = weights.b13, weights.b2
+        return {k: v.to(device=dev, dtype=dt).contiguous() for k, v in new.items()}
+
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
+        if not self._params:
+            self._params = prepared
+            return
+        for k, v in prepared.items():  # reload: copy in place so storage (and captured graphs) survive
+            self._params[k].copy_(v)
+
+    def load_weights(self, weights: ExpertWeights) -> None:
+        self.commit_weights(self.prepare_weights(weights))
+
+    def forward(self, tokens) -> torch.Tensor:
+        if tokens.layout != "flat":
+            raise ValueError(f"experts backend {self.name!r} takes the flat layout, got {tokens.layout!r}")
+        if not self._params:
+            raise RuntimeError("ReferenceExperts.forward before load_weights")
+        x = tokens.hidden
+        if isinstance(x, QuantizedActivation):
+            from epmoe.quant.codec import dequantize_activation
+
+            x = dequantize_activation(x, torch.float32)
+        N = x.shape[0]
+        out = torch.zeros(N, self.config.hidden_size, dtype=torch.float32, device=x.device)
+        ids, w = tokens.topk_ids, tokens.topk_weights
+        p = self._params
+        if tokens.static:
+            return self._forward_dense(x, ids, w, out)
+        for e in range(self.spec.num_local_experts):
+            rows, ks = (ids == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            xe = x[rows].float()
+            h = xe @ p["w13"][e].float().t()
+            if "b13" in p:
+                h = h + p["b13"][e].float()
+            y = apply_activation(self.config, h) @ p["w2"][e].float().t()
+            if "b2" in p:
+                y = y + p["b2"][e].float()
+            out.index_add_(0, rows, y * w[rows, ks].float().unsqueeze(1))
+        return out.to(self.config.dtype)
+
+    def _forward_dense(self, x, ids, w, out) -> torch.Tensor:
+        """No host sync, fixed shapes (CUDA-graph safe): every local expert runs on every row and rows
+        that did not choose it get weight 0. Costs E_local x the FLOPs; fine for decode-sized batches."""
+        p = self._params
+        xf = x.float()
+        for e in range(self.spec.num_local_experts):
+            we = torch.where(ids == e, w.float(), torch.zeros((), device=x.device)).sum(dim=1)  # [N]
+            h = xf @ p["w13"][e].float().t()
+            if "b13" in p:
+                h = h + p["b13"][e].float()
+            y = apply_activation(self.config, h) @ p["w2"][e].float().t()
+            if "b2" in p:
+                y = y + p["b2"][e].float()
+            out += we.unsqueeze(1) * y
+        return out.to(self.config.dtype)

@@ -1,0 +1,539 @@
+"""`EPMoE`: one expert-parallel MoE layer. Its forward is visibly
+
+    route -> dispatch -> experts -> combine
+
+over the ranks of an EP process group. Each rank may pass a different number of tokens (0 too);
+a batch above `max_num_tokens_per_rank` runs in rounds that all ranks agree on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import torch
+
+from epmoe.checkpoint import Source, load_expert_weights
+from epmoe.config import MoEConfig, dtype_name
+from epmoe.core import dist as edist
+from epmoe.core.errors import BackendUnavailableError
+from epmoe.core.fault import FaultWatch
+from epmoe.dispatch import DISPATCHERS, Dispatcher, DispatchSpec
+from epmoe.experts import EXPERTS, Experts, ExpertsSpec
+from epmoe.quant.payload import PayloadFormat
+from epmoe.quant.plan import QuantPlan, detect_arch, installed_flashinfer_version, resolve_quant_plan
+from epmoe.quant.weights import ExpertWeights
+from epmoe.routing import Routing, route
+
+DEFAULT_MAX_TOKENS_PER_RANK = 4096
+_LAYER_IDS = itertools.count()  # names layers for fault reports; all ranks build layers in one order
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Per-call statistics (returned with `return_stats=True`; local to this rank, no extra collective).
+
+    tokens_per_rank:       T of every rank of the group in this call
+    rounds:                dispatch/combine rounds (> 1 when some rank exceeded max_num_tokens_per_rank)
+    received_rows:         rows this rank's experts processed (summed over rounds)
+    tokens_per_local_expert: [E_local] int64, (token, expert) pairs each local expert processed
+    bytes_sent:            dispatch bytes this rank sent to other ranks
+    """
+
+    tokens_per_rank: tuple
+    rounds: int
+    received_rows: int
+    tokens_per_local_expert: torch.Tensor
+    bytes_sent: int
+
+    @property
+    def expert_imbalance(self) -> float:
+        """max / mean of tokens per local expert (1.0 = perfectly balanced; 0 if no tokens)."""
+        c = self.tokens_per_local_expert.double()
+        return float(c.max() / c.mean()) if c.numel() and c.sum() > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class MoEOutput:
+    """hidden_states [T, H]; routing as computed (global ids) when asked for; stats when asked for."""
+
+    hidden_states: torch.Tensor
+    routing: Optional[Routing] = None
+    stats: Optional[StepStats] = None
+
+
+def _default_device(group: Any) -> torch.device:
+    if edist.collective_device(group).type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class EPMoE(torch.nn.Module):
+    """One MoE layer over the ranks of `group` (default: the world; None without torch.distributed).
+
+    config:        MoEConfig (shape and math)
+    dispatcher:    a name in epmoe.dispatch.DISPATCHERS ("torch", "flashinfer", "deepep", "deepep_ll")
+    experts:       a name in epmoe.experts.EXPERTS, or "auto" (the quant plan picks by arch)
+    quant:         expert quant mode (None: from the checkpoint's quant_method, else unquantized)
+    dispatch_dtype: "auto", "bf16" (unquantized model dtype), "nvfp4", "fp8"
+    humming / mxfp8_act_scaling: MXFP4 activation options of the quant plan (docs/quant-plan.md)
+    max_num_tokens_per_rank: tokens per rank per dispatch round; workspaces are sized from it
+    strict:        raise instead of chunking when a rank passes more tokens than that
+    deterministic: bitwise-reproducible reductions (fixed order, no atomics)
+    plan:          a QuantPlan resolved by the caller (overrides quant / dispatch_dtype / experts)
+    timeout_s:     wait at most this long in any collective of this layer (gloo; on NCCL the process
+                   group's timeout applies); past it every rank raises CollectiveTimeoutError with a
+                   FaultReport (layer, call number, phase, which rank waits on which)
+
+    `dispatcher` may also be a Dispatcher built for another layer: several layers (a model) then
+    share one dispatcher and its workspace (it must match this layer's group and shape).
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        group: Any = None,
+        dispatcher: Union[str, Dispatcher] = "torch",
+        device: Union[str, torch.device, None] = None,
+        max_num_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK,
+        *,
+        experts: str = "auto",
+        quant: Optional[str] = None,
+        dispatch_dtype: str = "auto",
+        humming: bool = False,
+        mxfp8_act_scaling: bool = False,
+        strict: bool = False,
+        deterministic: bool = False,
+        plan: Optional[QuantPlan] = None,
+        dispatcher_options: Optional[Mapping[str, Any]] = None,
+        experts_options: Optional[Mapping[str, Any]] = None,
+        timeout_s: Optional[float] = None,
+        name: str = "EPMoE",
+    ):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config is a {type(config).__name__}; pass an epmoe.MoEConfig")
+        self.config = config
+        self.group = group
+        self.name = name
+        self.ep_rank = edist.group_rank(group)
+        self.ep_size = edist.group_size(group)
+        self.device = torch.device(device) if device is not None else _default_device(group)
+        self.strict = strict
+        self.deterministic = deterministic
+        self.timeout_s = timeout_s
+        shared_dispatcher = dispatcher if isinstance(dispatcher, Dispatcher) else None
+        dispatcher_name = shared_dispatcher.name if shared_dispatcher is not None else dispatcher
+
+        # Everything that can fail locally is resolved first and the result is agreed on across
+        # the group, so a rank with a bad setting never leaves the others waiting.
+        error: Optional[BaseException] = None
+        try:
+            if isinstance(max_num_tokens_per_rank, bool) or not isinstance(max_num_tokens_per_rank, int) or max_num_tokens_per_rank <= 0:
+                raise ValueError(f"max_num_tokens_per_rank={max_num_tokens_per_rank!r}; pass a positive int")
+            if config.num_experts % self.ep_size:
+                raise ValueError(
+                    f"num_experts={config.num_experts} is not divisible by the EP size {self.ep_size}; "
+                    f"use an EP group whose size divides {config.num_experts}"
+                )
+            if timeout_s is not None and not timeout_s > 0:
+                raise ValueError(f"timeout_s={timeout_s!r}; pass a positive number of seconds or None")
+            if dispatcher_name not in DISPATCHERS:
+                raise ValueError(f"unknown dispatcher {dispatcher_name!r}; choose one of {DISPATCHERS.names()}")
+            if experts != "auto" and experts not in EXPERTS:
+                raise ValueError(f"unknown experts backend {experts!r}; choose 'auto' or one of {EXPERTS.names()}")
+            if plan is None:
+                plan = resolve_quant_plan(
+                    config, requested_mode=quant, dispatch_dtype=dispatch_dtype, dispatcher=dispatcher_name,
+                    experts_backend=experts, arch=detect_arch(self.device),
+                    flashinfer_version=installed_flashinfer_version(), humming=humming,
+                    mxfp8_act_scaling=mxfp8_act_scaling, registered_backends=EXPERTS.names(),
+                )
+        except (ValueError, TypeError) as e:
+            error = e
+        self.max_num_tokens_per_rank = max_num_tokens_per_rank
+        self.plan = plan
+        fingerprint = dict(config.fingerprint())
+        fingerprint.update(
+            dispatcher=dispatcher_name, experts=experts, timeout_s=repr(timeout_s), max_num_tokens_per_rank=repr(max_num_tokens_per_rank),
+            deterministic=repr(deterministic), ep_size=repr(self.ep_size),
+        )
+        if plan is not None:
+            fingerprint.update(plan.fingerprint())
+        fingerprint["construction_error"] = "none" if error is None else f"{type(error).__name__}: {error}"
+        self._watch = FaultWatch(f"{name}#{next(_LAYER_IDS)}", group, timeout_s)
+        edist.agree_fingerprint(fingerprint, group, what=name, timeout_s=self._watch.collective_timeout)
+        if error is not None:
+            raise error
+
+        self.num_local_experts = config.num_experts // self.ep_size
+        self.first_local_expert = self.ep_rank * self.num_local_experts
+        self.experts: Experts = self._build_experts(plan, dict(experts_options or {}))
+        if shared_dispatcher is not None:
+            self._check_shared_dispatcher(shared_dispatcher)
+            self.dispatcher: Dispatcher = shared_dispatcher
+        else:
+            self.dispatcher = self._build_dispatcher(plan, dict(dispatcher_options or {}))
+        self.register_buffer(
+            "e_score_correction_bias",
+            torch.zeros(config.num_experts, dtype=torch.float32, device=self.device)
+            if config.routing == "sigmoid_grouped" else None,
+        )
+        self._weights_loaded = False
+        self._loaded_dtypes: Dict[str, torch.dtype] = {}
+
+    # ------------------------------------------------------------------ construction
+    def _build_experts(self, plan: QuantPlan, options: Dict[str, Any]) -> Experts:
+        cls = EXPERTS.get(plan.experts_backend)
+        spec = ExpertsSpec(
+            config=self.config, ep_rank=self.ep_rank, ep_size=self.ep_size, device=self.device,
+            plan=plan, deterministic=self.deterministic,
+            max_tokens=self.max_num_tokens_per_rank * self.ep_size, options=tuple(sorted(options.items())),
+        )
+        avail = cls.availability(spec)
+        if not avail:
+            raise BackendUnavailableError(plan.experts_backend, avail.reason, avail.hint)
+        return cls(spec)
+
+    def _wire_format(self, plan: QuantPlan) -> Optional[PayloadFormat]:
+        if plan.dispatch_dtype == "bf16":
+            return None  # what the experts consume travels as is
+        from epmoe.quant.codec import payload_format
+
+        return payload_format(plan.dispatch_dtype, self.config.dtype)
+
+    def _build_dispatcher(self, plan: QuantPlan, options: Dict[str, Any]) -> Dispatcher:
+        cls = DISPATCHERS.get(plan.dispatcher)
+        avail = cls.availability(self.device, self.ep_size)
+        if not avail:
+            raise BackendUnavailableError(plan.dispatcher, avail.reason, avail.hint)
+        spec = DispatchSpec(
+            group=self.group, ep_rank=self.ep_rank, ep_size=self.ep_size,
+            num_experts=self.config.num_experts, top_k=self.config.top_k,
+            hidden_size=self.config.hidden_size, max_tokens_per_rank=self.max_num_tokens_per_rank,
+            payload=self.experts.payload_format, wire=self._wire_format(plan),
+            combine_dtype=self.config.dtype, device=self.device, deterministic=self.deterministic,
+            timeout_s=self._watch.collective_timeout, options=tuple(sorted(options.items())),
+        )
+        return cls(spec)
+
+    def _check_shared_dispatcher(self, d: Dispatcher) -> None:
+        s, c = d.spec, self.config
+        problems = []
+        if s.group is not self.group:
+            problems.append("it serves another process group")
+        for field, mine in (("num_experts", c.num_experts), ("top_k", c.top_k), ("hidden_size", c.hidden_size),
+                            ("combine_dtype", c.dtype)):
+            if getattr(s, field) != mine:
+                problems.append(f"{field} {getattr(s, field)} != {mine}")
+        if s.payload != self.experts.payload_format:
+            problems.append(f"payload {s.payload.name} != this layer's experts' {self.experts.payload_format.name}")
+        if s.max_tokens_per_rank < self.max_num_tokens_per_rank:
+            problems.append(f"max_tokens_per_rank {s.max_tokens_per_rank} < {self.max_num_tokens_per_rank}")
+        if problems:
+            raise ValueError(
+                "the shared dispatcher does not fit this layer: " + "; ".join(problems)
+                + ". Share one only between layers of the same shape and group, sized for the largest."
+            )
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(
+        self,
+        weights: Union[Source, ExpertWeights],
+        *,
+        prefix: Optional[str] = None,
+        layer_idx: Optional[int] = None,
+        e_score_correction_bias: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Load the GLOBAL expert tensors (HF-named dict, safetensors file/dir, canonical stacked dict,
+        or an ExpertWeights) and keep this rank's slice. Collective: every rank of the group calls it.
+
+        All or nothing across the group: each rank reads, validates and converts first; only if every
+        rank succeeded does any rank install the weights (a reload copies in place, so storage and any
+        captured CUDA graph stay valid). Otherwise every rank raises and the old weights stay."""
+        self._install(weights, prefix, layer_idx, e_score_correction_bias, update=False)
+
+    def update_weights(
+        self,
+        weights: Union[Source, ExpertWeights],
+        *,
+        prefix: Optional[str] = None,
+        layer_idx: Optional[int] = None,
+        e_score_correction_bias: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Push new weights (a trainer's in-memory global tensors or safetensors files) into a loaded
+        layer without rebuilding: converted to the kernel layout and copied IN PLACE (every parameter
+        keeps its storage). Shapes and dtypes must match the first load; a change is a clear error
+        asking to rebuild. Collective and all-or-nothing like load_weights."""
+        if not self._weights_loaded:
+            raise RuntimeError("update_weights before load_weights: load the layer's weights first")
+        self._install(weights, prefix, layer_idx, e_score_correction_bias, update=True)
+
+    def _prepare(self, weights, prefix, layer_idx, e_score_correction_bias, update: bool):
+        lo, hi = self.first_local_expert, self.first_local_expert + self.num_local_experts
+        if isinstance(weights, ExpertWeights):
+            local = weights if (weights.num_experts, weights.first_expert) == (self.num_local_experts, lo) \
+                else weights.slice_experts(lo, hi)
+            corr = e_score_correction_bias
+        else:
+            loaded = load_expert_weights(weights, self.config, experts=(lo, hi), prefix=prefix, layer_idx=layer_idx)
+            local = loaded.experts
+            corr = e_score_correction_bias if e_score_correction_bias is not None else loaded.e_score_correction_bias
+        if corr is not None:
+            if self.e_score_correction_bias is None:
+                raise ValueError("e_score_correction_bias given but the config's routing is not 'sigmoid_grouped'")
+            if tuple(corr.shape) != (self.config.num_experts,):
+                raise ValueError(
+                    f"e_score_correction_bias has shape {list(corr.shape)}; expected [{self.config.num_experts}]")
+        dtypes = {name: t.dtype for name, t in local.tensors().items()}
+        if update:
+            changed = {n: (self._loaded_dtypes.get(n), d) for n, d in dtypes.items() if self._loaded_dtypes.get(n) != d}
+            if changed:
+                detail = ", ".join(f"{n}: {a} -> {b}" for n, (a, b) in changed.items())
+                raise TypeError(
+                    f"update_weights got tensors of other dtypes than the layer was loaded with ({detail}); "
+                    "cast them to the loaded dtypes, or build a new EPMoE for the new dtype"
+                )
+        return self.experts.prepare_weights(local), corr, dtypes
+
+    def _install(self, weights, prefix, layer_idx, e_score_correction_bias, update: bool) -> None:
+        error: Optional[BaseException] = None
+        prepared = corr = dtypes = None
+        try:
+            prepared, corr, dtypes = self._prepare(weights, prefix, layer_idx, e_score_correction_bias, update)
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
+            error = e
+            if update and isinstance(e, ValueError) and "has shape" in str(e):
+                error = ValueError(f"{e}; update_weights keeps shapes fixed: build a new EPMoE for new shapes")
+        to = self._watch.collective_timeout
+        flags = edist.gather_ints([0 if error is None else 1], self.group, to)
+        edist.raise_if_any_failed(error, [r for r in range(flags.shape[0]) if flags[r, 0]], self.group, to)
+        self.experts.commit_weights(prepared)
+        if corr is not None:
+            self.e_score_correction_bias.copy_(corr.float())
+        if not self._weights_loaded:
+            self._loaded_dtypes = dtypes
+        self._weights_loaded = True
+
+    # ------------------------------------------------------------------ forward
+    def _check_local(self, hidden_states, router_logits, topk_ids, topk_weights) -> Optional[BaseException]:
+        cfg = self.config
+        try:
+            if not isinstance(hidden_states, torch.Tensor):
+                raise TypeError(f"hidden_states is a {type(hidden_states).__name__}; expected a torch.Tensor")
+            if hidden_states.dim() != 2 or hidden_states.shape[1] != cfg.hidden_size:
+                raise ValueError(
+                    f"hidden_states has shape {list(hidden_states.shape)}; expected [num_tokens, {cfg.hidden_size}]"
+                )
+            if hidden_states.dtype != cfg.dtype:
+                raise TypeError(
+                    f"hidden_states has dtype {dtype_name(hidden_states.dtype)}; the layer was built for "
+                    f"{dtype_name(cfg.dtype)} (cast the input or build the layer with that dtype)"
+                )
+            if hidden_states.device.type != self.device.type:
+                raise ValueError(f"hidden_states is on {hidden_states.device}; the layer runs on {self.device}")
+            T = hidden_states.shape[0]
+            if (router_logits is None) == (topk_ids is None):
+                raise ValueError("pass either router_logits or topk_ids/topk_weights (routing replay), not both")
+            if router_logits is not None:
+                if router_logits.dim() != 2 or tuple(router_logits.shape) != (T, cfg.num_experts):
+                    raise ValueError(
+                        f"router_logits has shape {list(router_logits.shape)}; expected [{T}, {cfg.num_experts}]"
+                    )
+                if not router_logits.is_floating_point():
+                    raise TypeError(f"router_logits has dtype {router_logits.dtype}; expected a float dtype")
+            else:
+                if topk_weights is None:
+                    raise ValueError("topk_ids given without topk_weights")
+                for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+                    if tuple(t.shape) != (T, cfg.top_k):
+                        raise ValueError(f"{name} has shape {list(t.shape)}; expected [{T}, {cfg.top_k}]")
+                if topk_ids.dtype not in (torch.int32, torch.int64):
+                    raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected torch.int32")
+                if T and bool(((topk_ids < -1) | (topk_ids >= cfg.num_experts)).any()):
+                    raise ValueError(f"topk_ids has values outside [-1, {cfg.num_experts}); -1 means no expert")
+            if self.strict and T > self.max_num_tokens_per_rank:
+                raise ValueError(
+                    f"{T} tokens exceed max_num_tokens_per_rank={self.max_num_tokens_per_rank} with strict=True; "
+                    "pass fewer tokens, raise the limit, or build the layer with strict=False to run in rounds"
+                )
+            if not self._weights_loaded:
+                raise RuntimeError("EPMoE.forward before load_weights")
+        except (ValueError, TypeError, RuntimeError) as e:
+            return e
+        return None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: Optional[torch.Tensor] = None,
+        *,
+        topk_ids: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        return_routing: bool = False,
+        return_stats: bool = False,
+    ) -> Union[torch.Tensor, MoEOutput]:
+        """hidden_states [T, H] (config.dtype), router_logits [T, E] -> [T, H].
+
+        Instead of router_logits, pass topk_ids [T, K] int32 (-1: none) and topk_weights [T, K] f32 to
+        replay a routing. With return_routing / return_stats a MoEOutput is returned.
+        Every rank of the group must call forward once per step (T = 0 is fine)."""
+        error = self._check_local(hidden_states, router_logits, topk_ids, topk_weights)
+        T = hidden_states.shape[0] if error is None else 0
+        M = self.max_num_tokens_per_rank
+        watch, to = self._watch, self._watch.collective_timeout
+        watch.next_call()
+        with watch.phase("agree"):
+            agreed = edist.gather_ints([T, 0 if error is None else 1], self.group, to)
+            failed = [r for r in range(agreed.shape[0]) if agreed[r, 1]]
+            edist.raise_if_any_failed(error, failed, self.group, to)
+        tokens_per_rank = tuple(int(t) for t in agreed[:, 0])
+        rounds = max(1, max(math.ceil(t / M) for t in tokens_per_rank))
+
+        if router_logits is not None:
+            routing = route(self.config, router_logits, self.e_score_correction_bias)
+        else:
+            routing = Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=topk_weights.float())
+
+        outputs: List[torch.Tensor] = []
+        rows = 0
+        bytes_sent = 0
+        per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64, device=hidden_states.device) if return_stats else None
+        for r in range(rounds):
+            lo, hi = min(r * M, T), min((r + 1) * M, T)
+            with watch.phase("dispatch" if rounds == 1 else f"dispatch[round {r}]"):
+                tokens, handle = self.dispatcher.dispatch(
+                    hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi]
+                )
+            with watch.phase("experts" if rounds == 1 else f"experts[round {r}]"):
+                expert_out = self.experts(tokens)
+            with watch.phase("combine" if rounds == 1 else f"combine[round {r}]"):
+                outputs.append(self.dispatcher.combine(expert_out, handle))
+            rows += tokens.num_tokens
+            bytes_sent += handle.bytes_sent
+            if per_expert is not None and tokens.topk_ids is not None:
+                ids = tokens.topk_ids[tokens.topk_ids >= 0].long()
+                per_expert += torch.bincount(ids, minlength=self.num_local_experts)
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+        if not (return_routing or return_stats):
+            return out
+        stats = None
+        if return_stats:
+            stats = StepStats(
+                tokens_per_rank=tokens_per_rank, rounds=rounds, received_rows=rows,
+                tokens_per_local_expert=per_expert.cpu(), bytes_sent=bytes_sent,
+            )
+        return MoEOutput(hidden_states=out, routing=routing if return_routing else None, stats=stats)
+
+    # ------------------------------------------------------------------ decode (CUDA graphs)
+    def decode_runner(self, max_tokens: int, *, cuda_graph: bool = True) -> "DecodeRunner":
+        """A fixed-shape runner for decode steps: route + dispatch + experts + combine for exactly
+        `max_tokens` rows per rank (padding rows route nowhere), captured once in a CUDA graph and
+        replayed for any T <= max_tokens. Collective: every rank builds it and calls it each step.
+        `cuda_graph=False` runs the same fixed-shape code eagerly (any device; used to check replay)."""
+        return DecodeRunner(self, max_tokens, cuda_graph)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"E={c.num_experts}, K={c.top_k}, H={c.hidden_size}, I={c.intermediate_size}, "
+            f"ep={self.ep_rank}/{self.ep_size}, experts=[{self.first_local_expert}, "
+            f"{self.first_local_expert + self.num_local_experts}), dispatcher={self.dispatcher.name}, "
+            f"experts_backend={self.experts.name}"
+        )
+
+
+class DecodeRunner:
+    """See EPMoE.decode_runner. Inputs are copied into static buffers; the returned tensor is a view of
+    the static output buffer (copy it if you need it after the next call). Weight updates
+    (`update_weights`, in place) are seen by later replays without recapturing.
+
+    In this mode there is no per-call agreement collective: every rank must call with T <= max_tokens
+    (checked locally) and the same kind of routing input (logits or replayed ids/weights)."""
+
+    def __init__(self, layer: EPMoE, max_tokens: int, cuda_graph: bool):
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise ValueError(f"max_tokens={max_tokens!r}; pass a positive int")
+        if cuda_graph and layer.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the layer runs on {layer.device} (cuda_graph=False)")
+        if not layer._weights_loaded:
+            raise RuntimeError("decode_runner before load_weights")
+        self.layer, self.max_tokens, self.cuda_graph = layer, max_tokens, cuda_graph
+        cfg, dev, M = layer.config, layer.device, max_tokens
+        spec = replace(layer.dispatcher.spec, static_shapes=True, max_tokens_per_rank=M)
+        self.dispatcher = type(layer.dispatcher)(spec)
+        self.x = torch.zeros(M, cfg.hidden_size, dtype=cfg.dtype, device=dev)
+        self.logits = torch.zeros(M, cfg.num_experts, dtype=torch.float32, device=dev)
+        self.ids = torch.full((M, cfg.top_k), -1, dtype=torch.int32, device=dev)
+        self.weights = torch.zeros(M, cfg.top_k, dtype=torch.float32, device=dev)
+        self.count = torch.zeros((), dtype=torch.int64, device=dev)
+        self.out = torch.zeros(M, cfg.hidden_size, dtype=cfg.dtype, device=dev)
+        self.topk_ids_out = torch.full((M, cfg.top_k), -1, dtype=torch.int32, device=dev)
+        self.topk_weights_out = torch.zeros(M, cfg.top_k, dtype=torch.float32, device=dev)
+        self._graphs: Dict[bool, Any] = {}
+
+    def _body(self, from_logits: bool) -> None:
+        layer, M = self.layer, self.max_tokens
+        if from_logits:
+            r = route(layer.config, self.logits, layer.e_score_correction_bias)
+            ids, w = r.topk_ids, r.topk_weights
+        else:
+            ids, w = self.ids, self.weights
+        valid = (torch.arange(M, device=self.count.device) < self.count).unsqueeze(1)
+        ids = torch.where(valid, ids, torch.full_like(ids, -1))
+        w = torch.where(valid, w, torch.zeros_like(w))
+        self.topk_ids_out.copy_(ids)
+        self.topk_weights_out.copy_(w)
+        tokens, handle = self.dispatcher.dispatch(self.x, ids, w)
+        self.out.copy_(self.dispatcher.combine(layer.experts(tokens), handle))
+
+    def _graph(self, from_logits: bool):
+        g = self._graphs.get(from_logits)
+        if g is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: lazy init, Triton compiles, NCCL setup outside capture
+                    self._body(from_logits)
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._body(from_logits)
+            self._graphs[from_logits] = g
+        return g
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: Optional[torch.Tensor] = None,
+        *,
+        topk_ids: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        return_routing: bool = False,
+    ) -> Union[torch.Tensor, MoEOutput]:
+        cfg, T = self.layer.config, hidden_states.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"{T} tokens exceed this decode runner's max_tokens={self.max_tokens}; "
+                             "build a runner for more tokens or use EPMoE.forward")
+        error = self.layer._check_local(hidden_states, router_logits, topk_ids, topk_weights)
+        if error is not None:
+            raise error
+        self.x[:T].copy_(hidden_states)
+        self.x[T:].zero_()
+        from_logits = router_logits is not None
+        if from_logits:
+            self.logits[:T].copy_(router_logits)
+        else:
+            self.ids[:T].copy_(topk_ids)
+            self.weights[:T].copy_(topk_weights)
+        self.count.fill_(T)
+        if self.cuda_graph:
+            self._graph(from_logits).replay()
+        else:
+            self._body(from_logits)
+        out = self.out[:T]
+        if return_routing:
+            return MoEOutput(out, Routing(self.topk_ids_out[:T], self.topk_weights_out[:T]))
+        return out

@@ -1,0 +1,69 @@
+"""Dense single-process reference of the whole layer, in float64: the oracle for `--check` and tests.
+
+Written independently of the experts backends (one token-expert pair at a time, no batching tricks);
+it shares only `epmoe.routing.route`, so both sides choose the same experts on near-ties.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from epmoe.config import MoEConfig
+from epmoe.quant.weights import ExpertWeights
+from epmoe.routing import Routing, route
+
+
+def _act(config: MoEConfig, g: torch.Tensor, u: Optional[torch.Tensor]) -> torch.Tensor:
+    if config.activation == "relu2":
+        return torch.clamp(g, min=0) ** 2
+    if config.swiglu_alpha is None and config.swiglu_beta is None and config.swiglu_limit is None:
+        return g / (1 + torch.exp(-g)) * u
+    alpha = config.swiglu_alpha if config.swiglu_alpha is not None else 1.0
+    beta = config.swiglu_beta if config.swiglu_beta is not None else 0.0
+    if config.swiglu_limit is not None:
+        g = torch.clamp(g, max=config.swiglu_limit)
+        u = torch.clamp(u, -config.swiglu_limit, config.swiglu_limit)
+    return g / (1 + torch.exp(-alpha * g)) * (u + beta)
+
+
+def reference_moe(
+    config: MoEConfig,
+    hidden_states: torch.Tensor,
+    weights: ExpertWeights,
+    router_logits: Optional[torch.Tensor] = None,
+    routing: Optional[Routing] = None,
+    e_score_correction_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """hidden_states [T, H], global `weights` (all E experts) -> [T, H] float64.
+
+    Pass `router_logits` [T, E] or an explicit `routing` (ids -1 are skipped)."""
+    if routing is None:
+        if router_logits is None:
+            raise ValueError("pass router_logits or routing")
+        routing = route(config, router_logits, e_score_correction_bias)
+    if weights.num_experts != config.num_experts or weights.first_expert != 0:
+        raise ValueError("reference_moe needs the global weights of all experts")
+    x = hidden_states.double().cpu()
+    ids = routing.topk_ids.cpu()
+    wts = routing.topk_weights.double().cpu()
+    w1, w2 = weights.w1.double().cpu(), weights.w2.double().cpu()
+    w3 = weights.w3.double().cpu() if weights.w3 is not None else None
+    I = config.intermediate_size
+    b1 = b3 = b2 = None
+    if weights.b13 is not None:
+        b13 = weights.b13.double().cpu()
+        b1, b3 = (b13[:, :I], b13[:, I:]) if config.is_gated else (b13, None)
+        b2 = weights.b2.double().cpu()
+    out = torch.zeros(x.shape[0], config.hidden_size, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            g = w1[e] @ x[t] + (b1[e] if b1 is not None else 0)
+            u = w3[e] @ x[t] + (b3[e] if b3 is not None else 0) if w3 is not None else None
+            y = w2[e] @ _act(config, g, u) + (b2[e] if b2 is not None else 0)
+            out[t] += wts[t, k] * y
+    return out

@@ -1,0 +1,60 @@
+"""The launcher as a user runs it: torchrun with gloo on CPU, --check, --plan, --json, errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(args, nproc=None, timeout=180):
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "epmoe.launch", *args]
+    else:
+        cmd = [sys.executable, "-m", "epmoe.launch", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def test_torchrun_two_ranks_check_json_jitter(tmp_path):
+    out = tmp_path / "run.json"
+    r = _run(["--preset", "tiny", "--check", "--steps", "6", "--layers", "2", "--tokens", "24",
+              "--tokens-jitter", "1.0", "--max-tokens-per-rank", "16", "--json", str(out)], nproc=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "check | passed" in r.stdout, r.stdout
+    data = json.loads(out.read_text())
+    assert data["ep_size"] == 2 and len(data["step_ms"]) == 6 and data["check"]["passed"]
+    assert len(data["tokens_per_expert"]) == 2 and len(data["tokens_per_expert"][0]) == 16
+
+
+def test_torchrun_four_ranks_check():
+    r = _run(["--preset", "tiny", "--check", "--steps", "3", "--tokens", "16"], nproc=4)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "check | passed" in r.stdout and "ranks | 4" in r.stdout
+
+
+def test_plan_dsv3_prints_placement_and_memory():
+    r = _run(["--plan", "--preset", "dsv3", "--ep", "8"])
+    assert r.returncode == 0, r.stderr
+    for needle in ("E=256 top_k=8 H=7168 I=2048", "rank 7: experts [224, 256)", "expert weights :", "a2a workspace",
+                   "quant plan:"):
+        assert needle in r.stdout, (needle, r.stdout)
+
+
+def test_preset_too_large_asks_for_scale():
+    r = _run(["--preset", "dsv3", "--steps", "1"])
+    assert r.returncode == 2
+    assert "pass --scale F" in r.stderr and "is free" in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tokens", "-1"], "--tokens -1"),
+    (["--scale", "2"], "--scale 2.0: use a factor in (0, 1]"),
+    (["--preset", "nope"], "invalid choice"),
+])
+def test_bad_flags(args, needle):
+    r = _run(args + ["--steps", "1"])
+    assert r.returncode != 0 and needle in (r.stdout + r.stderr), r.stderr

@@ -28,6 +28,8 @@ class _StaticTokens:
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     layout: str = "flat"
+    expert_counts: Any = None
+    static: bool = True  # fixed row count, padding rows have ids -1
 
     @property
     def num_tokens(self) -> int:

@@ -82,9 +82,16 @@ class GroupedMMExperts(Experts):
 
     def load_weights(self, weights: ExpertWeights) -> None:
         """w13 [E, R, H] / w2 [E, H, I] bf16 (K-contiguous rows, read transposed by grouped_mm);
-        biases fp32 with one extra zero row (index E) for rows of no local expert. A reload copies
-        in place (captured CUDA graphs stay valid)."""
+        biases fp32 with one extra zero row (index E) for rows of no local expert. A quantized
+        checkpoint is dequantized. A reload copies in place (captured CUDA graphs stay valid)."""
+        self.commit_weights(self.prepare_weights(weights))
+
+    def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)
+        if weights.is_quantized:
+            from epmoe.experts.kernel_formats import dequantize_expert_weights
+
+            weights = dequantize_expert_weights(weights)
         dev, dt, E = self.device, torch.bfloat16, self.num_experts
         # Own copies (never aliases of the caller's tensors: a reload copies into them in place).
         w1 = weights.w1.to(dev, dt)
@@ -99,10 +106,13 @@ class GroupedMMExperts(Experts):
                 padded = torch.zeros(E + 1, b.shape[1], dtype=torch.float32, device=dev)
                 padded[:E] = b.to(dev, torch.float32)
                 new[name] = padded
+        return new
+
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
         if not self._params:
-            self._params = new
+            self._params = prepared
             return
-        for name, t in new.items():
+        for name, t in prepared.items():
             self._params[name].copy_(t)
 
     def forward(self, tokens) -> torch.Tensor:

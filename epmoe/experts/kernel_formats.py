@@ -1,102 +1,87 @@
-"""Quantized weight formats of the Hopper experts backends, with plain-torch quantizers and
-dequantizers (device-agnostic; run once at `load_weights`, never per forward).
+"""Weight formats of the Hopper experts backends: how canonical (quantized) `ExpertWeights` map to
+the Triton kernels' layout, plus load-time quantization of float weights. Plain torch.
 
-Formats (canonical, checkpoint-style; what `load_quantized` accepts):
+Canonical formats are `epmoe.quant.weights` (w1/w3/w2 quantized per projection, scales are
+dequantization factors, nvfp4 global scale = dequant multiplier per expert and projection).
+The element codecs are `epmoe.quant.{e2m1, nvfp4, mxfp4, fp8_block}`.
 
-    fp8_block   q [E, R, C] float8_e4m3fn, scale [E, ceil(R/128), ceil(C/128)] float32;
-                dequant w[e, r, c] = q[e, r, c] * scale[e, r // 128, c // 128]
-                (DeepSeek-V3 `weight_scale_inv`; the gated w13 keeps one scale grid per half, so a
-                 128-row block never mixes gate and up rows: scale [E, 2 * ceil(I/128), ...])
-    nvfp4       packed [E, R, C/2] uint8 (e2m1 codes, element 2j in the LOW nibble of byte j),
-                scale [E, R, C/16] float8_e4m3fn, global_scale [E, G] float32 (G = 2 for w13: gate,
-                up; 1 for w2 / relu2);  dequant = e2m1 * float(scale) * global_scale[e, half]
-    mxfp4       packed [E, R, C/2] uint8 as above, scale [E, R, C/32] uint8 e8m0 (2^(s - 127));
-                dequant = e2m1 * 2^(s - 127)
-    e2m1 code   bit 3 sign, bits 2..1 exponent, bit 0 mantissa: magnitudes 0 0.5 1 1.5 2 3 4 6
+Kernel layout (what `TritonExperts.parameters()` holds), R = 2I ([gate; up]) or I (relu2):
+    fp8_block   w13 [E, R, H] e4m3, w13_scale [E, 2*ceil(I/128), ceil(H/128)] f32 (gate grid, then up
+                grid: a 128-row block never mixes gate and up), w2 [E, H, I], w2_scale f32
+    nvfp4       w13 [E, R, H/2] uint8 k64-interleaved (below), w13_scale [E, R, H/16] e4m3,
+                w13_global_scale [E, 2] f32 (gate, up; [E, 1] for relu2), w2 .., w2_global_scale [E, 1]
+    mxfp4       as nvfp4 with e8m0 (uint8) scales [.., K/32] and no global scale
+k64 interleave (`interleave_fp4_k64`): canonical packing has element 2j in the low nibble of byte j;
+the kernels read 64-element K blocks where byte j (0 <= j < 32) of block b holds element 64b + j in
+its low nibble and 64b + 32 + j in its high nibble, so a K tile splits into two contiguous halves
+with no register shuffles. K must be a multiple of 64.
 
-Kernel-facing fp4 layout (`interleave_fp4_k64`): the Triton kernels read fp4 weights in blocks of 64
-K-elements, where byte j (0 <= j < 32) of block b holds element 64b + j in its low nibble and
-element 64b + 32 + j in its high nibble, so a K-tile splits into two contiguous halves with no
-register shuffles. Scales stay in their canonical layout. C must be a multiple of 64.
-
-Activation format of fp8_block (W8A8): per token, 1x128 groups along H: q [N, H] e4m3,
-scale [N, ceil(H/128)] float32, scale = amax / 448 (amax floored at 1e-12).
+fp8_block with dimensions that are not multiples of 128 (e.g. GPT-OSS H = 2880): the last block
+row/column is partial; quantization here pads it (`quantize_fp8_block`), with the same scale
+formula as `epmoe.quant.fp8_block` (scale = max(amax, 1e-10) / 448).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
-FP8_MAX = 448.0
+from epmoe.quant import fp8_block, mxfp4, nvfp4
+from epmoe.quant.weights import ExpertWeights
+
 FP8_BLOCK = 128
-NVFP4_BLOCK = 16
-MXFP4_BLOCK = 32
 FP4_K_INTERLEAVE = 64
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_SCALE_FLOOR = 1e-12
+FORMAT_OF_MODE = {"fp8_block": "fp8_block", "nvfp4_w4a16": "nvfp4", "mxfp4_w4a16": "mxfp4"}
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# --------------------------------------------------------------------------- fp8 block
+# --------------------------------------------------------------------------- fp8 block (padded)
+
+
+def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    # As epmoe.quant.fp8_block: divide by a device tensor (a Python scalar becomes a reciprocal
+    # multiply on CUDA and the last bit would differ from CPU).
+    denom = torch.tensor(fp8_block.E4M3_MAX, dtype=torch.float32, device=amax.device)
+    return amax.clamp(min=fp8_block.DEFAULT_EPS) / denom
 
 
 def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK):
-    """w [E, R, C] float -> (q [E, R, C] float8_e4m3fn, scale [E, ceil(R/b), ceil(C/b)] float32)."""
-    E, R, C = w.shape
+    """w [..., R, C] float -> (q e4m3 [..., R, C], scale f32 [..., ceil(R/b), ceil(C/b)]); partial
+    edge blocks are padded with zeros. Equals `epmoe.quant.fp8_block.quantize_weight` when R and C
+    are multiples of the block."""
+    *lead, R, C = w.shape
     Rp, Cp = _cdiv(R, block) * block, _cdiv(C, block) * block
-    wf = torch.zeros(E, Rp, Cp, dtype=torch.float32, device=w.device)
-    wf[:, :R, :C] = w.float()
-    blocks = wf.view(E, Rp // block, block, Cp // block, block)
-    amax = blocks.abs().amax(dim=(2, 4))
-    scale = amax.clamp_min(_SCALE_FLOOR) / FP8_MAX
-    q = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    q = q.view(E, Rp, Cp)[:, :R, :C].to(torch.float8_e4m3fn).contiguous()
+    wf = torch.zeros(*lead, Rp, Cp, dtype=torch.float32, device=w.device)
+    wf[..., :R, :C] = w.float()
+    b = wf.view(*lead, Rp // block, block, Cp // block, block)
+    scale = _fp8_scale(b.abs().amax(dim=(-3, -1)))
+    q = (b / scale[..., :, None, :, None]).clamp(-fp8_block.E4M3_MAX, fp8_block.E4M3_MAX)
+    q = q.view(*lead, Rp, Cp)[..., :R, :C].to(torch.float8_e4m3fn).contiguous()
     return q, scale.contiguous()
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """Inverse of `quantize_fp8_block` (float32)."""
-    E, R, C = q.shape
-    s = scale.repeat_interleave(block, dim=1)[:, :R].repeat_interleave(block, dim=2)[:, :, :C]
+    """Inverse of `quantize_fp8_block` (float32); any R, C."""
+    R, C = q.shape[-2:]
+    s = scale.repeat_interleave(block, dim=-2)[..., :R, :].repeat_interleave(block, dim=-1)[..., :C]
     return q.float() * s
 
 
-def quantize_fp8_gated_w13(w1: torch.Tensor, w3: Optional[torch.Tensor]):
-    """Gate and up quantized separately (their own 128x128 grids), concatenated along rows:
-    q [E, 2I, H], scale [E, 2 * ceil(I/128), ceil(H/128)] (gate grid first)."""
-    qg, sg = quantize_fp8_block(w1)
-    if w3 is None:
-        return qg, sg
-    qu, su = quantize_fp8_block(w3)
-    return torch.cat([qg, qu], dim=1).contiguous(), torch.cat([sg, su], dim=1).contiguous()
-
-
-def dequantize_fp8_gated_w13(q: torch.Tensor, scale: torch.Tensor, gated: bool) -> torch.Tensor:
-    if not gated:
-        return dequantize_fp8_block(q, scale)
-    I = q.shape[1] // 2
-    SI = scale.shape[1] // 2
-    return torch.cat(
-        [dequantize_fp8_block(q[:, :I], scale[:, :SI]), dequantize_fp8_block(q[:, I:], scale[:, SI:])],
-        dim=1,
-    )
-
-
 def quantize_fp8_tokens(x: torch.Tensor, group: int = FP8_BLOCK):
-    """x [N, C] -> (q [N, C] float8_e4m3fn, scale [N, ceil(C/group)] float32), 1 x group blocks."""
+    """x [N, C] -> (q e4m3 [N, C], scale f32 [N, ceil(C/group)]), 1 x group blocks, any C (the
+    `fp8_block` activation payload; equals `fp8_block.quantize_activation` for C % 128 == 0)."""
     N, C = x.shape
     Cp = _cdiv(C, group) * group
     xf = torch.zeros(N, Cp, dtype=torch.float32, device=x.device)
     xf[:, :C] = x.float()
     g = xf.view(N, Cp // group, group)
-    scale = g.abs().amax(dim=2).clamp_min(_SCALE_FLOOR) / FP8_MAX
-    q = (g / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(N, Cp)[:, :C]
+    scale = _fp8_scale(g.abs().amax(dim=2))
+    q = (g / scale[:, :, None]).clamp(-fp8_block.E4M3_MAX, fp8_block.E4M3_MAX).view(N, Cp)[:, :C]
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
@@ -105,54 +90,17 @@ def dequantize_fp8_tokens(q: torch.Tensor, scale: torch.Tensor, group: int = FP8
     return q.float() * scale.repeat_interleave(group, dim=1)[:, :C]
 
 
-# --------------------------------------------------------------------------- e2m1
-
-
-def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """float -> e2m1 codes (uint8 in [0, 16)), round to nearest, ties to even, saturating at 6."""
-    a = x.abs().float()
-    # Boundaries between neighbouring magnitudes; `>=` where the upper neighbour has the even code.
-    code = (
-        (a > 0.25).to(torch.uint8)
-        + (a >= 0.75).to(torch.uint8)
-        + (a > 1.25).to(torch.uint8)
-        + (a >= 1.75).to(torch.uint8)
-        + (a > 2.5).to(torch.uint8)
-        + (a >= 3.5).to(torch.uint8)
-        + (a > 5.0).to(torch.uint8)
-    )
-    return code | ((x < 0).to(torch.uint8) << 3)
-
-
-def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes (uint8) -> float32."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=code.device)
-    return table[code.long()]
-
-
-def pack_e2m1(code: torch.Tensor) -> torch.Tensor:
-    """[..., C] codes -> [..., C/2] uint8, element 2j in the low nibble of byte j."""
-    if code.shape[-1] % 2:
-        raise ValueError(f"fp4 packing needs an even last dimension, got {code.shape[-1]}")
-    c = code.to(torch.uint8)
-    return (c[..., 0::2] | (c[..., 1::2] << 4)).contiguous()
-
-
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """[..., C/2] uint8 -> [..., C] codes."""
-    lo = packed & 0xF
-    hi = packed >> 4
-    return torch.stack([lo, hi], dim=-1).flatten(-2)
+# --------------------------------------------------------------------------- fp4 kernel layout
 
 
 def interleave_fp4_k64(packed: torch.Tensor) -> torch.Tensor:
-    """Canonical packing [..., C/2] -> kernel packing (see module docstring). C % 64 == 0."""
+    """Canonical packing [..., C/2] uint8 -> kernel packing (module docstring). C % 64 == 0."""
     C = packed.shape[-1] * 2
     if C % FP4_K_INTERLEAVE:
-        raise ValueError(f"fp4 kernel layout needs K % {FP4_K_INTERLEAVE} == 0, got K={C}")
-    codes = unpack_e2m1(packed).reshape(*packed.shape[:-1], C // 64, 2, 32)
-    out = codes[..., 0, :] | (codes[..., 1, :] << 4)
-    return out.reshape(*packed.shape[:-1], C // 2).contiguous()
+        raise ValueError(f"the fp4 kernel layout needs K % {FP4_K_INTERLEAVE} == 0, got K={C}")
+    lo, hi = packed & 0xF, packed >> 4
+    codes = torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], C // 64, 2, 32)
+    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*packed.shape[:-1], C // 2).contiguous()
 
 
 def deinterleave_fp4_k64(kpacked: torch.Tensor) -> torch.Tensor:
@@ -160,151 +108,99 @@ def deinterleave_fp4_k64(kpacked: torch.Tensor) -> torch.Tensor:
     C = kpacked.shape[-1] * 2
     b = kpacked.reshape(*kpacked.shape[:-1], C // 64, 32)
     codes = torch.stack([b & 0xF, b >> 4], dim=-2).reshape(*kpacked.shape[:-1], C)
-    return pack_e2m1(codes)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
-# --------------------------------------------------------------------------- nvfp4 / mxfp4
+# --------------------------------------------------------------------------- ExpertWeights
 
 
-def quantize_nvfp4(w: torch.Tensor, global_scale: Optional[torch.Tensor] = None):
-    """w [E, R, C] -> (packed [E, R, C/2] uint8, scale [E, R, C/16] e4m3, global_scale [E] f32).
-
-    global_scale (dequant multiplier) defaults to amax(w[e]) / (6 * 448), so block scales use
-    e4m3's range."""
-    E, R, C = w.shape
-    if C % NVFP4_BLOCK:
-        raise ValueError(f"nvfp4 needs K % {NVFP4_BLOCK} == 0, got K={C}")
-    wf = w.float()
-    if global_scale is None:
-        global_scale = wf.abs().amax(dim=(1, 2)).clamp_min(_SCALE_FLOOR) / (6.0 * FP8_MAX)
-    gs = global_scale.float().view(E, 1, 1)
-    blocks = wf.view(E, R, C // NVFP4_BLOCK, NVFP4_BLOCK)
-    bscale = (blocks.abs().amax(dim=3) / 6.0 / gs).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
-    denom = bscale.float() * gs
-    vals = torch.where(denom[..., None] > 0, blocks / denom[..., None], torch.zeros_like(blocks))
-    codes = e2m1_encode(vals).view(E, R, C)
-    return pack_e2m1(codes), bscale.contiguous(), global_scale.float().contiguous()
-
-
-def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    E, R, C2 = packed.shape
-    vals = e2m1_decode(unpack_e2m1(packed)).view(E, R, C2 * 2 // NVFP4_BLOCK, NVFP4_BLOCK)
-    out = vals * scale.float()[..., None] * global_scale.float().view(E, 1, 1, 1)
-    return out.view(E, R, C2 * 2)
-
-
-def quantize_mxfp4(w: torch.Tensor):
-    """w [E, R, C] -> (packed [E, R, C/2] uint8, scale [E, R, C/32] uint8 e8m0).
-
-    OCP MX: shared exponent floor(log2(amax)) - 2 (e2m1's largest exponent), values saturate at 6."""
-    E, R, C = w.shape
-    if C % MXFP4_BLOCK:
-        raise ValueError(f"mxfp4 needs K % {MXFP4_BLOCK} == 0, got K={C}")
-    blocks = w.float().view(E, R, C // MXFP4_BLOCK, MXFP4_BLOCK)
-    amax = blocks.abs().amax(dim=3)
-    exp = torch.floor(torch.log2(amax.clamp_min(2.0**-126))) - 2
-    exp = exp.clamp(-127, 127)
-    codes = e2m1_encode(blocks / torch.exp2(exp)[..., None]).view(E, R, C)
-    return pack_e2m1(codes), (exp + 127).to(torch.uint8).contiguous()
-
-
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    E, R, C2 = packed.shape
-    vals = e2m1_decode(unpack_e2m1(packed)).view(E, R, C2 * 2 // MXFP4_BLOCK, MXFP4_BLOCK)
-    out = vals * torch.exp2(scale.float() - 127.0)[..., None]
-    return out.view(E, R, C2 * 2)
-
-
-# --------------------------------------------------------------------------- containers
-
-
-@dataclass(frozen=True)
-class QuantizedExpertTensor:
-    """One quantized projection of all local experts, canonical layout (module docstring).
-
-    format:       "fp8_block" | "nvfp4" | "mxfp4"
-    data:         fp8 [E, R, C] or packed uint8 [E, R, C/2]
-    scale:        block scales (see format)
-    global_scale: nvfp4 only, [E, G] float32 (G = 2 for gated w13: gate, up)
-    """
-
-    format: str
-    data: torch.Tensor
-    scale: torch.Tensor
-    global_scale: Optional[torch.Tensor] = None
-
-    def dequantize(self, gated_w13: bool = False) -> torch.Tensor:
-        """float32 [E, R, C]."""
-        if self.format == "fp8_block":
-            return dequantize_fp8_gated_w13(self.data, self.scale, gated_w13)
-        if self.format == "mxfp4":
-            return dequantize_mxfp4(self.data, self.scale)
-        if self.format == "nvfp4":
-            gs = self.global_scale.float()
-            if gated_w13 and gs.shape[-1] == 2:
-                R = self.data.shape[1] // 2
-                return torch.cat(
-                    [
-                        dequantize_nvfp4(self.data[:, :R], self.scale[:, :R], gs[:, 0]),
-                        dequantize_nvfp4(self.data[:, R:], self.scale[:, R:], gs[:, 1]),
-                    ],
-                    dim=1,
-                )
-            return dequantize_nvfp4(self.data, self.scale, gs[:, 0] if gs.dim() == 2 else gs)
-        raise ValueError(f"unknown quantized format {self.format!r}")
-
-
-@dataclass(frozen=True)
-class QuantizedExpertWeights:
-    """Quantized local experts: w13 ([gate; up] rows, or gate only for relu2) and w2, plus float
-    biases. Produced by `quantize_expert_weights` or by a checkpoint loader."""
-
-    w13: QuantizedExpertTensor
-    w2: QuantizedExpertTensor
-    b13: Optional[torch.Tensor] = None
-    b2: Optional[torch.Tensor] = None
-    first_expert: int = 0
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13.data.shape[0]
-
-
-WEIGHT_FORMAT_OF_MODE = {
-    "fp8_block": "fp8_block",
-    "nvfp4_w4a16": "nvfp4",
-    "mxfp4_w4a16": "mxfp4",
-}
-
-
-def quantize_expert_weights(weights, mode: str) -> QuantizedExpertWeights:
-    """Canonical float `ExpertWeights` -> `QuantizedExpertWeights` for `mode`."""
-    fmt = WEIGHT_FORMAT_OF_MODE.get(mode)
+def quantize_expert_weights(weights: ExpertWeights, mode: str) -> ExpertWeights:
+    """Float canonical weights -> quantized canonical `ExpertWeights` (format set) for `mode`:
+    fp8_block 128x128 (padded edges), nvfp4 (global scale per expert and projection, the
+    `epmoe.quant.nvfp4` recipe), mxfp4 (OCP floor scales). Biases are kept as they are."""
+    fmt = FORMAT_OF_MODE.get(mode)
     if fmt is None:
-        raise ValueError(f"mode {mode!r} has no quantized weight format; use one of {sorted(WEIGHT_FORMAT_OF_MODE)}")
-    w1, w3, w2 = weights.w1, weights.w3, weights.w2
+        raise ValueError(f"mode {mode!r} has no quantized weight format; use one of {sorted(FORMAT_OF_MODE)}")
+    if weights.is_quantized:
+        raise ValueError(f"weights are already quantized ({weights.format}); pass float weights")
+    fields = {}
+    for name in ("w1", "w3", "w2"):
+        w = getattr(weights, name)
+        if w is None:
+            continue
+        if fmt == "fp8_block":
+            fields[name], fields[name + "_scale"] = quantize_fp8_block(w)
+        elif fmt == "mxfp4":
+            t = mxfp4.quantize(w)
+            fields[name], fields[name + "_scale"] = t.packed, t.scales
+        else:
+            # One global scale per expert: the codec's is the quantization multiplier 2688 / amax;
+            # ExpertWeights keeps the dequantization factor (its inverse).
+            E = w.shape[0]
+            gs = torch.stack([nvfp4.compute_global_scale(w[e]) for e in range(E)])
+            t = nvfp4.quantize(w, gs[:, None].expand(w.shape[:-1]).contiguous())
+            fields[name], fields[name + "_scale"] = t.packed, t.scales
+            fields[name + "_global_scale"] = (1.0 / gs).to(torch.float32)
+    return replace(weights, format=fmt, **fields)
+
+
+def dequantize_expert_weights(weights: ExpertWeights, dtype: torch.dtype = torch.float32) -> ExpertWeights:
+    """Quantized canonical `ExpertWeights` -> float (`dtype`) ones (unquantized container)."""
+    if not weights.is_quantized:
+        return weights
+    out = {}
+    for name in ("w1", "w3", "w2"):
+        q, s = getattr(weights, name), getattr(weights, name + "_scale")
+        if q is None:
+            continue
+        if weights.format == "fp8_block":
+            out[name] = dequantize_fp8_block(q.view(torch.float8_e4m3fn) if q.dtype == torch.uint8 else q, s)
+        elif weights.format == "mxfp4":
+            out[name] = mxfp4.dequantize(q, s, torch.float32)
+        elif weights.format == "nvfp4":
+            g = getattr(weights, name + "_global_scale").float()
+            rows = q.shape[:-1]
+            out[name] = nvfp4.dequantize(q, s, (1.0 / g)[:, None].expand(rows).contiguous(), torch.float32)
+        else:
+            raise ValueError(f"format {weights.format!r} is not one the triton backend reads")
+        out[name] = out[name].to(dtype)
+    cleared = {f: None for f in ("w1_scale", "w3_scale", "w2_scale", "w1_global_scale", "w3_global_scale",
+                                 "w2_global_scale", "w13_input_scale", "w2_input_scale")}  # fmt: skip
+    return replace(weights, format=None, **cleared, **out)
+
+
+def kernel_tensors(weights: ExpertWeights, gated: bool, device: torch.device) -> dict:
+    """Quantized canonical `ExpertWeights` -> the kernel-layout tensors (new storage on `device`)."""
+    fmt = weights.format
+
+    def own(t: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
+
+    def cat(a, b):
+        return own(a) if b is None else torch.cat([a.to(device), b.to(device)], dim=1).contiguous()
+
+    w3 = weights.w3 if gated else None
+    w3s = weights.w3_scale if gated else None
+    out = {
+        "w13": cat(weights.w1, w3),
+        "w13_scale": cat(weights.w1_scale, w3s),
+        "w2": own(weights.w2),
+        "w2_scale": own(weights.w2_scale),
+    }
     if fmt == "fp8_block":
-        q13, s13 = quantize_fp8_gated_w13(w1, w3)
-        q2, s2 = quantize_fp8_block(w2)
-        t13 = QuantizedExpertTensor(fmt, q13, s13)
-        t2 = QuantizedExpertTensor(fmt, q2, s2)
-    elif fmt == "nvfp4":
-        parts = [quantize_nvfp4(w1)] + ([quantize_nvfp4(w3)] if w3 is not None else [])
-        t13 = QuantizedExpertTensor(
-            fmt,
-            torch.cat([p[0] for p in parts], dim=1).contiguous(),
-            torch.cat([p[1] for p in parts], dim=1).contiguous(),
-            torch.stack([p[2] for p in parts], dim=1).contiguous(),
-        )
-        p2 = quantize_nvfp4(w2)
-        t2 = QuantizedExpertTensor(fmt, p2[0], p2[1], p2[2][:, None].contiguous())
-    else:
-        parts = [quantize_mxfp4(w1)] + ([quantize_mxfp4(w3)] if w3 is not None else [])
-        t13 = QuantizedExpertTensor(
-            fmt,
-            torch.cat([p[0] for p in parts], dim=1).contiguous(),
-            torch.cat([p[1] for p in parts], dim=1).contiguous(),
-        )
-        p2 = quantize_mxfp4(w2)
-        t2 = QuantizedExpertTensor(fmt, p2[0], p2[1])
-    return QuantizedExpertWeights(t13, t2, weights.b13, weights.b2, weights.first_expert)
+        for k in ("w13", "w2"):
+            if out[k].dtype == torch.uint8:
+                out[k] = out[k].view(torch.float8_e4m3fn)
+    if fmt == "nvfp4":
+        for k in ("w13_scale", "w2_scale"):
+            if out[k].dtype == torch.uint8:
+                out[k] = out[k].view(torch.float8_e4m3fn)
+        gs = [weights.w1_global_scale] + ([weights.w3_global_scale] if gated else [])
+        out["w13_global_scale"] = torch.stack([g.to(device, torch.float32) for g in gs], dim=1).contiguous()
+        out["w2_global_scale"] = own(weights.w2_global_scale, torch.float32).reshape(-1, 1)
+    if fmt in ("nvfp4", "mxfp4"):
+        out["w13"] = interleave_fp4_k64(out["w13"])
+        out["w2"] = interleave_fp4_k64(out["w2"])
+    return out

@@ -2,8 +2,8 @@
 in seconds at first use. Flat layout only.
 
     experts = TritonExperts(spec)          # spec.plan.expert_mode: bf16 | fp8_block | nvfp4_w4a16 | mxfp4_w4a16
-    experts.load_weights(weights)          # canonical float ExpertWeights (quantized here for the
-                                           #   quantized modes), or experts.load_quantized(QuantizedExpertWeights)
+    experts.load_weights(weights)          # canonical ExpertWeights: quantized ones of the mode's format
+                                           #   as they are, float ones quantized here at load
     out [N, H] = experts(tokens)           # DispatchedTokens, flat layout
 
 Forward (no host sync, fixed shapes for a fixed N, so it can be captured in a CUDA graph):
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 import torch
@@ -39,14 +39,14 @@ from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts import kernel_formats as kf
 from epmoe.experts.align import align_blocks, sort_by_expert
 from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.quant.codec import FP8_BLOCK
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
 
 SUPPORTED_MODES = ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")
 _W_FMT = {"bf16": 0, "fp8_block": 1, "nvfp4_w4a16": 2, "mxfp4_w4a16": 3}
-FP8_BLOCK_PAYLOAD = PayloadFormat(
-    "fp8_block", torch.float8_e4m3fn, block_size=128, scale_dtype=torch.float32, scale_layout="linear"
-)
+# What an fp8 dispatch delivers (the codec's 1x128 e4m3 + fp32 scales, linear).
+FP8_BLOCK_PAYLOAD = FP8_BLOCK
 
 
 # --------------------------------------------------------------------------- configs
@@ -253,58 +253,70 @@ class TritonExperts(Experts):
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: ExpertWeights) -> None:
-        """Canonical float weights of the local experts -> kernel layout (quantized for quantized
-        modes, a few experts at a time to bound temporary memory). A reload copies in place."""
+        """Local experts' canonical weights -> kernel layout. A reload copies in place."""
+        self.commit_weights(self.prepare_weights(weights))
+
+    def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
+        """Validate and convert (new tensors; nothing live is touched).
+
+        bf16 mode: float weights (a quantized checkpoint is dequantized). Quantized modes: quantized
+        weights of the mode's format are converted as they are; float weights are quantized here, a
+        few experts at a time to bound temporary memory."""
         self.check_local_weights(weights)
-        E, R = self.num_experts, self.config.w13_rows
-        new: Dict[str, torch.Tensor] = {}
+        cfg, dev = self.config, self.device
+        fmt = kf.FORMAT_OF_MODE.get(self.mode)
         if self.mode == "bf16":
-            dt = self.config.dtype
-            new["w13"] = self._stack_w13(weights, slice(0, E)).to(dt)
-            new["w2"] = _owned(weights.w2, self.device, dt)
+            if weights.is_quantized:
+                weights = kf.dequantize_expert_weights(weights)
+            w1 = weights.w1.to(dev)
+            w13 = w1 if weights.w3 is None else torch.cat([w1, weights.w3.to(dev)], dim=1)
+            new = {"w13": _owned(w13, dev, cfg.dtype), "w2": _owned(weights.w2, dev, cfg.dtype)}
+        elif weights.is_quantized:
+            if weights.format != fmt:
+                raise ValueError(
+                    f"expert weights are {weights.format}, but mode {self.mode!r} reads {fmt}; resolve the "
+                    f"quant plan for this checkpoint (or pass float weights to quantize at load)"
+                )
+            new = kf.kernel_tensors(weights, self.gated, dev)
         else:
-            chunk = max(1, (1 << 27) // (R * self.hidden_size))  # ~128M values of float32 scratch
+            E, first = self.num_experts, weights.first_expert
+            chunk = max(1, (1 << 27) // (cfg.w13_rows * self.hidden_size))  # ~0.5 GB of f32 scratch
             parts = []
             for lo in range(0, E, chunk):
-                sub = ExpertWeights(
-                    w1=weights.w1[lo : lo + chunk].to(self.device),
-                    w2=weights.w2[lo : lo + chunk].to(self.device),
-                    w3=None if weights.w3 is None else weights.w3[lo : lo + chunk].to(self.device),
-                )
-                parts.append(self._kernel_tensors(kf.quantize_expert_weights(sub, self.mode)))
+                sub = weights.slice_experts(first + lo, first + min(E, lo + chunk)).to(dev)
+                sub = replace(sub, b13=None, b2=None)
+                parts.append(kf.kernel_tensors(kf.quantize_expert_weights(sub, self.mode), self.gated, dev))
             new = {k: torch.cat([p[k] for p in parts], dim=0).contiguous() for k in parts[0]}
-        self._add_biases(new, weights.b13, weights.b2)
-        self._install(new)
+        if cfg.has_bias:
+            new["b13"] = _owned(weights.b13, dev, torch.float32)
+            new["b2"] = _owned(weights.b2, dev, torch.float32)
+        expected = self._expected_shapes()
+        for name, shape in expected.items():
+            if tuple(new[name].shape) != shape:
+                raise ValueError(
+                    f"converted expert tensor {name!r} has shape {list(new[name].shape)}, expected "
+                    f"{list(shape)} for mode {self.mode!r}"
+                )
+        return new
 
-    def load_quantized(self, weights: kf.QuantizedExpertWeights) -> None:
-        """Pre-quantized local experts in the canonical formats of `kernel_formats` (e.g. from an
-        fp8 / nvfp4 / mxfp4 checkpoint). A reload copies in place."""
-        fmt = kf.WEIGHT_FORMAT_OF_MODE.get(self.mode)
-        if fmt is None:
-            raise ValueError(f"load_quantized needs a quantized expert mode; this backend runs {self.mode!r}")
-        for name, t in (("w13", weights.w13), ("w2", weights.w2)):
-            if t.format != fmt:
-                raise ValueError(f"{name} is in format {t.format!r}; mode {self.mode!r} needs {fmt!r}")
-        s = self.spec
-        if weights.num_experts != s.num_local_experts or weights.first_expert != s.first_local_expert:
-            raise ValueError(
-                f"quantized weights hold experts [{weights.first_expert}, "
-                f"{weights.first_expert + weights.num_experts}); this rank owns "
-                f"[{s.first_local_expert}, {s.first_local_expert + s.num_local_experts})"
-            )
-        new = self._kernel_tensors(weights, check=True)
-        self._add_biases(new, weights.b13, weights.b2)
-        self._install(new)
-
-    def _stack_w13(self, weights: ExpertWeights, sl: slice) -> torch.Tensor:
-        w1 = weights.w1[sl].to(self.device)
-        if weights.w3 is None:
-            return _owned(w1, self.device, self.config.dtype)
-        return torch.cat([w1, weights.w3[sl].to(self.device)], dim=1).contiguous()
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
+        if not self._params:
+            self._params = prepared
+            return
+        for name, t in prepared.items():
+            old = self._params[name]
+            if old.shape != t.shape or old.dtype != t.dtype:
+                raise ValueError(
+                    f"reloaded {name!r} is {list(t.shape)} {t.dtype}; the loaded one is {list(old.shape)} {old.dtype}"
+                )
+        for name, t in prepared.items():
+            self._params[name].copy_(t)  # in place: captured CUDA graphs keep pointing at valid weights
 
     def _expected_shapes(self) -> Dict[str, tuple]:
         E, H, I, R = self.num_experts, self.hidden_size, self.intermediate_size, self.config.w13_rows
         halves = 2 if self.gated else 1
+        if self.mode == "bf16":
+            return {"w13": (E, R, H), "w2": (E, H, I)}
         if self.mode == "fp8_block":
             return {
                 "w13": (E, R, H),
@@ -312,7 +324,7 @@ class TritonExperts(Experts):
                 "w2": (E, H, I),
                 "w2_scale": (E, kf._cdiv(H, 128), kf._cdiv(I, 128)),
             }
-        group = kf.NVFP4_BLOCK if self.mode == "nvfp4_w4a16" else kf.MXFP4_BLOCK
+        group = 16 if self.mode == "nvfp4_w4a16" else 32
         shapes = {
             "w13": (E, R, H // 2),
             "w13_scale": (E, R, H // group),
@@ -323,52 +335,6 @@ class TritonExperts(Experts):
             shapes["w13_global_scale"] = (E, halves)
             shapes["w2_global_scale"] = (E, 1)
         return shapes
-
-    def _kernel_tensors(self, q: kf.QuantizedExpertWeights, check: bool = False) -> Dict[str, torch.Tensor]:
-        dev = self.device
-        out = {
-            "w13": _owned(q.w13.data, dev),
-            "w13_scale": _owned(q.w13.scale, dev),
-            "w2": _owned(q.w2.data, dev),
-            "w2_scale": _owned(q.w2.scale, dev),
-        }
-        if self.mode == "nvfp4_w4a16":
-            g13 = q.w13.global_scale.float().to(dev)
-            g2 = q.w2.global_scale.float().to(dev)
-            out["w13_global_scale"] = g13.reshape(g13.shape[0], -1)
-            out["w2_global_scale"] = g2.reshape(g2.shape[0], 1)
-        if check:
-            expected = self._expected_shapes()
-            E = q.num_experts
-            for name, shape in expected.items():
-                shape = (E,) + shape[1:]
-                if tuple(out[name].shape) != shape:
-                    raise ValueError(
-                        f"quantized expert tensor {name!r} has shape {list(out[name].shape)}, "
-                        f"expected {list(shape)} for mode {self.mode!r}"
-                    )
-        if self.mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
-            out["w13"] = kf.interleave_fp4_k64(out["w13"])
-            out["w2"] = kf.interleave_fp4_k64(out["w2"])
-        return {k: v.contiguous() for k, v in out.items()}
-
-    def _add_biases(self, new: Dict[str, torch.Tensor], b13, b2) -> None:
-        if self.config.has_bias:
-            new["b13"] = _owned(b13, self.device, torch.float32)
-            new["b2"] = _owned(b2, self.device, torch.float32)
-
-    def _install(self, new: Dict[str, torch.Tensor]) -> None:
-        if not self._params:
-            self._params = new
-            return
-        for name, t in new.items():
-            old = self._params[name]
-            if old.shape != t.shape or old.dtype != t.dtype:
-                raise ValueError(
-                    f"reloaded {name!r} has shape {list(t.shape)} {t.dtype}; the loaded one is "
-                    f"{list(old.shape)} {old.dtype}"
-                )
-            old.copy_(t)  # in place: captured CUDA graphs keep pointing at valid weights
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens) -> torch.Tensor:

@@ -93,12 +93,12 @@ def run_case(mode: str, shape: str, seed: int) -> dict:
     x = torch.randn(N, cfg.hidden_size, generator=g).to(cfg.dtype)
     ids, tw = T.random_local_routing(N, cfg.top_k, E, seed=seed + 2, invalid_frac=0.3, empty_rows=2)
     out = ex(DispatchedTokens(x, ids, tw))
-    if mode == "bf16":
-        w13, w2, xr, rt = None, None, x, (lambda a: a.to(torch.bfloat16).double())
-    else:
-        q = kf.quantize_expert_weights(w, mode)
-        w13, w2 = q.w13.dequantize(gated_w13=cfg.is_gated), q.w2.dequantize()
-        xr, rt = x, (lambda a: a.to(torch.bfloat16).double())
+    rt = lambda a: a.to(torch.bfloat16).double()  # noqa: E731  (gemm1 writes a bf16 activation)
+    w13 = w2 = None
+    xr = x
+    if mode != "bf16":
+        d = kf.dequantize_expert_weights(kf.quantize_expert_weights(w, mode))
+        w13, w2 = d.w13(), d.w2
         if mode == "fp8_block":
             xq, xs = kf.quantize_fp8_tokens(x)
             xr = kf.dequantize_fp8_tokens(xq, xs)

@@ -110,19 +110,20 @@ def test_bad_weights_rejected(force_available, backend):
         ex(DispatchedTokens(torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)))
 
 
-def test_triton_load_quantized_checks(force_available):
+def test_triton_takes_quantized_checkpoints(force_available):
     spec = _spec("fp8_block")
     ex = TritonExperts(spec)
     w = T.random_expert_weights(spec.config, spec.num_local_experts, first_expert=spec.first_local_expert)
-    ex.load_quantized(kf.quantize_expert_weights(w, "fp8_block"))
-    with pytest.raises(ValueError, match="format"):
-        ex.load_quantized(kf.quantize_expert_weights(w, "mxfp4_w4a16"))
     q = kf.quantize_expert_weights(w, "fp8_block")
-    bad = kf.QuantizedExpertWeights(
-        kf.QuantizedExpertTensor("fp8_block", q.w13.data[:, :, :64], q.w13.scale), q.w2, first_expert=q.first_expert
-    )
-    with pytest.raises(ValueError, match="w13"):
-        ex.load_quantized(bad)
+    ex.load_weights(q)  # quantized canonical weights are taken as they are ...
+    assert torch.equal(ex.parameters()["w2"].view(torch.uint8), q.w2.view(torch.uint8))
+    ex.load_weights(w)  # ... float ones are quantized the same way at load
+    assert torch.equal(ex.parameters()["w2"].view(torch.uint8), q.w2.view(torch.uint8))
+    with pytest.raises(ValueError, match="mxfp4"):
+        ex.load_weights(kf.quantize_expert_weights(w, "mxfp4_w4a16"))
+    bf = TritonExperts(_spec("bf16"))
+    bf.load_weights(q)  # a quantized checkpoint runs in bf16 mode dequantized
+    assert torch.allclose(bf.parameters()["w2"].float(), kf.dequantize_expert_weights(q).w2.bfloat16().float())
 
 
 def test_triton_forward_validates_before_launch(force_available):

@@ -29,7 +29,7 @@ BACKENDS = ("triton", "grouped_mm", "torch_loop")
 MODES = ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")
 # Triton presets swept per (mode, phase); "auto" = what the backend picks by itself.
 SWEEP = {
-    ("bf16", "decode"): ["auto", "small"],
+    ("bf16", "decode"): ["auto", "decode_wide", "decode_deep", "small"],
     ("bf16", "prefill"): ["auto", "prefill_n128", "prefill_m64", "medium"],
     ("fp8_block", "decode"): ["auto"],
     ("fp8_block", "prefill"): ["auto", "medium"],

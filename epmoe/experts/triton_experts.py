@@ -85,6 +85,8 @@ class TritonConfig:
 # "prefill": >= 128 rows per expert -> tensor-core bound; 128-row tiles, gate+up = 256 columns.
 _DENSE_PRESETS = {
     "decode": TritonConfig("decode", 16, GemmConfig(64, 128, 4, 4), GemmConfig(64, 128, 4, 4)),
+    "decode_wide": TritonConfig("decode_wide", 16, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
+    "decode_deep": TritonConfig("decode_deep", 16, GemmConfig(64, 128, 4, 3), GemmConfig(64, 256, 4, 3)),
     "small": TritonConfig("small", 32, GemmConfig(64, 128, 4, 4), GemmConfig(128, 64, 4, 4)),
     "medium": TritonConfig("medium", 64, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
     "prefill": TritonConfig("prefill", 128, GemmConfig(128, 64, 8, 3), GemmConfig(256, 64, 8, 3)),

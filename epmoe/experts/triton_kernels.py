@@ -229,7 +229,7 @@ def moe_gemm1_kernel(
     if OUT_FP8:
         # 1x128 quantization of the activation row for the fp8 down projection (BLOCK_N == 128).
         act = tl.where(n_ok[None, :], act, 0.0)
-        scale = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-12) / FP8_MAX
+        scale = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-10) / FP8_MAX
         q8 = tl.clamp(act / scale[:, None], -FP8_MAX, FP8_MAX)
         tl.store(out_ptrs, q8.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
         tl.store(outs_ptr + rows * stride_osm + pid_n, scale)
@@ -380,7 +380,7 @@ def quant_fp8_rows_kernel(
     offs = g * GROUP + tl.arange(0, GROUP)
     ok = offs < C
     x = tl.load(x_ptr + r * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / FP8_MAX
     q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + r * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + r * stride_sm + g, scale)

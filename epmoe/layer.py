@@ -197,9 +197,10 @@ class EPMoE(torch.nn.Module):
             raise BackendUnavailableError(plan.experts_backend, avail.reason, avail.hint)
         return cls(spec)
 
-    def _wire_format(self, plan: QuantPlan) -> Optional[PayloadFormat]:
-        if plan.dispatch_dtype == "bf16":
-            return None  # what the experts consume travels as is
+    def _wire_format(self, plan: QuantPlan) -> PayloadFormat:
+        """How tokens travel: the plan's dispatch dtype ("bf16" = the unquantized model dtype). The
+        dispatcher hands the experts a quantized payload only when it is the one they consume;
+        otherwise it delivers unquantized tokens (dequantized on arrival if they travelled quantized)."""
         from epmoe.quant.codec import payload_format
 
         return payload_format(plan.dispatch_dtype, self.config.dtype)

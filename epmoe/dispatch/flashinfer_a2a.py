@@ -421,10 +421,10 @@ class FlashInferA2ADispatcher(Dispatcher):
                 hidden_size=s.hidden_size,
                 global_scale=gscale,
             )
-            if not s.payload.is_quantized:  # NVFP4 on the wire, the experts take the model dtype
+            if s.payload != self.wire:  # NVFP4 on the wire, the experts take another format
                 from epmoe.quant.codec import dequantize_activation
 
-                x = dequantize_activation(x, s.payload.dtype)
+                x = dequantize_activation(x, s.combine_dtype)
         self._round += 1
         self._pending = self._round
         bytes_sent = -1

@@ -72,8 +72,8 @@ class _RowCodec:
         if not self.wire.is_quantized:
             return rows[:, :o].contiguous().view(self.wire.dtype).reshape(N, H), ids, w
         hidden = codec.unpack_rows(rows[:, :o].contiguous(), self.wire, H)
-        if not self.spec.payload.is_quantized:  # experts take unquantized: dequantize on arrival
-            hidden = codec.dequantize_activation(hidden, self.spec.payload.dtype)
+        if self.spec.payload != self.wire:  # experts take another format: dequantize on arrival
+            hidden = codec.dequantize_activation(hidden, self.spec.combine_dtype)
         return hidden, ids, w
 
 
@@ -82,11 +82,7 @@ class TorchA2ADispatcher(Dispatcher):
 
     def __init__(self, spec: DispatchSpec):
         super().__init__(spec)
-        if spec.wire_format.is_quantized and spec.payload.is_quantized and spec.payload != spec.wire_format:
-            raise ValueError(
-                f"wire format {spec.wire_format.name} differs from the experts' payload "
-                f"{spec.payload.name}; the torch dispatcher converts only to unquantized payloads"
-            )
+
         self._codec = _RowCodec(spec)
         self._distributed = edist.is_distributed(spec.group)
 

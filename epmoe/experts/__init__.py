@@ -9,6 +9,7 @@ from epmoe.experts.base import Experts, ExpertsSpec
 
 EXPERTS: "Registry[Experts]" = Registry("experts backend")
 EXPERTS.register("reference", "epmoe.experts.reference:ReferenceExperts")
+EXPERTS.register("masked_reference", "epmoe.experts.masked:MaskedReferenceExperts")
 EXPERTS.register("flashinfer_cutlass", "epmoe.experts.flashinfer_cutlass:FlashInferCutlassExperts")
 EXPERTS.register("flashinfer_cutedsl", "epmoe.experts.flashinfer_sm100:FlashInferCuteDslExperts")
 EXPERTS.register("flashinfer_trtllm", "epmoe.experts.flashinfer_sm100:FlashInferTrtllmExperts")

@@ -66,7 +66,10 @@ class Experts(abc.ABC):
 
     @property
     def payload_format(self) -> PayloadFormat:
-        """The activation encoding this backend consumes (default: unquantized model dtype)."""
+        """The activation encoding this backend prefers to receive (default: unquantized model dtype).
+        Dispatchers deliver a QuantizedActivation only when the tokens travelled in exactly this
+        format; otherwise they deliver unquantized model-dtype tokens, which every backend must accept
+        (and quantize itself if its kernels need to)."""
         return PayloadFormat.unquantized(self.config.dtype)
 
     @abc.abstractmethod

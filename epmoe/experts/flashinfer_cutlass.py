@@ -580,32 +580,7 @@ def _truncate_nongated(weights: ExpertWeights, intermediate: int) -> ExpertWeigh
 
 
 def quantize_weights_online(weights: ExpertWeights, fmt: str) -> ExpertWeights:
-    """Quantize unquantized canonical weights to `fmt` at load with epmoe's reference codecs
-    (epmoe.quant.<fmt>): MXFP4 / MXFP8 per 32 along K, FP8 128x128 blocks, NVFP4 per 16 with one
-    global scale per expert (stored as a dequantization factor, ExpertWeights' convention)."""
-    import importlib
-    from dataclasses import replace
+    """Online quantization at load (epmoe.quant.weights.quantize_expert_weights)."""
+    from epmoe.quant.weights import quantize_expert_weights
 
-    try:
-        codec = importlib.import_module(f"epmoe.quant.{fmt}")
-    except ImportError as e:
-        raise ValueError(
-            f"online quantization to {fmt} needs epmoe.quant.{fmt} ({e}); load a {fmt} checkpoint instead"
-        ) from e
-    fields: Dict[str, Any] = {"format": fmt}
-    for name in ("w1", "w3", "w2"):
-        w = getattr(weights, name)
-        if w is None:
-            continue
-        if fmt == "nvfp4":
-            # One multiplier per expert (448 * 6 / amax), broadcast over its rows.
-            gs = torch.stack([codec.compute_global_scale(w[e]) for e in range(w.shape[0])])
-            q = codec.quantize(w, gs[:, None].expand(w.shape[:-1]).contiguous())
-            fields[name + "_global_scale"] = (1.0 / gs).float().contiguous()
-        elif fmt == "fp8_block":
-            q = codec.quantize_weight(w)
-        else:
-            q = codec.quantize(w)
-        fields[name] = q[0]
-        fields[name + "_scale"] = q[1]
-    return replace(weights, **fields)
+    return quantize_expert_weights(weights, fmt)

@@ -1,5 +1,12 @@
 """`ReferenceExperts`: plain torch, float32 arithmetic, any device. The oracle other backends are
-checked against, and the CPU default.
+checked against, and the CPU default. It runs every expert mode of the quant plan by emulation:
+
+    weights      quantized checkpoints are dequantized at load; unquantized ones are quantized to the
+                 plan's weight format and dequantized again (online quantization), so the reference
+                 sees exactly the values a kernel would
+    activations  for modes that quantize activations (nvfp4_w4a4, fp8_block, mxfp8, mxfp4_w4a8) the
+                 expert input and the FC2 input are quantized and dequantized per row-batch in the
+                 plan's activation format (a quantized dispatch payload is used as received)
 
 Per local expert e, on the rows that chose it (fp32 throughout, cast to the model dtype at the end):
     h = x @ w13[e].T (+ b13[e]);  a = act(h);  y = a @ w2[e].T (+ b2[e]);  out[rows] += w * y
@@ -15,8 +22,12 @@ import torch
 
 from epmoe.config import MoEConfig
 from epmoe.experts.base import Experts, ExpertsSpec
-from epmoe.quant.payload import QuantizedActivation
-from epmoe.quant.weights import ExpertWeights
+from epmoe.quant import codec
+from epmoe.quant.payload import PayloadFormat, QuantizedActivation
+from epmoe.quant.weights import ExpertWeights, dequantize_expert_weights, quantize_expert_weights
+
+# plan activation format -> payload format the emulation quantizes to ("fp8": FP8 1x128 groups)
+_ACT_PAYLOAD = {"nvfp4": "nvfp4", "fp8_block": "fp8_block", "fp8": "fp8_block", "mxfp8": "mxfp8"}
 
 
 def apply_activation(config: MoEConfig, h: torch.Tensor) -> torch.Tensor:
@@ -40,13 +51,38 @@ class ReferenceExperts(Experts):
     def __init__(self, spec: ExpertsSpec):
         super().__init__(spec)
         self._params: Dict[str, torch.Tensor] = {}
+        plan = spec.plan
+        self._weight_format = getattr(plan, "weight_format", "bf16") if plan is not None else "bf16"
+        act = getattr(plan, "act_format", "bf16") if plan is not None else "bf16"
+        self._act: Optional[PayloadFormat] = (
+            codec.payload_format(_ACT_PAYLOAD[act], self.config.dtype) if act in _ACT_PAYLOAD else None
+        )
+
+    @property
+    def payload_format(self) -> PayloadFormat:
+        return self._act if self._act is not None else PayloadFormat.unquantized(self.config.dtype)
 
     def parameters(self) -> Dict[str, torch.Tensor]:
         return dict(self._params)
 
+    def _emulated(self, weights: ExpertWeights) -> ExpertWeights:
+        """The values the plan's kernels would compute with, unquantized (float32 when quantized)."""
+        if weights.is_quantized:
+            return dequantize_expert_weights(weights, torch.float32)
+        if self._weight_format in ("bf16", None):
+            return weights
+        return dequantize_expert_weights(quantize_expert_weights(weights, self._weight_format), torch.float32)
+
+    def _quant_act(self, x: torch.Tensor) -> torch.Tensor:
+        if self._act is None or x.shape[0] == 0:
+            return x
+        return codec.dequantize_activation(codec.quantize_activation(x, self._act), torch.float32)
+
     def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)
-        dev, dt = self.spec.device, self.config.dtype
+        weights = self._emulated(weights)
+        dev = self.spec.device
+        dt = self.config.dtype if self._weight_format in ("bf16", None) else torch.float32
         new = {"w13": weights.w13(), "w2": weights.w2}
         if self.config.has_bias:
             new["b13"], new["b2"] = weights.b13, weights.b2
@@ -69,9 +105,9 @@ class ReferenceExperts(Experts):
             raise RuntimeError("ReferenceExperts.forward before load_weights")
         x = tokens.hidden
         if isinstance(x, QuantizedActivation):
-            from epmoe.quant.codec import dequantize_activation
-
-            x = dequantize_activation(x, torch.float32)
+            x = codec.dequantize_activation(x, torch.float32)  # already in the activation format
+        else:
+            x = self._quant_act(x.float())
         N = x.shape[0]
         out = torch.zeros(N, self.config.hidden_size, dtype=torch.float32, device=x.device)
         ids, w = tokens.topk_ids, tokens.topk_weights
@@ -86,7 +122,7 @@ class ReferenceExperts(Experts):
             h = xe @ p["w13"][e].float().t()
             if "b13" in p:
                 h = h + p["b13"][e].float()
-            y = apply_activation(self.config, h) @ p["w2"][e].float().t()
+            y = self._quant_act(apply_activation(self.config, h)) @ p["w2"][e].float().t()
             if "b2" in p:
                 y = y + p["b2"][e].float()
             out.index_add_(0, rows, y * w[rows, ks].float().unsqueeze(1))
@@ -102,7 +138,7 @@ class ReferenceExperts(Experts):
             h = xf @ p["w13"][e].float().t()
             if "b13" in p:
                 h = h + p["b13"][e].float()
-            y = apply_activation(self.config, h) @ p["w2"][e].float().t()
+            y = self._quant_act(apply_activation(self.config, h)) @ p["w2"][e].float().t()
             if "b2" in p:
                 y = y + p["b2"][e].float()
             out += we.unsqueeze(1) * y

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -59,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="compare every step with a dense float64 reference on rank 0; exit 1 on mismatch")
     p.add_argument("--plan", action="store_true", help="print configuration, placement and memory; run nothing")
-    p.add_argument("--ep", type=int, default=None, help="EP size for --plan (default: the launch's world size)")
+    p.add_argument("--doctor", action="store_true",
+                   help="preflight report of what this host can run (GPUs, NVLink, NCCL, packages, backends); with "
+                        "--dispatcher/--experts/--device/--quant/--ep, exit 3 if that configuration cannot run here")
+    p.add_argument("--ep", type=int, default=None, help="EP size for --plan / --doctor (default: the launch's world size)")
     p.add_argument("--json", metavar="PATH", help="write per-step latency, tokens/s and per-expert load")
     p.add_argument("--weights-dir", metavar="DIR", help="where the synthetic checkpoint goes (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
@@ -218,6 +222,12 @@ def _main(argv: Optional[List[str]] = None) -> int:
     for name in ("tokens", "steps", "layers"):
         if getattr(args, name) < (0 if name == "tokens" else 1):
             raise SystemExit(f"--{name} {getattr(args, name)}: must be {'>= 0' if name == 'tokens' else '>= 1'}")
+    if args.ep is not None and args.ep < 1:
+        raise SystemExit(f"--ep {args.ep}: must be >= 1")
+    if args.doctor:
+        from epmoe.launch.doctor import run as run_doctor
+
+        return run_doctor(args)
     device = resolve_device(args.device)
     le = detect_launch_env()
     cfg, hf = load_config(args, device)
@@ -252,14 +262,34 @@ def _main(argv: Optional[List[str]] = None) -> int:
     # local rank 0 of each node writes the checkpoint; everyone reads it back through the loader
     tmp = None
     wdir = args.weights_dir
+    # A node is (host name, node rank): torchrun numbers its agents (GROUP_RANK), even two on one host;
+    # mpirun sets no node rank, so there the host name tells the nodes apart.
+    node_key = (socket.gethostname(), le.node_rank)
     if wdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="epmoe-synthetic-") if le.local_rank == 0 else None
-        shared = edist.all_gather_objects((le.node_rank, tmp.name if tmp else None))
-        wdir = next(d for n, d in shared if n == le.node_rank and d)
+        shared = edist.all_gather_objects((node_key, tmp.name if tmp else None))
+        wdir = next((d for k, d in shared if k == node_key and d), None)
     synthetic: dict = {}
-    if le.local_rank == 0:
-        synthetic = write_checkpoint(wdir, cfg, hf, num_layers, args.seed)
-    edist.all_gather_objects(None)  # barrier: the files exist before anyone reads
+    if le.local_rank == 0 and wdir is not None:
+        try:
+            synthetic = write_checkpoint(wdir, cfg, hf, num_layers, args.seed)
+        except OSError as e:  # reported below through the agreement, not by leaving the others waiting
+            print(f"error: rank {le.rank} could not write the synthetic checkpoint to {wdir}: {e}; "
+                  "pass --weights-dir DIR on a writable filesystem", file=sys.stderr)
+    edist.barrier()  # the files exist (or their writer failed) before anyone looks
+    # every rank says whether it sees the files, so a rank that cannot read them makes all ranks
+    # stop with the reason instead of some of them waiting in a collective
+    seen = edist.all_gather_objects(wdir is not None and os.path.isfile(os.path.join(wdir, "model.safetensors")))
+    if not all(seen):
+        if rank0:
+            blind = [r for r, ok in enumerate(seen) if not ok]
+            print(f"error: ranks {blind} cannot see the synthetic checkpoint written by local rank 0 of their node "
+                  f"({'no local rank 0 on that node' if wdir is None else wdir}); pass --weights-dir DIR on a "
+                  "filesystem every node shares, or launch so each node has a LOCAL_RANK 0", file=sys.stderr)
+        shutdown()
+        if tmp is not None:
+            tmp.cleanup()
+        return 2
     if not rank0:
         synthetic = {}
 
@@ -326,6 +356,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
     failed_check = bool(edist.all_gather_objects(failed_check)[0])
     if rank0:
         _summary(args, cfg, ep, layers[0], gathered, stats, tol, failed_check)
+    elif args.check and le.local_rank == 0:  # one verdict line per node, so each node's log says how it went
+        print(f"node {le.node_rank} ({socket.gethostname()}, rank {le.rank}): check | "
+              f"{'FAILED' if failed_check else 'passed'} (details on rank 0)")
     for layer in layers:
         layer.dispatcher.close()
     shutdown()

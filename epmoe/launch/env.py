@@ -51,6 +51,7 @@ def _mpi_rendezvous(le: LaunchEnv) -> None:
             "pip install 'epmoe[mpi]' or export MASTER_ADDR and MASTER_PORT"
         ) from e
     comm = MPI.COMM_WORLD
+    hosts = comm.allgather(socket.gethostname())
     addr = port = None
     if comm.Get_rank() == 0:
         addr = socket.gethostbyname(socket.gethostname()) if le.world_size > 1 else "127.0.0.1"
@@ -58,6 +59,12 @@ def _mpi_rendezvous(le: LaunchEnv) -> None:
             s.bind(("", 0))
             port = s.getsockname()[1]
     addr, port = comm.bcast((addr, port), root=0)
+    if addr.startswith("127.") and len(set(hosts)) > 1:  # every rank sees the same values: all raise together
+        raise RuntimeError(
+            f"mpirun across hosts {sorted(set(hosts))}: rank 0's host name {hosts[0]!r} resolves to {addr}, which "
+            f"the other hosts cannot reach; export MASTER_ADDR=<an address of {hosts[0]} they can reach> and "
+            "MASTER_PORT=<a free port> (e.g. mpirun -x MASTER_ADDR -x MASTER_PORT)"
+        )
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
 
 

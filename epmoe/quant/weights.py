@@ -248,3 +248,62 @@ class ExpertWeights:
                     raise ValueError(f"expert bias {name!r} has shape {got}, expected {list(shape)}")
         elif self.b13 is not None or self.b2 is not None:
             raise ValueError("expert weights carry biases but the config has has_bias=False")
+
+
+# ----------------------------------------------------------------------------- codecs
+def quantize_expert_weights(weights: ExpertWeights, fmt: str) -> ExpertWeights:
+    """Quantize unquantized canonical weights to `fmt` at load (online quantization) with epmoe's
+    reference formats: MXFP4 / MXFP8 per 32 along K, FP8 128x128 blocks, NVFP4 per 16 with one global
+    scale per expert (stored as a dequantization factor, this module's convention). Biases stay."""
+    import importlib
+
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"cannot quantize expert weights to {fmt!r}; use one of {sorted(WEIGHT_FORMATS)}")
+    if weights.is_quantized:
+        raise ValueError(f"expert weights are already {weights.format}; dequantize them first")
+    codec = importlib.import_module(f"epmoe.quant.{fmt}")
+    out: Dict[str, object] = {"format": fmt}
+    for name in _PROJECTIONS:
+        w = getattr(weights, name)
+        if w is None:
+            continue
+        if fmt == "nvfp4":
+            gs = torch.stack([codec.compute_global_scale(w[e]) for e in range(w.shape[0])])  # 448*6/amax
+            q = codec.quantize(w, gs[:, None].expand(w.shape[:-1]).contiguous())
+            out[name + "_global_scale"] = (1.0 / gs).float().contiguous()
+        elif fmt == "fp8_block":
+            q = codec.quantize_weight(w)
+        else:
+            q = codec.quantize(w)
+        out[name], out[name + "_scale"] = q[0], q[1]
+    return replace(weights, **out)
+
+
+def dequantize_expert_weights(weights: ExpertWeights, dtype: torch.dtype = torch.float32) -> ExpertWeights:
+    """Quantized canonical weights -> unquantized `dtype` (identity cast for unquantized weights)."""
+    if not weights.is_quantized:
+        return weights.to(dtype=dtype)
+    import importlib
+
+    codec = importlib.import_module(f"epmoe.quant.{weights.format}")
+    out: Dict[str, object] = {n: None for n in _QUANT_FIELDS}
+    out["format"] = None
+    for name in _PROJECTIONS:
+        q = getattr(weights, name)
+        if q is None:
+            continue
+        s = getattr(weights, name + "_scale")
+        if weights.format == "nvfp4":
+            g = getattr(weights, name + "_global_scale")
+            # stored as a dequantization factor; nvfp4.dequantize takes FlashInfer's 448*6/amax form
+            gs = (1.0 / g.float()).reshape(-1, *([1] * (q.dim() - 2))).expand(q.shape[:-1])
+            w = codec.dequantize(q, s, gs.contiguous(), torch.float32)
+        elif weights.format == "fp8_block":
+            w = codec.dequantize_weight(q, s, torch.float32)
+        else:
+            w = codec.dequantize(q, s, torch.float32)
+        out[name] = w.to(dtype)
+    for name in ("b13", "b2"):
+        t = getattr(weights, name)
+        out[name] = t.to(dtype) if t is not None else None
+    return replace(weights, **out)

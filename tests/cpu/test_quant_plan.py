@@ -307,7 +307,7 @@ def test_experts_backend_explicit_checked():
 
 def test_registered_backends_filter_auto():
     p = resolve_quant_plan(cfg(), arch="sm90", registered_backends=["reference"])
-    assert p.experts_backend == "reference" and "skipped ['triton'] (not registered" in notes(p)
+    assert p.experts_backend == "reference" and "skipped ['triton', 'grouped_mm'] (not registered" in notes(p)
     assert resolve_quant_plan(cfg(), arch="sm90", registered_backends=["reference", "triton"]).experts_backend == "triton"
     with pytest.raises(ValueError, match="'triton' cannot run"):
         resolve_quant_plan(cfg(), arch="sm90", experts_backend="triton", registered_backends=["reference"])

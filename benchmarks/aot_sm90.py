@@ -1,0 +1,203 @@
+"""Compile every Triton kernel variant the `triton` experts backend launches for sm90, on a machine
+WITHOUT a GPU (Triton's bundled ptxas), and report registers, spills, shared memory and the matrix
+instructions in the SASS (HGMMA / QGMMA = Hopper wgmma; HMMA = mma.sync).
+
+    python benchmarks/aot_sm90.py                 # all modes x presets, DeepSeek-V3 and GPT-OSS shapes
+    python benchmarks/aot_sm90.py --quick         # one variant per weight format
+
+The launches are recorded from a real `TritonExperts.forward` on CPU tensors (launch intercepted), so
+the compiled signatures, constexprs and specializations are the ones the device will see. Costs no
+device time; catches compile errors (e.g. non-constexpr globals) the interpreter does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from epmoe.config import MoEConfig  # noqa: E402
+from epmoe.core.availability import Availability  # noqa: E402
+from epmoe.dispatch.base import DispatchedTokens  # noqa: E402
+from epmoe.experts import testing as T  # noqa: E402
+from epmoe.experts import triton_experts as TE  # noqa: E402
+from epmoe.experts.base import ExpertsSpec  # noqa: E402
+from epmoe.quant.plan import QuantPlan  # noqa: E402
+
+_TL_TYPE = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.uint8: "u8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+_NO_SPECIALIZE = {"num_entries", "max_blocks"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    args: tuple
+    kwargs: tuple
+
+
+def record_launches(config: MoEConfig, mode: str, num_tokens: int, num_experts: int, preset=None):
+    """Run TritonExperts.forward on CPU with the kernel launches recorded instead of run."""
+    launches = []
+    # A few local experts are enough: strides and shapes per expert are the real ones.
+    ep_size = config.num_experts // num_experts
+    spec = ExpertsSpec(config, 0, ep_size, torch.device("cpu"), plan=QuantPlan(expert_mode=mode))
+    saved = TE.TritonExperts.__dict__["availability"]
+    TE.TritonExperts.availability = classmethod(lambda cls, spec: Availability.yes("aot"))
+    try:
+        ex = TE.TritonExperts(spec)
+    finally:
+        TE.TritonExperts.availability = saved
+    ex._launch = lambda name, grid, args, kwargs: launches.append(Launch(name, args, tuple(kwargs.items())))
+    ex.load_weights(T.random_expert_weights(config, num_experts, seed=0))
+    if preset is not None:
+        ex.config_override = TE.presets_for(mode)[preset]
+    x = torch.randn(num_tokens, config.hidden_size).to(config.dtype)
+    ids, w = T.random_local_routing(num_tokens, config.top_k, num_experts, seed=1)
+    ex(DispatchedTokens(x, ids, w))
+    return launches
+
+
+def to_source(launch: Launch):
+    from triton.compiler import ASTSource
+
+    from epmoe.experts import triton_kernels
+
+    fn = getattr(triton_kernels, launch.kernel)
+    kwargs = dict(launch.kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    names = fn.arg_names
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(zip(names, launch.args)):
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TL_TYPE[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 256-byte aligned
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            if value == 1 and name not in _NO_SPECIALIZE:
+                sig[name] = "constexpr"
+                consts[name] = 1
+                continue
+            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0 and name not in _NO_SPECIALIZE:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{launch.kernel}.{name}: cannot type {type(value)}")
+    for name, value in kwargs.items():
+        sig[name] = "constexpr"
+        consts[name] = value
+    return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), options
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def analyze(compiled) -> dict:
+    cubin = compiled.asm["cubin"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        res = subprocess.run([_cuobjdump(), "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([_cuobjdump(), "-sass", path], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    regs, stack, _, local = (int(v) for v in m.groups()) if m else (-1, -1, -1, -1)
+    return dict(
+        regs=regs,
+        stack=stack,
+        local=local,
+        smem=compiled.metadata.shared,
+        hgmma=len(re.findall(r"\bHGMMA\b", sass)),
+        qgmma=len(re.findall(r"\bQGMMA\b", sass)),
+        hmma=len(re.findall(r"\bHMMA\b", sass)),
+        ldl_stl=len(re.findall(r"\b(LDL|STL)\b", sass)),
+    )
+
+
+CASES = {
+    "ds": MoEConfig(num_experts=8, top_k=8, hidden_size=7168, intermediate_size=2048),
+    "gptoss": MoEConfig(
+        num_experts=8, top_k=4, hidden_size=2880, intermediate_size=2880, has_bias=True,
+        swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0,
+    ),  # fmt: skip
+    "relu2": MoEConfig(num_experts=8, top_k=4, hidden_size=1024, intermediate_size=512, activation="relu2"),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one variant per weight format")
+    ap.add_argument("--modes", default=",".join(TE.SUPPORTED_MODES))
+    args = ap.parse_args(argv)
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    modes = args.modes.split(",")
+    jobs = []
+    for case, cfg in CASES.items():
+        for mode in modes:
+            if mode in ("nvfp4_w4a16", "mxfp4_w4a16") and (cfg.hidden_size % 64 or cfg.intermediate_size % 64):
+                continue
+            presets = ["decode"] if args.quick else list(TE.presets_for(mode))
+            if args.quick and case != "ds":
+                continue
+            for preset in presets:
+                jobs.append((case, mode, preset))
+    seen = {}
+    failures = 0
+    print(f"triton {triton.__version__}, target sm90")
+    print(f"{'case':7} {'mode':12} {'preset':13} {'kernel':22} {'regs':>4} {'spill':>5} {'smem':>6} {'wgmma':>5} {'mma':>4} {'s':>5}")
+    for case, mode, preset in jobs:
+        cfg = CASES[case]
+        launches = record_launches(cfg, mode, num_tokens=16, num_experts=2, preset=preset)
+        for launch in launches:
+            src, opts = to_source(launch)
+            key = (launch.kernel, repr(sorted(src.signature.items())), repr(launch.kwargs), repr(launch.args[-3:]))
+            if key in seen:
+                continue
+            t0 = time.time()
+            try:
+                compiled = triton.compile(src, target=target, options=opts)
+                info = analyze(compiled)
+                seen[key] = info
+                print(
+                    f"{case:7} {mode:12} {preset:13} {launch.kernel:22} {info['regs']:4d} "
+                    f"{info['local'] + info['ldl_stl']:5d} {info['smem']:6d} "
+                    f"{info['hgmma'] + info['qgmma']:5d} {info['hmma']:4d} {time.time() - t0:5.1f}"
+                )
+            except Exception as e:  # report and continue: the point is to see every failure
+                failures += 1
+                seen[key] = None
+                msg = str(e).strip().splitlines()
+                print(f"{case:7} {mode:12} {preset:13} {launch.kernel:22} FAILED: {' | '.join(msg[-3:])[:400]}")
+    print(f"{len(seen)} variants, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

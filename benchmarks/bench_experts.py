@@ -1,0 +1,305 @@
+"""Expert-stage benchmark on one GPU: DeepSeek-V3 shape per rank (128 local experts, H=7168, I=2048,
+top-8, every routed entry local, uniform random routing) at T=128 (decode) and T=4096 (prefill).
+
+    python benchmarks/bench_experts.py                 # full run, table + JSON
+    python benchmarks/bench_experts.py --dry-run       # validate arguments, print the plan (no GPU)
+    python benchmarks/bench_experts.py --quick         # default configs only
+
+Ceilings measured in the same run: an 8192^3 bf16 torch.matmul (TFLOP/s) and a 4 GiB device copy
+(bandwidth = bytes read + written / time). Decode is also compared with the HBM weight-read limit:
+bytes of all local experts' weights (in the backend's format) / copy bandwidth.
+Timing: triton.testing.do_bench (CUDA events, median, L2 flushed between calls) after warm-up;
+prefill rotates among 3 input sets; decode replays a CUDA graph of the whole experts forward.
+FLOPs counted: 2 * entries * (2*I*H + H*I) (useful work; padding rows of a tile not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BACKENDS = ("triton", "grouped_mm", "torch_loop")
+MODES = ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")
+# Triton presets swept per (mode, phase); "auto" = what the backend picks by itself.
+SWEEP = {
+    ("bf16", "decode"): ["auto", "decode_wide", "decode_deep", "small"],
+    ("bf16", "prefill"): ["auto", "prefill_n128", "prefill_m64", "medium"],
+    ("fp8_block", "decode"): ["auto"],
+    ("fp8_block", "prefill"): ["auto", "medium"],
+    ("nvfp4_w4a16", "decode"): ["auto"],
+    ("nvfp4_w4a16", "prefill"): ["auto"],
+    ("mxfp4_w4a16", "decode"): ["auto"],
+    ("mxfp4_w4a16", "prefill"): ["auto"],
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    backend: str
+    mode: str
+    phase: str  # "decode" | "prefill"
+    num_tokens: int
+    preset: str = "auto"  # triton only
+
+
+@dataclass
+class Result:
+    run: Run
+    ms: float
+    tflops: float
+    pct_matmul: float
+    weight_gbps: Optional[float] = None
+    pct_hbm: Optional[float] = None
+    preset_used: str = ""
+    note: str = ""
+
+
+@dataclass
+class Report:
+    gpu: str = ""
+    torch: str = ""
+    triton: str = ""
+    matmul_tflops: float = 0.0
+    copy_gbps: float = 0.0
+    shape: dict = field(default_factory=dict)
+    results: List[Result] = field(default_factory=list)
+
+
+def build_plan(args) -> List[Run]:
+    backends = args.backends.split(",")
+    modes = args.modes.split(",")
+    for b in backends:
+        if b not in BACKENDS:
+            raise SystemExit(f"unknown backend {b!r}; choose from {BACKENDS}")
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"unknown mode {m!r}; choose from {MODES}")
+    phases = [("decode", args.decode_tokens), ("prefill", args.prefill_tokens)]
+    plan = []
+    for backend in backends:
+        for mode in modes:
+            if backend != "triton" and mode != "bf16":
+                continue  # grouped_mm and the torch loop are bf16 only
+            for phase, T in phases:
+                if T <= 0:
+                    continue
+                presets = ["auto"] if (backend != "triton" or args.quick) else SWEEP[(mode, phase)]
+                for p in presets:
+                    plan.append(Run(backend, mode, phase, T, p))
+    return plan
+
+
+# --------------------------------------------------------------------------- GPU part
+
+
+def _bench(fn, warmup_ms: float = 100, rep_ms: float = 400) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def measure_ceilings(dev):
+    import torch
+
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    ms = _bench(lambda: torch.matmul(a, b))
+    tflops = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    del a, b
+    src = torch.empty(4 << 30, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    gbps = 2 * src.numel() / (ms * 1e-3) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return tflops, gbps
+
+
+class TorchLoopExperts:
+    """Plain baseline: a Python loop over experts (host sync per expert), bf16 matmuls."""
+
+    name = "torch_loop"
+
+    def __init__(self, config, w13, w2):
+        self.config, self.w13, self.w2 = config, w13, w2
+
+    def __call__(self, tokens):
+        import torch
+
+        x, ids, w = tokens.hidden, tokens.topk_ids, tokens.topk_weights
+        I = self.config.intermediate_size
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e in range(self.w13.shape[0]):
+            rows, slots = torch.nonzero(ids == e, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            h = x[rows] @ self.w13[e].T
+            a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+            y = a @ self.w2[e].T
+            out.index_add_(0, rows, y.float() * w[rows, slots, None])
+        return out.to(x.dtype)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
+    ap.add_argument("--quick", action="store_true", help="triton default presets only")
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--experts", type=int, default=128, help="local experts")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--json", default=None, help="output JSON (default $OUT/bench_experts.json or bench_results/)")
+    args = ap.parse_args(argv)
+    for name in ("experts", "hidden", "inter", "top_k"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    if args.top_k > args.experts:
+        raise SystemExit(f"--top-k {args.top_k} exceeds --experts {args.experts}")
+    plan = build_plan(args)
+    E, H, I, K = args.experts, args.hidden, args.inter, args.top_k
+    flops_per_entry = 2 * (2 * I * H + H * I)
+    print(f"plan: {len(plan)} runs; shape E_local={E} H={H} I={I} top_k={K}")
+    for r in plan:
+        T = r.num_tokens
+        print(f"  {r.backend:10} {r.mode:12} {r.phase:7} T={T:5d} preset={r.preset:13} "
+              f"{T * K * flops_per_entry / 1e9:8.1f} GFLOP")  # fmt: skip
+    if args.dry_run:
+        return 0
+    return run_plan(args, plan)
+
+
+def run_plan(args, plan: List[Run]) -> int:
+    import torch
+    import triton
+
+    from epmoe.config import MoEConfig
+    from epmoe.dispatch.base import DispatchedTokens
+    from epmoe.experts import EXPERTS
+    from epmoe.experts import testing as T
+    from epmoe.experts.base import ExpertsSpec
+    from epmoe.experts.graphs import CapturedExperts
+    from epmoe.experts.triton_experts import pick_config, presets_for
+    from epmoe.quant.plan import QuantPlan
+
+    dev = torch.device("cuda")
+    E, H, I, K = args.experts, args.hidden, args.inter, args.top_k
+    report = Report(
+        gpu=torch.cuda.get_device_name(dev),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        shape=dict(local_experts=E, hidden=H, inter=I, top_k=K),
+    )
+    report.matmul_tflops, report.copy_gbps = measure_ceilings(dev)
+    print(f"{report.gpu}: bf16 matmul 8192^3 {report.matmul_tflops:.0f} TFLOP/s, copy {report.copy_gbps:.0f} GB/s")
+
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I)
+    weights = T.random_expert_weights(cfg, E, device=dev, seed=0)
+    flops_per_entry = 2 * (2 * I * H + H * I)
+
+    def inputs(T_, seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        x = torch.randn(T_, H, generator=g, device=dev).bfloat16()
+        ids, w = T.random_local_routing(T_, K, E, dev, seed + 1)  # all K entries local, distinct
+        return DispatchedTokens(x, ids, w)
+
+    t_start = time.time()
+    current = {}  # (backend, mode) -> experts object (weights resident for its runs only)
+    for run in plan:
+        key = (run.backend, run.mode)
+        if key not in current:
+            current.clear()
+            torch.cuda.empty_cache()
+            if run.backend == "torch_loop":
+                ex = TorchLoopExperts(cfg, weights.w13(), weights.w2)
+            else:
+                spec = ExpertsSpec(cfg, 0, 1, dev, plan=QuantPlan(expert_mode=run.mode))
+                cls = EXPERTS.get(run.backend)
+                avail = cls.availability(spec)
+                if not avail:
+                    print(f"skip {run}: {avail.describe()}")
+                    continue
+                ex = cls(spec)
+                ex.load_weights(weights)
+            current[key] = ex
+        ex = current[key]
+        entries = run.num_tokens * K
+        preset_used = ""
+        if run.backend == "triton":
+            ex.config_override = None if run.preset == "auto" else presets_for(run.mode)[run.preset]
+            preset_used = (ex.config_override or pick_config(run.mode, entries, E)).describe()
+        sets = [inputs(run.num_tokens, 100 + i) for i in range(3)]
+        note = ""
+        try:
+            if run.phase == "decode" and run.backend != "torch_loop":
+                graph = CapturedExperts(ex, max_rows=run.num_tokens, top_k=K)
+                graph(sets[0])
+                ms = _bench(graph.replay)
+                note = "cuda graph"
+                del graph
+            else:
+                it = iter(range(1 << 30))
+                fn = lambda: ex(sets[next(it) % 3])  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                ms = _bench(fn, warmup_ms=50, rep_ms=300 if run.backend != "torch_loop" else 1000)
+        except Exception as e:  # keep going: one failing config must not lose the rest of the table
+            print(f"FAILED {run}: {type(e).__name__}: {str(e)[:300]}")
+            report.results.append(Result(run, float("nan"), float("nan"), float("nan"), note=f"failed: {e}"[:500]))
+            continue
+        tflops = entries * flops_per_entry / (ms * 1e-3) / 1e12
+        res = Result(run, ms, tflops, 100 * tflops / report.matmul_tflops, preset_used=preset_used, note=note)
+        if run.phase == "decode":
+            wbytes = sum(t.numel() * t.element_size() for t in getattr(ex, "parameters", lambda: {})().values())
+            if run.backend == "torch_loop":
+                wbytes = (ex.w13.numel() + ex.w2.numel()) * 2
+            res.weight_gbps = wbytes / (ms * 1e-3) / 1e9
+            res.pct_hbm = 100 * res.weight_gbps / report.copy_gbps
+        report.results.append(res)
+        extra = f" weights {res.weight_gbps:6.0f} GB/s = {res.pct_hbm:5.1f}% of HBM" if res.weight_gbps else ""
+        print(f"  {run.backend:10} {run.mode:12} {run.phase:7} T={run.num_tokens:5d} {run.preset:13} "
+              f"{ms:8.3f} ms {tflops:6.1f} TFLOP/s ({res.pct_matmul:5.1f}% of matmul){extra}", flush=True)  # fmt: skip
+        del sets
+    print(f"benchmark time {time.time() - t_start:.0f} s")
+    print_table(report)
+    path = args.json or os.path.join(os.environ.get("OUT", "bench_results"), "bench_experts.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(asdict(report), f, indent=1, default=str)
+    print(f"wrote {path}")
+    return 0
+
+
+def print_table(report: Report) -> None:
+    print()
+    print(f"{report.gpu} | torch {report.torch} | triton {report.triton} | ceilings: bf16 matmul "
+          f"{report.matmul_tflops:.0f} TFLOP/s, copy {report.copy_gbps:.0f} GB/s")  # fmt: skip
+    hdr = f"{'backend':10} {'mode':12} {'phase':7} {'T':>5} {'preset':13} {'ms':>8} {'TFLOP/s':>8} {'%mm':>6} {'%HBM':>6}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in report.results:
+        hbm = f"{r.pct_hbm:6.1f}" if r.pct_hbm is not None else f"{'':6}"
+        print(f"{r.run.backend:10} {r.run.mode:12} {r.run.phase:7} {r.run.num_tokens:5d} {r.run.preset:13} "
+              f"{r.ms:8.3f} {r.tflops:8.1f} {r.pct_matmul:6.1f} {hbm}")  # fmt: skip
+    best = {}
+    for r in report.results:
+        if r.ms == r.ms:  # not NaN
+            k = (r.run.backend, r.run.mode, r.run.phase)
+            if k not in best or r.ms < best[k].ms:
+                best[k] = r
+    print("best per backend/mode/phase: " + "; ".join(
+        f"{b}/{m}/{p}: {r.run.preset} {r.ms:.3f} ms" for (b, m, p), r in sorted(best.items())))  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Routing permutation for grouped expert GEMMs, in plain torch: fixed shapes, no host sync, no
+atomics, so it is deterministic and can be captured in a CUDA graph for a fixed number of rows.
+
+    sort = sort_by_expert(topk_ids [N, K] int, num_experts)         # (token, k) entries by expert
+    blocks = align_blocks(sort, block_m)                           # each expert's rows padded to block_m
+
+Entry j = n * K + k is (row n, slot k). Invalid entries (id < 0 or id >= num_experts: "not on this
+rank") sort last and never reach a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertSort:
+    """num_entries: N * K (host int).
+    order:          [N*K] int64, entry index j of each sorted position (by expert, then j)
+    sorted_expert:  [N*K] int32, expert of each sorted position (num_experts for invalid entries)
+    expert_ends:    [E] int64, cumulative row counts: expert e owns sorted positions
+                    [expert_ends[e-1], expert_ends[e]) (positions past expert_ends[-1] are invalid)
+    expert_counts:  [E] int64
+    """
+
+    num_entries: int
+    num_experts: int
+    order: torch.Tensor
+    sorted_expert: torch.Tensor
+    expert_ends: torch.Tensor
+    expert_counts: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BlockAlignment:
+    """Padded, block-tiled routing for a grouped GEMM with BLOCK_M = block_m rows per tile.
+
+    max_blocks:    host int, upper bound of tiles (grid size); unused tiles have block_expert -1
+    sorted_ids:    [max_blocks * block_m] int32, entry index j of each padded row, or num_entries
+                   for a padding row
+    block_expert:  [max_blocks] int32, local expert of each tile, -1 = unused tile
+    """
+
+    block_m: int
+    max_blocks: int
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+
+    @property
+    def num_padded_rows(self) -> int:
+        return self.max_blocks * self.block_m
+
+
+def max_blocks_for(num_entries: int, num_experts: int, block_m: int) -> int:
+    """Most tiles any routing of `num_entries` entries over `num_experts` experts can need:
+    sum_e ceil(c_e / b) <= floor(sum c_e / b) + #nonempty experts, and each tile holds >= 1 row."""
+    if num_entries <= 0:
+        return 0
+    return min(num_entries // block_m + min(num_experts, num_entries), num_entries)
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertSort:
+    """Stable sort of the (row, slot) entries of `topk_ids` [N, K] by local expert id."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids has shape {list(topk_ids.shape)}; expected [num_tokens, top_k]")
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    flat = topk_ids.reshape(-1)
+    nk = flat.numel()
+    valid = (flat >= 0) & (flat < num_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, num_experts)).to(torch.int32)
+    sorted_expert, order = torch.sort(key, stable=True)
+    probe = torch.arange(num_experts, device=flat.device, dtype=torch.int32)
+    # Cumulative counts by binary search on the sorted keys: no atomics, no host sync.
+    ends = torch.searchsorted(sorted_expert, probe, right=True)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    return ExpertSort(nk, num_experts, order, sorted_expert, ends, counts)
+
+
+def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
+    """Pad each expert's rows to a multiple of `block_m` and list the tiles (fixed sizes)."""
+    if block_m <= 0:
+        raise ValueError(f"block_m must be positive, got {block_m}")
+    E, nk = sort.num_experts, sort.num_entries
+    dev = sort.order.device
+    max_blocks = max_blocks_for(nk, E, block_m)
+    if max_blocks == 0:
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        return BlockAlignment(block_m, 0, empty, empty)
+    counts = sort.expert_counts
+    starts = sort.expert_ends - counts
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_ends = torch.cumsum(padded, 0)
+    pad_starts = pad_ends - padded
+    block_first_row = torch.arange(max_blocks, device=dev, dtype=torch.int64) * block_m
+    # Tile b belongs to the first expert whose padded segment ends after its first row.
+    block_expert = torch.searchsorted(pad_ends, block_first_row, right=True)
+    used = block_expert < E
+    be = block_expert.clamp(max=E - 1)
+    row_expert = be[:, None].expand(max_blocks, block_m).reshape(-1)
+    row = torch.arange(max_blocks * block_m, device=dev, dtype=torch.int64)
+    rank = row - pad_starts[row_expert]
+    real = used[:, None].expand(max_blocks, block_m).reshape(-1) & (rank < counts[row_expert])
+    src = (starts[row_expert] + rank).clamp(0, max(nk - 1, 0))
+    sorted_ids = torch.where(real, sort.order[src], torch.full_like(src, nk)).to(torch.int32)
+    block_expert = torch.where(used, block_expert, torch.full_like(block_expert, -1)).to(torch.int32)
+    return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert)

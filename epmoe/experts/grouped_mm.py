@@ -1,0 +1,157 @@
+"""`GroupedMMExperts` ("grouped_mm"): the experts stage from PyTorch's grouped GEMM
+(`torch._grouped_mm`, CUTLASS on sm90 / sm100, no host sync) plus a few torch ops. BF16 only.
+
+    rows sorted by expert (epmoe.experts.align.sort_by_expert; offsets = cumulative counts, int32)
+    h   = grouped_mm(x[tok], w13^T, offs)            [N*K, R] bf16 (+ b13, fp32)
+    a   = act(h)                                      (fp32 math, bf16 out)
+    y   = grouped_mm(a, w2^T, offs) (+ b2) * w        [N*K, H]
+    out = sum over k of y in entry order (fp32 sum, deterministic)
+
+`torch._grouped_mm(mat_a [M, K] bf16, mat_b [G, K, N] bf16 (column-major view), offs [G] int32
+cumulative row ends)`: rows past offs[-1] are left unwritten (garbage), which the masked weighting
+discards. Strides must be 16-byte aligned (H and I multiples of 8). FP8: PyTorch's
+`_scaled_grouped_mm` has only row-wise (and MX) scaling on sm90, not DeepSeek's 128x128 blocks, so
+fp8_block runs on the `triton` backend instead.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from epmoe.core.availability import Availability
+from epmoe.core.errors import BackendUnavailableError
+from epmoe.experts.align import sort_by_expert
+from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.experts.activation import apply_activation
+from epmoe.quant.payload import QuantizedActivation
+from epmoe.quant.weights import ExpertWeights
+
+
+def _mode_of(spec: ExpertsSpec) -> str:
+    return "bf16" if spec.plan is None else str(getattr(spec.plan, "expert_mode", "bf16"))
+
+
+class GroupedMMExperts(Experts):
+    name = "grouped_mm"
+    accepted_layouts = ("flat",)
+
+    @classmethod
+    def availability(cls, spec: ExpertsSpec) -> Availability:
+        mode = _mode_of(spec)
+        if mode != "bf16":
+            return Availability.no(
+                f"expert mode {mode!r} is not supported by grouped_mm (bf16 only)",
+                "use experts backend 'triton' for fp8_block / nvfp4_w4a16 / mxfp4_w4a16",
+            )
+        cfg = spec.config
+        if cfg.dtype != torch.bfloat16:
+            return Availability.no(f"grouped_mm needs bfloat16, the model dtype is {cfg.dtype}", "use dtype bf16")
+        if cfg.hidden_size % 8 or cfg.intermediate_size % 8:
+            return Availability.no(
+                f"grouped_mm needs H and I divisible by 8 (16-byte strides), got H={cfg.hidden_size}, "
+                f"I={cfg.intermediate_size}",
+                "use experts backend 'triton'",
+            )
+        if not hasattr(torch, "_grouped_mm"):
+            return Availability.no(f"torch {torch.__version__} has no torch._grouped_mm", "install torch >= 2.8")
+        device = torch.device(spec.device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return Availability.no("grouped_mm needs a CUDA device", "run on an sm90 / sm100 GPU")
+        cap = torch.cuda.get_device_capability(device)
+        if cap not in ((9, 0), (10, 0)):
+            # Elsewhere torch falls back to a per-group loop that syncs the host (not capturable).
+            return Availability.no(
+                f"torch._grouped_mm has its CUTLASS path on sm90 / sm100 only, this GPU is sm{cap[0]}{cap[1]}",
+                "use experts backend 'triton'",
+            )
+        return Availability.yes(f"sm{cap[0]}{cap[1]}")
+
+    def __init__(self, spec: ExpertsSpec):
+        super().__init__(spec)
+        avail = self.availability(spec)
+        if not avail:
+            raise BackendUnavailableError(self.name, avail.reason, avail.hint)
+        self.device = torch.device(spec.device)
+        self.num_experts = spec.num_local_experts
+        self._params: Dict[str, torch.Tensor] = {}
+
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        return dict(self._params)
+
+    def load_weights(self, weights: ExpertWeights) -> None:
+        """w13 [E, R, H] / w2 [E, H, I] bf16 (K-contiguous rows, read transposed by grouped_mm);
+        biases fp32 with one extra zero row (index E) for rows of no local expert. A quantized
+        checkpoint is dequantized. A reload copies in place (captured CUDA graphs stay valid)."""
+        self.commit_weights(self.prepare_weights(weights))
+
+    def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
+        self.check_local_weights(weights)
+        if weights.is_quantized:
+            from epmoe.experts.kernel_formats import dequantize_expert_weights
+
+            weights = dequantize_expert_weights(weights)
+        dev, dt, E = self.device, torch.bfloat16, self.num_experts
+        # Own copies (never aliases of the caller's tensors: a reload copies into them in place).
+        w1 = weights.w1.to(dev, dt)
+        w13 = torch.empty(E, self.config.w13_rows, self.config.hidden_size, dtype=dt, device=dev)
+        if weights.w3 is None:
+            w13.copy_(w1)
+        else:
+            torch.cat([w1, weights.w3.to(dev, dt)], dim=1, out=w13)
+        new = {"w13": w13, "w2": torch.empty(weights.w2.shape, dtype=dt, device=dev).copy_(weights.w2)}
+        if self.config.has_bias:
+            for name, b in (("b13", weights.b13), ("b2", weights.b2)):
+                padded = torch.zeros(E + 1, b.shape[1], dtype=torch.float32, device=dev)
+                padded[:E] = b.to(dev, torch.float32)
+                new[name] = padded
+        return new
+
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
+        if not self._params:
+            self._params = prepared
+            return
+        for name, t in prepared.items():
+            self._params[name].copy_(t)
+
+    def forward(self, tokens) -> torch.Tensor:
+        if getattr(tokens, "layout", "flat") != "flat":
+            raise ValueError(f"experts backend 'grouped_mm' takes the flat layout, got {tokens.layout!r}")
+        if not self._params:
+            raise RuntimeError("GroupedMMExperts.forward before load_weights; load the local experts first")
+        hidden, topk_ids, topk_weights = tokens.hidden, tokens.topk_ids, tokens.topk_weights
+        if isinstance(hidden, QuantizedActivation):
+            raise TypeError(f"experts backend 'grouped_mm' takes bf16 tokens, got {hidden.format.describe()}")
+        cfg, p = self.config, self._params
+        H, I, E = cfg.hidden_size, cfg.intermediate_size, self.num_experts
+        N = hidden.shape[0]
+        if tuple(hidden.shape) != (N, H) or hidden.dtype != torch.bfloat16:
+            raise ValueError(f"hidden is {list(hidden.shape)} {hidden.dtype}; expected [num_tokens, {H}] bfloat16")
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != N or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(
+                f"topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)} do not match "
+                f"hidden [{N}, {H}]; expected [{N}, top_k] each"
+            )
+        K = topk_ids.shape[1]
+        if N == 0:
+            return torch.empty(0, H, dtype=torch.bfloat16, device=hidden.device)
+        sort = sort_by_expert(topk_ids, E)
+        offs = sort.expert_ends.to(torch.int32)
+        valid = sort.sorted_expert < E  # [N*K]; invalid entries sort last, past offs[-1]
+        xs = hidden.index_select(0, sort.order // K)
+        h = torch._grouped_mm(xs, p["w13"].transpose(1, 2), offs=offs)
+        hf = h.float()
+        if cfg.has_bias:
+            hf = hf + p["b13"].index_select(0, sort.sorted_expert)
+        a = apply_activation(cfg, hf[:, :I], hf[:, I:] if cfg.is_gated else None).to(torch.bfloat16)
+        y = torch._grouped_mm(a, p["w2"].transpose(1, 2), offs=offs).float()
+        if cfg.has_bias:
+            y = y + p["b2"].index_select(0, sort.sorted_expert)
+        w = topk_weights.reshape(-1).to(torch.float32).index_select(0, sort.order)
+        # Rows past offs[-1] were never written (may hold NaN): select, do not multiply by zero.
+        y = torch.where(valid[:, None], y * w[:, None], torch.zeros((), device=y.device)).to(torch.bfloat16)
+        inverse = torch.empty_like(sort.order)
+        inverse[sort.order] = torch.arange(sort.order.numel(), device=sort.order.device)
+        y_by_entry = y.index_select(0, inverse).view(N, K, H)
+        return y_by_entry.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)

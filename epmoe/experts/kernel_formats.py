@@ -1,0 +1,206 @@
+"""Weight formats of the Hopper experts backends: how canonical (quantized) `ExpertWeights` map to
+the Triton kernels' layout, plus load-time quantization of float weights. Plain torch.
+
+Canonical formats are `epmoe.quant.weights` (w1/w3/w2 quantized per projection, scales are
+dequantization factors, nvfp4 global scale = dequant multiplier per expert and projection).
+The element codecs are `epmoe.quant.{e2m1, nvfp4, mxfp4, fp8_block}`.
+
+Kernel layout (what `TritonExperts.parameters()` holds), R = 2I ([gate; up]) or I (relu2):
+    fp8_block   w13 [E, R, H] e4m3, w13_scale [E, 2*ceil(I/128), ceil(H/128)] f32 (gate grid, then up
+                grid: a 128-row block never mixes gate and up), w2 [E, H, I], w2_scale f32
+    nvfp4       w13 [E, R, H/2] uint8 k64-interleaved (below), w13_scale [E, R, H/16] e4m3,
+                w13_global_scale [E, 2] f32 (gate, up; [E, 1] for relu2), w2 .., w2_global_scale [E, 1]
+    mxfp4       as nvfp4 with e8m0 (uint8) scales [.., K/32] and no global scale
+k64 interleave (`interleave_fp4_k64`): canonical packing has element 2j in the low nibble of byte j;
+the kernels read 64-element K blocks where byte j (0 <= j < 32) of block b holds element 64b + j in
+its low nibble and 64b + 32 + j in its high nibble, so a K tile splits into two contiguous halves
+with no register shuffles. K must be a multiple of 64.
+
+fp8_block with dimensions that are not multiples of 128 (e.g. GPT-OSS H = 2880): the last block
+row/column is partial; quantization here pads it (`quantize_fp8_block`), with the same scale
+formula as `epmoe.quant.fp8_block` (scale = max(amax, 1e-10) / 448).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from epmoe.quant import fp8_block, mxfp4, nvfp4
+from epmoe.quant.weights import ExpertWeights
+
+FP8_BLOCK = 128
+FP4_K_INTERLEAVE = 64
+FORMAT_OF_MODE = {"fp8_block": "fp8_block", "nvfp4_w4a16": "nvfp4", "mxfp4_w4a16": "mxfp4"}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- fp8 block (padded)
+
+
+def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    # As epmoe.quant.fp8_block: divide by a device tensor (a Python scalar becomes a reciprocal
+    # multiply on CUDA and the last bit would differ from CPU).
+    denom = torch.tensor(fp8_block.E4M3_MAX, dtype=torch.float32, device=amax.device)
+    return amax.clamp(min=fp8_block.DEFAULT_EPS) / denom
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK):
+    """w [..., R, C] float -> (q e4m3 [..., R, C], scale f32 [..., ceil(R/b), ceil(C/b)]); partial
+    edge blocks are padded with zeros. Equals `epmoe.quant.fp8_block.quantize_weight` when R and C
+    are multiples of the block."""
+    *lead, R, C = w.shape
+    Rp, Cp = _cdiv(R, block) * block, _cdiv(C, block) * block
+    wf = torch.zeros(*lead, Rp, Cp, dtype=torch.float32, device=w.device)
+    wf[..., :R, :C] = w.float()
+    b = wf.view(*lead, Rp // block, block, Cp // block, block)
+    scale = _fp8_scale(b.abs().amax(dim=(-3, -1)))
+    q = (b / scale[..., :, None, :, None]).clamp(-fp8_block.E4M3_MAX, fp8_block.E4M3_MAX)
+    q = q.view(*lead, Rp, Cp)[..., :R, :C].to(torch.float8_e4m3fn).contiguous()
+    return q, scale.contiguous()
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """Inverse of `quantize_fp8_block` (float32); any R, C."""
+    R, C = q.shape[-2:]
+    s = scale.repeat_interleave(block, dim=-2)[..., :R, :].repeat_interleave(block, dim=-1)[..., :C]
+    return q.float() * s
+
+
+def quantize_fp8_tokens(x: torch.Tensor, group: int = FP8_BLOCK):
+    """x [N, C] -> (q e4m3 [N, C], scale f32 [N, ceil(C/group)]), 1 x group blocks, any C (the
+    `fp8_block` activation payload; equals `fp8_block.quantize_activation` for C % 128 == 0)."""
+    N, C = x.shape
+    Cp = _cdiv(C, group) * group
+    xf = torch.zeros(N, Cp, dtype=torch.float32, device=x.device)
+    xf[:, :C] = x.float()
+    g = xf.view(N, Cp // group, group)
+    scale = _fp8_scale(g.abs().amax(dim=2))
+    q = (g / scale[:, :, None]).clamp(-fp8_block.E4M3_MAX, fp8_block.E4M3_MAX).view(N, Cp)[:, :C]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_tokens(q: torch.Tensor, scale: torch.Tensor, group: int = FP8_BLOCK) -> torch.Tensor:
+    C = q.shape[1]
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, :C]
+
+
+# --------------------------------------------------------------------------- fp4 kernel layout
+
+
+def interleave_fp4_k64(packed: torch.Tensor) -> torch.Tensor:
+    """Canonical packing [..., C/2] uint8 -> kernel packing (module docstring). C % 64 == 0."""
+    C = packed.shape[-1] * 2
+    if C % FP4_K_INTERLEAVE:
+        raise ValueError(f"the fp4 kernel layout needs K % {FP4_K_INTERLEAVE} == 0, got K={C}")
+    lo, hi = packed & 0xF, packed >> 4
+    codes = torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], C // 64, 2, 32)
+    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(*packed.shape[:-1], C // 2).contiguous()
+
+
+def deinterleave_fp4_k64(kpacked: torch.Tensor) -> torch.Tensor:
+    """Inverse of `interleave_fp4_k64`."""
+    C = kpacked.shape[-1] * 2
+    b = kpacked.reshape(*kpacked.shape[:-1], C // 64, 32)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-2).reshape(*kpacked.shape[:-1], C)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+# --------------------------------------------------------------------------- ExpertWeights
+
+
+def quantize_expert_weights(weights: ExpertWeights, mode: str) -> ExpertWeights:
+    """Float canonical weights -> quantized canonical `ExpertWeights` (format set) for `mode`:
+    fp8_block 128x128 (padded edges), nvfp4 (global scale per expert and projection, the
+    `epmoe.quant.nvfp4` recipe), mxfp4 (OCP floor scales). Biases are kept as they are."""
+    fmt = FORMAT_OF_MODE.get(mode)
+    if fmt is None:
+        raise ValueError(f"mode {mode!r} has no quantized weight format; use one of {sorted(FORMAT_OF_MODE)}")
+    if weights.is_quantized:
+        raise ValueError(f"weights are already quantized ({weights.format}); pass float weights")
+    fields = {}
+    for name in ("w1", "w3", "w2"):
+        w = getattr(weights, name)
+        if w is None:
+            continue
+        if fmt == "fp8_block":
+            fields[name], fields[name + "_scale"] = quantize_fp8_block(w)
+        elif fmt == "mxfp4":
+            t = mxfp4.quantize(w)
+            fields[name], fields[name + "_scale"] = t.packed, t.scales
+        else:
+            # One global scale per expert: the codec's is the quantization multiplier 2688 / amax;
+            # ExpertWeights keeps the dequantization factor (its inverse).
+            E = w.shape[0]
+            gs = torch.stack([nvfp4.compute_global_scale(w[e]) for e in range(E)])
+            t = nvfp4.quantize(w, gs[:, None].expand(w.shape[:-1]).contiguous())
+            fields[name], fields[name + "_scale"] = t.packed, t.scales
+            fields[name + "_global_scale"] = (1.0 / gs).to(torch.float32)
+    return replace(weights, format=fmt, **fields)
+
+
+def dequantize_expert_weights(weights: ExpertWeights, dtype: torch.dtype = torch.float32) -> ExpertWeights:
+    """Quantized canonical `ExpertWeights` -> float (`dtype`) ones (unquantized container)."""
+    if not weights.is_quantized:
+        return weights
+    out = {}
+    for name in ("w1", "w3", "w2"):
+        q, s = getattr(weights, name), getattr(weights, name + "_scale")
+        if q is None:
+            continue
+        if weights.format == "fp8_block":
+            out[name] = dequantize_fp8_block(q.view(torch.float8_e4m3fn) if q.dtype == torch.uint8 else q, s)
+        elif weights.format == "mxfp4":
+            out[name] = mxfp4.dequantize(q, s, torch.float32)
+        elif weights.format == "nvfp4":
+            g = getattr(weights, name + "_global_scale").float()
+            rows = q.shape[:-1]
+            out[name] = nvfp4.dequantize(q, s, (1.0 / g)[:, None].expand(rows).contiguous(), torch.float32)
+        else:
+            raise ValueError(f"format {weights.format!r} is not one the triton backend reads")
+        out[name] = out[name].to(dtype)
+    cleared = {f: None for f in ("w1_scale", "w3_scale", "w2_scale", "w1_global_scale", "w3_global_scale",
+                                 "w2_global_scale", "w13_input_scale", "w2_input_scale")}  # fmt: skip
+    return replace(weights, format=None, **cleared, **out)
+
+
+def kernel_tensors(weights: ExpertWeights, gated: bool, device: torch.device) -> dict:
+    """Quantized canonical `ExpertWeights` -> the kernel-layout tensors (new storage on `device`)."""
+    fmt = weights.format
+
+    def own(t: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
+
+    def cat(a, b):
+        return own(a) if b is None else torch.cat([a.to(device), b.to(device)], dim=1).contiguous()
+
+    w3 = weights.w3 if gated else None
+    w3s = weights.w3_scale if gated else None
+    out = {
+        "w13": cat(weights.w1, w3),
+        "w13_scale": cat(weights.w1_scale, w3s),
+        "w2": own(weights.w2),
+        "w2_scale": own(weights.w2_scale),
+    }
+    if fmt == "fp8_block":
+        for k in ("w13", "w2"):
+            if out[k].dtype == torch.uint8:
+                out[k] = out[k].view(torch.float8_e4m3fn)
+    if fmt == "nvfp4":
+        for k in ("w13_scale", "w2_scale"):
+            if out[k].dtype == torch.uint8:
+                out[k] = out[k].view(torch.float8_e4m3fn)
+        gs = [weights.w1_global_scale] + ([weights.w3_global_scale] if gated else [])
+        out["w13_global_scale"] = torch.stack([g.to(device, torch.float32) for g in gs], dim=1).contiguous()
+        out["w2_global_scale"] = own(weights.w2_global_scale, torch.float32).reshape(-1, 1)
+    if fmt in ("nvfp4", "mxfp4"):
+        out["w13"] = interleave_fp4_k64(out["w13"])
+        out["w2"] = interleave_fp4_k64(out["w2"])
+    return out

@@ -1,0 +1,500 @@
+"""`TritonExperts` ("triton"): grouped expert GEMMs in Triton for Hopper (and any sm80+ GPU), built
+in seconds at first use. Flat layout only.
+
+    experts = TritonExperts(spec)          # spec.plan.expert_mode: bf16 | fp8_block | nvfp4_w4a16 | mxfp4_w4a16
+    experts.load_weights(weights)          # canonical ExpertWeights: quantized ones of the mode's format
+                                           #   as they are, float ones quantized here at load
+    out [N, H] = experts(tokens)           # DispatchedTokens, flat layout
+
+Forward (no host sync, fixed shapes for a fixed N, so it can be captured in a CUDA graph):
+  1. `align`: sort the N*K (row, slot) entries by local expert, pad each expert to BLOCK_M rows
+     (torch ops).
+  2. gemm1: gathered rows x[tok] @ [w1; w3][e].T (+ b13), activation fused in the epilogue -> [P, I]
+     (fp8_block: fp8 out with 1x128 scales, also fused).
+  3. gemm2: act @ w2[e].T (+ b2), times the routing weight, stored by entry -> y [N*K, H].
+  4. reduce: out[n] = sum_k y[n*K + k] over valid k in fixed k order (deterministic, no atomics).
+
+Modes (kernel-facing weight layouts; canonical formats in `epmoe.experts.kernel_formats`):
+  bf16         w13 [E, R, H], w2 [E, H, I] in the model dtype (R = 2I gate-then-up, or I for relu2)
+  fp8_block    W8A8: w13/w2 e4m3 with 128x128 fp32 block scales (gate and up each their own grid);
+               activations quantized per token in 1x128 groups (on the fly, or taken from an fp8_block
+               payload); the activation of gemm1 is re-quantized 1x128 in gemm1's epilogue
+  nvfp4_w4a16  e2m1 weights (k64-interleaved), e4m3 scale per 16 and fp32 global scale per expert and
+               projection half; bf16 activations, weights dequantized exactly to bf16 in the kernel
+  mxfp4_w4a16  as nvfp4 with an e8m0 scale per 32 and no global scale
+Biases are kept in float32: b13 [E, R], b2 [E, H].
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, replace
+from typing import Dict, Optional
+
+import torch
+
+from epmoe.core.availability import Availability
+from epmoe.core.errors import BackendUnavailableError
+from epmoe.experts import kernel_formats as kf
+from epmoe.experts.align import align_blocks, sort_by_expert
+from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.quant.codec import FP8_BLOCK
+from epmoe.quant.payload import PayloadFormat, QuantizedActivation
+from epmoe.quant.weights import ExpertWeights
+
+SUPPORTED_MODES = ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")
+_W_FMT = {"bf16": 0, "fp8_block": 1, "nvfp4_w4a16": 2, "mxfp4_w4a16": 3}
+# What an fp8 dispatch delivers (the codec's 1x128 e4m3 + fp32 scales, linear).
+FP8_BLOCK_PAYLOAD = FP8_BLOCK
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Static tile shape of one grouped GEMM launch (no autotuning: no device time spent)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """block_m is shared by both GEMMs (they share the padded routing)."""
+
+    name: str
+    block_m: int
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+
+    def describe(self) -> str:
+        g1, g2 = self.gemm1, self.gemm2
+        return (
+            f"{self.name}: BM={self.block_m} g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},"
+            f"s{g1.num_stages}) g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages})"
+        )
+
+
+# Presets for H200, chosen by reasoning (see benchmarks/bench_experts.py for the measured sweep):
+# "decode": few rows per expert -> weight streaming; small BLOCK_M, deep pipeline, many programs.
+# "prefill": >= 128 rows per expert -> tensor-core bound; 128-row tiles, gate+up = 256 columns.
+_DENSE_PRESETS = {
+    "decode": TritonConfig("decode", 16, GemmConfig(64, 128, 4, 4), GemmConfig(64, 128, 4, 4)),
+    "decode_wide": TritonConfig("decode_wide", 16, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
+    "decode_deep": TritonConfig("decode_deep", 16, GemmConfig(64, 128, 4, 3), GemmConfig(64, 256, 4, 3)),
+    "small": TritonConfig("small", 32, GemmConfig(64, 128, 4, 4), GemmConfig(128, 64, 4, 4)),
+    "medium": TritonConfig("medium", 64, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
+    "prefill": TritonConfig("prefill", 128, GemmConfig(128, 64, 8, 3), GemmConfig(256, 64, 8, 3)),
+    "prefill_n128": TritonConfig("prefill_n128", 128, GemmConfig(128, 64, 8, 3), GemmConfig(128, 64, 4, 4)),
+    "prefill_m64": TritonConfig("prefill_m64", 64, GemmConfig(128, 64, 4, 4), GemmConfig(256, 64, 8, 3)),
+}
+# fp8 W8A8: BLOCK_K == 128 (one scale per K step); gemm1 BLOCK_N == 128 (one 1x128 group per row).
+# The per-K-step scale promotion keeps a second accumulator live: 128-row gate+up tiles spill (sm90
+# compile, benchmarks/aot_sm90.py), so the large presets use 64-row tiles with 8 warps.
+_FP8_PRESETS = {
+    "decode": TritonConfig("decode", 16, GemmConfig(128, 128, 4, 4), GemmConfig(64, 128, 4, 4)),
+    "small": TritonConfig("small", 32, GemmConfig(128, 128, 8, 4), GemmConfig(128, 128, 4, 4)),
+    "medium": TritonConfig("medium", 64, GemmConfig(128, 128, 8, 3), GemmConfig(128, 128, 4, 4)),
+    "prefill": TritonConfig("prefill", 64, GemmConfig(128, 128, 8, 4), GemmConfig(256, 128, 8, 3)),
+}
+# fp4 W4A16: BLOCK_K == 64 (the interleave block).
+_FP4_PRESETS = {
+    "decode": TritonConfig("decode", 16, GemmConfig(64, 64, 4, 4), GemmConfig(64, 64, 4, 4)),
+    "small": TritonConfig("small", 32, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
+    "medium": TritonConfig("medium", 64, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
+    "prefill": TritonConfig("prefill", 128, GemmConfig(64, 64, 8, 3), GemmConfig(128, 64, 8, 3)),
+}
+
+
+def presets_for(mode: str) -> Dict[str, TritonConfig]:
+    if mode == "fp8_block":
+        return _FP8_PRESETS
+    if mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
+        return _FP4_PRESETS
+    return _DENSE_PRESETS
+
+
+def pick_config(mode: str, num_entries: int, num_experts: int) -> TritonConfig:
+    """Preset by the mean rows per local expert (a host int: no sync)."""
+    rows = num_entries / max(num_experts, 1)
+    name = "decode" if rows <= 16 else "small" if rows <= 40 else "medium" if rows <= 96 else "prefill"
+    return presets_for(mode)[name]
+
+
+# --------------------------------------------------------------------------- kernels (lazy)
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_module(device: torch.device):
+    """The Triton kernels (imports triton). CPU tensors run only under the Triton interpreter, which
+    must be switched on (TRITON_INTERPRET=1) before triton is first imported in the process."""
+    if device.type != "cuda" and not interpreter_enabled():
+        raise RuntimeError(
+            f"Triton kernels on device {device} need the interpreter: set TRITON_INTERPRET=1 before "
+            "importing triton (tests do this in a subprocess)"
+        )
+    from epmoe.experts import triton_kernels
+
+    return triton_kernels
+
+
+# --------------------------------------------------------------------------- backend
+
+
+def _owned(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
+    """A contiguous copy this backend owns (never an alias of the caller's tensor: reloads copy
+    into it in place)."""
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
+
+
+def _mode_of(spec: ExpertsSpec) -> str:
+    plan = spec.plan
+    return "bf16" if plan is None else str(getattr(plan, "expert_mode", "bf16"))
+
+
+def _activation_args(config):
+    """(ACT, HAS_LIMIT, alpha, beta, limit) for the kernels."""
+    if config.activation == "relu2":
+        return 2, False, 1.0, 0.0, 0.0
+    a, b, lim = config.swiglu_alpha, config.swiglu_beta, config.swiglu_limit
+    if a is None and b is None and lim is None:
+        return 0, False, 1.0, 0.0, 0.0
+    return (
+        1,
+        lim is not None,
+        1.0 if a is None else float(a),
+        0.0 if b is None else float(b),
+        0.0 if lim is None else float(lim),
+    )
+
+
+class TritonExperts(Experts):
+    name = "triton"
+    accepted_layouts = ("flat",)
+
+    @classmethod
+    def availability(cls, spec: ExpertsSpec) -> Availability:
+        mode = _mode_of(spec)
+        if mode not in SUPPORTED_MODES:
+            return Availability.no(
+                f"expert mode {mode!r} is not implemented by the triton backend",
+                f"use one of {SUPPORTED_MODES}",
+            )
+        cfg = spec.config
+        if cfg.dtype not in (torch.bfloat16, torch.float16):
+            return Availability.no(
+                f"model dtype {cfg.dtype} is not supported by the triton backend", "use bfloat16 or float16"
+            )
+        if mode in ("nvfp4_w4a16", "mxfp4_w4a16") and (cfg.hidden_size % 64 or cfg.intermediate_size % 64):
+            return Availability.no(
+                f"{mode} needs hidden_size and intermediate_size divisible by 64, got "
+                f"H={cfg.hidden_size}, I={cfg.intermediate_size}",
+                "use bf16 or fp8_block for this shape",
+            )
+        if importlib.util.find_spec("triton") is None:
+            return Availability.no("triton is not installed", "pip install triton")
+        device = torch.device(spec.device)
+        if device.type == "cpu":
+            if interpreter_enabled():
+                return Availability.yes("Triton interpreter on CPU (TRITON_INTERPRET=1, slow)")
+            return Availability.no(
+                "the triton backend needs a CUDA device",
+                "run on a GPU (or set TRITON_INTERPRET=1 for the slow CPU interpreter)",
+            )
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return Availability.no(f"device {device} is not a usable CUDA device", "run on an NVIDIA GPU")
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 0):
+            return Availability.no(f"sm{major}{minor} is too old for these kernels", "use an sm80+ GPU")
+        if mode == "fp8_block" and (major, minor) < (8, 9):
+            return Availability.no(f"fp8 needs sm89+, this GPU is sm{major}{minor}", "use bf16 or a W4A16 mode")
+        return Availability.yes(f"sm{major}{minor}")
+
+    def __init__(self, spec: ExpertsSpec):
+        super().__init__(spec)
+        avail = self.availability(spec)
+        if not avail:
+            raise BackendUnavailableError(self.name, avail.reason, avail.hint)
+        self.mode = _mode_of(spec)
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        cfg = self.config
+        self.num_experts = spec.num_local_experts
+        self.hidden_size = cfg.hidden_size
+        self.intermediate_size = cfg.intermediate_size
+        self.gated = cfg.is_gated
+        self.act_args = _activation_args(cfg)
+        self._params: Dict[str, torch.Tensor] = {}
+        # Set by benchmarks to force a tile preset (TritonConfig); None = pick by rows per expert.
+        self.config_override: Optional[TritonConfig] = None
+        name = spec.option("triton_config")
+        if name is not None:
+            presets = presets_for(self.mode)
+            if name not in presets:
+                raise ValueError(f"triton_config={name!r}; use one of {sorted(presets)}")
+            self.config_override = presets[name]
+
+    # ------------------------------------------------------------------ format
+    @property
+    def payload_format(self) -> PayloadFormat:
+        plan = self.spec.plan
+        if self.mode == "fp8_block" and plan is not None and getattr(plan, "dispatch_dtype", None) == "fp8":
+            return FP8_BLOCK_PAYLOAD
+        return PayloadFormat.unquantized(self.config.dtype)
+
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        return dict(self._params)
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: ExpertWeights) -> None:
+        """Local experts' canonical weights -> kernel layout. A reload copies in place."""
+        self.commit_weights(self.prepare_weights(weights))
+
+    def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
+        """Validate and convert (new tensors; nothing live is touched).
+
+        bf16 mode: float weights (a quantized checkpoint is dequantized). Quantized modes: quantized
+        weights of the mode's format are converted as they are; float weights are quantized here, a
+        few experts at a time to bound temporary memory."""
+        self.check_local_weights(weights)
+        cfg, dev = self.config, self.device
+        fmt = kf.FORMAT_OF_MODE.get(self.mode)
+        if self.mode == "bf16":
+            if weights.is_quantized:
+                weights = kf.dequantize_expert_weights(weights)
+            w1 = weights.w1.to(dev)
+            w13 = w1 if weights.w3 is None else torch.cat([w1, weights.w3.to(dev)], dim=1)
+            new = {"w13": _owned(w13, dev, cfg.dtype), "w2": _owned(weights.w2, dev, cfg.dtype)}
+        elif weights.is_quantized:
+            if weights.format != fmt:
+                raise ValueError(
+                    f"expert weights are {weights.format}, but mode {self.mode!r} reads {fmt}; resolve the "
+                    f"quant plan for this checkpoint (or pass float weights to quantize at load)"
+                )
+            new = kf.kernel_tensors(weights, self.gated, dev)
+        else:
+            E, first = self.num_experts, weights.first_expert
+            chunk = max(1, (1 << 27) // (cfg.w13_rows * self.hidden_size))  # ~0.5 GB of f32 scratch
+            parts = []
+            for lo in range(0, E, chunk):
+                sub = weights.slice_experts(first + lo, first + min(E, lo + chunk)).to(dev)
+                sub = replace(sub, b13=None, b2=None)
+                parts.append(kf.kernel_tensors(kf.quantize_expert_weights(sub, self.mode), self.gated, dev))
+            new = {k: torch.cat([p[k] for p in parts], dim=0).contiguous() for k in parts[0]}
+        if cfg.has_bias:
+            new["b13"] = _owned(weights.b13, dev, torch.float32)
+            new["b2"] = _owned(weights.b2, dev, torch.float32)
+        expected = self._expected_shapes()
+        for name, shape in expected.items():
+            if tuple(new[name].shape) != shape:
+                raise ValueError(
+                    f"converted expert tensor {name!r} has shape {list(new[name].shape)}, expected "
+                    f"{list(shape)} for mode {self.mode!r}"
+                )
+        return new
+
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
+        if not self._params:
+            self._params = prepared
+            return
+        for name, t in prepared.items():
+            old = self._params[name]
+            if old.shape != t.shape or old.dtype != t.dtype:
+                raise ValueError(
+                    f"reloaded {name!r} is {list(t.shape)} {t.dtype}; the loaded one is {list(old.shape)} {old.dtype}"
+                )
+        for name, t in prepared.items():
+            self._params[name].copy_(t)  # in place: captured CUDA graphs keep pointing at valid weights
+
+    def _expected_shapes(self) -> Dict[str, tuple]:
+        E, H, I, R = self.num_experts, self.hidden_size, self.intermediate_size, self.config.w13_rows
+        halves = 2 if self.gated else 1
+        if self.mode == "bf16":
+            return {"w13": (E, R, H), "w2": (E, H, I)}
+        if self.mode == "fp8_block":
+            return {
+                "w13": (E, R, H),
+                "w13_scale": (E, halves * kf._cdiv(I, 128), kf._cdiv(H, 128)),
+                "w2": (E, H, I),
+                "w2_scale": (E, kf._cdiv(H, 128), kf._cdiv(I, 128)),
+            }
+        group = 16 if self.mode == "nvfp4_w4a16" else 32
+        shapes = {
+            "w13": (E, R, H // 2),
+            "w13_scale": (E, R, H // group),
+            "w2": (E, H, I // 2),
+            "w2_scale": (E, H, I // group),
+        }
+        if self.mode == "nvfp4_w4a16":
+            shapes["w13_global_scale"] = (E, halves)
+            shapes["w2_global_scale"] = (E, 1)
+        return shapes
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens) -> torch.Tensor:
+        if getattr(tokens, "layout", "flat") != "flat":
+            raise ValueError(f"experts backend 'triton' takes the flat layout, got {tokens.layout!r}")
+        if not self._params:
+            raise RuntimeError("TritonExperts.forward before load_weights; load the local experts first")
+        hidden, topk_ids, topk_weights = tokens.hidden, tokens.topk_ids, tokens.topk_weights
+        H, E = self.hidden_size, self.num_experts
+        N = hidden.shape[0]
+        if tuple(hidden.shape) != (N, H):
+            raise ValueError(f"hidden has shape {list(hidden.shape)}; expected [num_tokens, {H}]")
+        if topk_ids is None or topk_ids.dim() != 2 or topk_ids.shape[0] != N:
+            raise ValueError(
+                f"topk_ids has shape {None if topk_ids is None else list(topk_ids.shape)}; "
+                f"expected [{N}, top_k]"
+            )
+        K = topk_ids.shape[1]
+        if topk_weights is None or tuple(topk_weights.shape) != (N, K):
+            raise ValueError(
+                f"topk_weights has shape {None if topk_weights is None else list(topk_weights.shape)}; "
+                f"expected [{N}, {K}]"
+            )
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected torch.int32")
+        out_dtype = self.config.dtype
+        if N == 0:
+            return torch.empty(0, H, dtype=out_dtype, device=self.device)
+
+        x, x_scale = self._input_activations(hidden)
+        cfg = self.config_override or pick_config(self.mode, N * K, E)
+        ids32 = topk_ids.to(torch.int32).contiguous()
+        w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
+        blocks = align_blocks(sort_by_expert(ids32, E), cfg.block_m)
+        act, act_scale = self._gemm1(x, x_scale, blocks, N * K, K, cfg)
+        y = torch.empty(N * K, H, dtype=out_dtype, device=self.device)
+        self._gemm2(act, act_scale, blocks, N * K, w_flat, y, cfg)
+        out = torch.empty(N, H, dtype=out_dtype, device=self.device)
+        BLOCK_H = 1024
+        self._launch(
+            "moe_reduce_kernel",
+            (N, triton_cdiv(H, BLOCK_H)),
+            (y, ids32, out, H, E, y.stride(0), out.stride(0)),
+            dict(TOP_K=K, BLOCK_H=BLOCK_H, num_warps=4),
+        )
+        return out
+
+    def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
+        """Every kernel launch goes through here (tools replace it to record the launches)."""
+        getattr(kernel_module(self.device), kernel_name)[grid](*args, **kwargs)
+
+    def _input_activations(self, hidden):
+        """-> (x [N, H], x_scale [N, H/128] or None) in the form gemm1 reads."""
+        if isinstance(hidden, QuantizedActivation):
+            f = hidden.format
+            if self.mode != "fp8_block" or f.name != "fp8_block" or f.block_size != 128:
+                raise TypeError(
+                    f"experts backend 'triton' in mode {self.mode!r} cannot take a {f.describe()} payload; "
+                    f"it consumes {self.payload_format.describe()}"
+                )
+            return hidden.data.contiguous(), hidden.scales.to(torch.float32).contiguous()
+        if hidden.dtype != self.config.dtype:
+            raise TypeError(f"hidden has dtype {hidden.dtype}; expected the model dtype {self.config.dtype}")
+        x = hidden.contiguous()
+        if self.mode != "fp8_block":
+            return x, None
+        N, H = x.shape
+        q = torch.empty(N, H, dtype=torch.float8_e4m3fn, device=self.device)
+        s = torch.empty(N, triton_cdiv(H, 128), dtype=torch.float32, device=self.device)
+        self._launch(
+            "quant_fp8_rows_kernel",
+            (N, triton_cdiv(H, 128)),
+            (x, q, s, H, x.stride(0), q.stride(0), s.stride(0)),
+            dict(GROUP=128, num_warps=1),
+        )
+        return q, s
+
+    def _gemm1(self, x, x_scale, blocks, num_entries, top_k, cfg: TritonConfig):
+        p = self._params
+        H, I = self.hidden_size, self.intermediate_size
+        P = blocks.num_padded_rows
+        g = cfg.gemm1
+        fp8 = self.mode == "fp8_block"
+        out = torch.empty(P, I, dtype=torch.float8_e4m3fn if fp8 else self.config.dtype, device=self.device)
+        out_s = torch.empty(P, triton_cdiv(I, 128), dtype=torch.float32, device=self.device) if fp8 else out
+        w, ws = p["w13"], p.get("w13_scale", p["w13"])
+        wg = p.get("w13_global_scale", w)
+        b = p.get("b13", w)
+        xs = x_scale if x_scale is not None else x
+        ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
+        self._check_gemm_config(g, gate_up=True)
+        grid = (blocks.max_blocks * triton_cdiv(I, g.block_n),)
+        self._launch("moe_gemm1_kernel", grid, (
+            x, xs, w, ws, wg, b, out, out_s,
+            blocks.sorted_ids, blocks.block_expert,
+            num_entries, blocks.max_blocks, H, I,
+            x.stride(0), xs.stride(0),
+            w.stride(0), w.stride(1),
+            ws.stride(0), ws.stride(1) if ws.dim() > 1 else 0,
+            wg.stride(0),
+            b.stride(0),
+            out.stride(0), out_s.stride(0),
+            alpha, beta, limit,
+        ), dict(
+            TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated, ACT=ACT, HAS_LIMIT=HAS_LIMIT,
+            HAS_BIAS=self.config.has_bias, OUT_FP8=fp8,
+            BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
+            EVEN_K=H % g.block_k == 0,
+            num_warps=g.num_warps, num_stages=g.num_stages,
+        ))  # fmt: skip
+        return out, (out_s if fp8 else None)
+
+    def _gemm2(self, act, act_scale, blocks, num_entries, w_flat, y, cfg: TritonConfig):
+        p = self._params
+        H, I = self.hidden_size, self.intermediate_size
+        g = cfg.gemm2
+        w, ws = p["w2"], p.get("w2_scale", p["w2"])
+        wg = p.get("w2_global_scale", w)
+        b = p.get("b2", w)
+        a_s = act_scale if act_scale is not None else act
+        self._check_gemm_config(g, gate_up=False)
+        grid = (blocks.max_blocks * triton_cdiv(H, g.block_n),)
+        self._launch("moe_gemm2_kernel", grid, (
+            act, a_s, w, ws, wg, b, y, w_flat,
+            blocks.sorted_ids, blocks.block_expert,
+            num_entries, blocks.max_blocks, H, I,
+            act.stride(0), a_s.stride(0),
+            w.stride(0), w.stride(1),
+            ws.stride(0), ws.stride(1) if ws.dim() > 1 else 0,
+            wg.stride(0),
+            b.stride(0),
+            y.stride(0),
+        ), dict(
+            W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias,
+            BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
+            EVEN_K=I % g.block_k == 0,
+            num_warps=g.num_warps, num_stages=g.num_stages,
+        ))  # fmt: skip
+
+    def _check_gemm_config(self, g: GemmConfig, gate_up: bool) -> None:
+        if self.mode == "fp8_block":
+            if g.block_k != 128 or (gate_up and g.block_n != 128) or (not gate_up and 128 % g.block_n and g.block_n % 128):
+                raise ValueError(f"fp8_block needs BLOCK_K=128 (and gemm1 BLOCK_N=128), got {g}")
+        elif self.mode in ("nvfp4_w4a16", "mxfp4_w4a16") and g.block_k != 64:
+            raise ValueError(f"{self.mode} needs BLOCK_K=64 (the fp4 interleave block), got {g}")
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = [
+    "TritonExperts",
+    "TritonConfig",
+    "GemmConfig",
+    "pick_config",
+    "presets_for",
+    "kernel_module",
+    "SUPPORTED_MODES",
+    "FP8_BLOCK_PAYLOAD",
+]

@@ -1,0 +1,386 @@
+"""Triton kernels of the `triton` experts backend. Imported only when that backend runs (this module
+imports triton at the top); `epmoe.experts.triton_experts` holds the launch code and the layouts.
+
+Pipeline for the flat layout (rows n, slots k, entry j = n * K + k, all sorted by expert and padded
+to BLOCK_M per expert by `epmoe.experts.align`):
+
+    moe_gemm1_kernel   act[p, :]  = act_fn(x[tok(p)] @ w13[e].T + b13[e])     [P, I] (bf16, or fp8 +
+                                                                               1x128 scales)
+    moe_gemm2_kernel   y[j(p), :] = w[j(p)] * (act[p] @ w2[e].T + b2[e])       [N*K, H] model dtype
+    moe_reduce_kernel  out[n, :]  = sum_k y[n*K + k]  over valid k, in k order  [N, H]
+
+fp32 accumulation everywhere; no atomics (deterministic). Weight formats (W_FMT): 0 bf16/fp16,
+1 fp8 e4m3 with 128x128 fp32 block scales and per-token 1x128 fp8 activations (W8A8),
+2 nvfp4 W4A16 (e4m3 scale per 16 + fp32 global scale), 3 mxfp4 W4A16 (e8m0 scale per 32); fp4
+weights are in the k64-interleaved layout of `epmoe.experts.kernel_formats`.
+"""
+
+import triton
+import triton.language as tl
+
+W_DENSE = 0
+W_FP8 = 1
+W_NVFP4 = 2
+W_MXFP4 = 3
+
+ACT_SILU = 0  # silu(g) * u
+ACT_SWIGLU_CLAMP = 1  # g' * sigmoid(alpha g') * (u' + beta), optional limit clamp
+ACT_RELU2 = 2  # relu(g)^2 (non-gated)
+
+FP8_MAX = tl.constexpr(448.0)  # globals used inside kernels must be constexpr
+
+
+@triton.jit
+def _fp4_dequant(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """One k64 block of fp4 weights -> (w_lo, w_hi) [HALF, BN] in OUT_DTYPE, exact.
+
+    p:      [HALF, BN] uint8, k64-interleaved: byte j holds K elements 64kk + j (low nibble) and
+            64kk + HALF + j (high nibble)
+    s_ptrs: [BN] pointers to each column's scale row (nvfp4: e4m3 per 16; mxfp4: e8m0 per 32)
+    e2m1 -> fp16 bits by shifts alone (sign -> bit 15, exponent|mantissa -> bits 11..9) is exactly
+    value * 2^-14, subnormal 0.5 included; the 2^14 is folded into the scale. ~8 ops per value."""
+    q = p.to(tl.int32)
+    lo = (((q & 7) << 9) | ((q & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((q & 0x70) << 5) | ((q & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if W_FMT == 2:
+        # nvfp4: groups 4kk .. 4kk+3 cover the block; each half holds two of them.
+        s0 = tl.load(s_ptrs + 4 * kk).to(tl.float32) * 16384.0
+        s1 = tl.load(s_ptrs + 4 * kk + 1).to(tl.float32) * 16384.0
+        s2 = tl.load(s_ptrs + 4 * kk + 2).to(tl.float32) * 16384.0
+        s3 = tl.load(s_ptrs + 4 * kk + 3).to(tl.float32) * 16384.0
+        first = (tl.arange(0, HALF) < 16)[:, None]
+        w_lo = lo * tl.where(first, s0[None, :], s1[None, :])
+        w_hi = hi * tl.where(first, s2[None, :], s3[None, :])
+    else:
+        # mxfp4: groups 2kk (low half) and 2kk+1 (high half); 2^(s-127) * 2^14 built as fp32 bits
+        # (exact for s <= 240, i.e. any weight below 2^113).
+        e_lo = tl.load(s_ptrs + 2 * kk).to(tl.int32)
+        e_hi = tl.load(s_ptrs + 2 * kk + 1).to(tl.int32)
+        w_lo = lo * ((e_lo + 14) << 23).to(tl.float32, bitcast=True)[None, :]
+        w_hi = hi * ((e_hi + 14) << 23).to(tl.float32, bitcast=True)[None, :]
+    return w_lo.to(OUT_DTYPE), w_hi.to(OUT_DTYPE)
+
+
+@triton.jit
+def _activation(g, u, alpha, beta, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    if ACT == 0:
+        r = g * tl.sigmoid(g) * u
+    elif ACT == 1:
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        r = g * tl.sigmoid(alpha * g) * (u + beta)
+    else:
+        p = tl.maximum(g, 0.0)
+        r = p * p
+    return r
+
+
+@triton.jit
+def _tile_ids(max_blocks, num_n, GROUP_M: tl.constexpr):
+    """Program id -> (m tile, n tile): GROUP_M m tiles (mostly one expert) sweep n together, so a
+    weight tile is read by its expert's m tiles at about the same time (L2 reuse)."""
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_n
+    group_id = pid // in_group
+    first_m = group_id * GROUP_M
+    group_size = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["num_entries", "max_blocks"])
+def moe_gemm1_kernel(
+    x_ptr,  # [N, H] activations (bf16/fp16, or fp8 for W_FMT 1)
+    xs_ptr,  # [N, ceil(H/128)] fp32 activation scales (W_FMT 1)
+    w_ptr,  # [E, R, H] (fp4: [E, R, H/2] packed) R = 2I (gate rows, then up rows) or I
+    ws_ptr,  # weight scales: fp8 [E, 2*ceil(I/128), ceil(H/128)]; fp4 [E, R, H/group]
+    wg_ptr,  # nvfp4 global scales [E, G] fp32
+    b_ptr,  # [E, R] fp32 bias
+    out_ptr,  # [P, I] activation out (model dtype, or fp8 for OUT_FP8)
+    outs_ptr,  # [P, ceil(I/128)] fp32 scales of out (OUT_FP8)
+    sorted_ids_ptr,  # [P] int32 entry of each padded row (>= num_entries: padding)
+    block_expert_ptr,  # [max_blocks] int32 expert of each m tile (-1: unused)
+    num_entries,
+    max_blocks,
+    H,
+    I,
+    stride_xm,
+    stride_xsm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_wge,
+    stride_be,
+    stride_om,
+    stride_osm,
+    alpha,
+    beta,
+    limit,
+    TOP_K: tl.constexpr,
+    W_FMT: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    num_n = tl.cdiv(I, BLOCK_N)
+    pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = ids < num_entries
+    # Padding rows read token 0 (in bounds, finite); their results are never used.
+    tok = tl.where(row_ok, ids // TOP_K, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    n_c = tl.where(n_ok, offs_n, 0)  # in-bounds column for loads; stores are masked
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w_ptr + e64 * stride_we
+    ws_base = ws_ptr + e64 * stride_wse
+    num_k = tl.cdiv(H, BLOCK_K)
+
+    if W_FMT == 0 or W_FMT == 1:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+        g_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        u_ptrs = g_ptrs + I * stride_wn
+        if W_FMT == 1:
+            s_half = tl.cdiv(I, 128)
+            sg_ptrs = ws_base + (n_c // 128) * stride_wsn
+            su_ptrs = ws_base + (s_half + n_c // 128) * stride_wsn
+            as_ptrs = xs_ptr + tok * stride_xsm
+        for kk in range(0, num_k):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                g = tl.load(g_ptrs)
+                if GATED:
+                    u = tl.load(u_ptrs)
+            else:
+                k_ok = offs_k < H - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+                if GATED:
+                    u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+            if W_FMT == 0:
+                acc_g = tl.dot(a, g, acc_g)
+                if GATED:
+                    acc_u = tl.dot(a, u, acc_u)
+            else:
+                a_s = tl.load(as_ptrs + kk)
+                g_s = tl.load(sg_ptrs + kk)
+                acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
+                if GATED:
+                    u_s = tl.load(su_ptrs + kk)
+                    acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+    else:
+        # fp4 W4A16, k64-interleaved bytes (see _fp4_dequant). BLOCK_K == 64 and H % 64 == 0
+        # (checked by the launcher).
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_h = tl.arange(0, HALF)
+        a_lo_ptrs = x_ptr + tok[:, None] * stride_xm + offs_h[None, :]
+        g_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_h[:, None]
+        u_ptrs = g_ptrs + I * stride_wn
+        sg_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
+        su_ptrs = sg_ptrs + I * stride_wsn
+        for kk in range(0, num_k):
+            a_lo = tl.load(a_lo_ptrs)
+            a_hi = tl.load(a_lo_ptrs + HALF)
+            w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
+            acc_g = tl.dot(a_lo, w_lo, acc_g)
+            acc_g = tl.dot(a_hi, w_hi, acc_g)
+            if GATED:
+                v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
+                acc_u = tl.dot(a_lo, v_lo, acc_u)
+                acc_u = tl.dot(a_hi, v_hi, acc_u)
+            a_lo_ptrs += BLOCK_K
+            g_ptrs += HALF
+            u_ptrs += HALF
+        if W_FMT == 2:
+            acc_g = acc_g * tl.load(wg_ptr + e64 * stride_wge)
+            if GATED:
+                acc_u = acc_u * tl.load(wg_ptr + e64 * stride_wge + 1)
+
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + e64 * stride_be + n_c)[None, :]
+        if GATED:
+            acc_u += tl.load(b_ptr + e64 * stride_be + I + n_c)[None, :]
+    act = _activation(acc_g, acc_u, alpha, beta, limit, ACT, HAS_LIMIT)
+
+    rows = offs_m.to(tl.int64)
+    out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    if OUT_FP8:
+        # 1x128 quantization of the activation row for the fp8 down projection (BLOCK_N == 128).
+        act = tl.where(n_ok[None, :], act, 0.0)
+        scale = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-10) / FP8_MAX
+        q8 = tl.clamp(act / scale[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(out_ptrs, q8.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+        tl.store(outs_ptr + rows * stride_osm + pid_n, scale)
+    else:
+        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_entries", "max_blocks"])
+def moe_gemm2_kernel(
+    a_ptr,  # [P, K] activations from gemm1 (model dtype, or fp8)
+    as_ptr,  # [P, ceil(K/128)] fp32 (W_FMT 1)
+    w_ptr,  # [E, N, K] (fp4: [E, N, K/2])
+    ws_ptr,  # fp8 [E, ceil(N/128), ceil(K/128)]; fp4 [E, N, K/group]
+    wg_ptr,  # nvfp4 [E, 1] fp32
+    b_ptr,  # [E, N] fp32
+    y_ptr,  # [num_entries, N] model dtype: routing-weighted expert outputs by entry
+    topk_w_ptr,  # [num_entries] fp32
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_entries,
+    max_blocks,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_wge,
+    stride_be,
+    stride_ym,
+    W_FMT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n_c = tl.where(n_ok, offs_n, 0)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w_ptr + e64 * stride_we
+    ws_base = ws_ptr + e64 * stride_wse
+    num_k = tl.cdiv(K, BLOCK_K)
+
+    if W_FMT == 0 or W_FMT == 1:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        if W_FMT == 1:
+            bs_ptrs = ws_base + (n_c // 128) * stride_wsn
+            as_ptrs = as_ptr + rows * stride_asm
+        for kk in range(0, num_k):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < K - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            if W_FMT == 0:
+                acc = tl.dot(a, b, acc)
+            else:
+                a_s = tl.load(as_ptrs + kk)
+                b_s = tl.load(bs_ptrs + kk)
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    else:
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_h = tl.arange(0, HALF)
+        a_lo_ptrs = a_ptr + rows[:, None] * stride_am + offs_h[None, :]
+        b_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_h[:, None]
+        s_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
+        for kk in range(0, num_k):
+            a_lo = tl.load(a_lo_ptrs)
+            a_hi = tl.load(a_lo_ptrs + HALF)
+            w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT, a_ptr.dtype.element_ty)
+            acc = tl.dot(a_lo, w_lo, acc)
+            acc = tl.dot(a_hi, w_hi, acc)
+            a_lo_ptrs += BLOCK_K
+            b_ptrs += HALF
+        if W_FMT == 2:
+            acc = acc * tl.load(wg_ptr + e64 * stride_wge)
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e64 * stride_be + n_c)[None, :]
+    ids = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = ids < num_entries
+    ids64 = tl.where(row_ok, ids, 0).to(tl.int64)
+    rw = tl.load(topk_w_ptr + ids64, mask=row_ok, other=0.0)
+    acc = acc * rw[:, None]
+    y_ptrs = y_ptr + ids64[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_reduce_kernel(
+    y_ptr,  # [N*K, H] weighted expert outputs by entry (rows of invalid entries are never read)
+    ids_ptr,  # [N, K] int32 local expert ids
+    out_ptr,  # [N, H]
+    H,
+    num_experts,
+    stride_ym,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + k)
+        # Invalid slot (id < 0: expert not on this rank) -> load nothing; y's row was never written.
+        lim = tl.where((e >= 0) & (e < num_experts), H, 0)
+        v = tl.load(y_ptr + (t * TOP_K + k) * stride_ym + offs, mask=offs < lim, other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+@triton.jit
+def quant_fp8_rows_kernel(
+    x_ptr,  # [N, C] model dtype
+    q_ptr,  # [N, C] fp8 e4m3
+    s_ptr,  # [N, ceil(C/GROUP)] fp32
+    C,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    GROUP: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = g * GROUP + tl.arange(0, GROUP)
+    ok = offs < C
+    x = tl.load(x_ptr + r * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / FP8_MAX
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + r * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + r * stride_sm + g, scale)

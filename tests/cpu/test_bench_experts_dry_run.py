@@ -1,0 +1,36 @@
+"""benchmarks/bench_experts.py --dry-run: argument validation and the plan, no GPU."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_experts.py")
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def test_dry_run_plan():
+    r = _run("--dry-run")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "E_local=128 H=7168 I=2048 top_k=8" in out
+    for needle in ("triton     bf16         decode  T=  128", "triton     bf16         prefill T= 4096",
+                   "grouped_mm bf16", "torch_loop bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16"):
+        assert needle in out, needle
+    assert "grouped_mm fp8_block" not in out, "grouped_mm is bf16 only"
+    # 2 * T * K * 3 * H * I
+    assert "2886.2 GFLOP" in out and "90.2 GFLOP" in out
+
+
+def test_dry_run_quick_and_bad_args():
+    r = _run("--dry-run", "--quick", "--backends", "triton", "--modes", "bf16")
+    assert r.returncode == 0 and "plan: 2 runs" in r.stdout, r.stdout + r.stderr
+    r = _run("--dry-run", "--backends", "nope")
+    assert r.returncode != 0 and "unknown backend 'nope'" in r.stderr
+    r = _run("--dry-run", "--modes", "int4")
+    assert r.returncode != 0 and "unknown mode 'int4'" in r.stderr
+    r = _run("--dry-run", "--top-k", "300")
+    assert r.returncode != 0 and "exceeds" in r.stderr

@@ -1,0 +1,169 @@
+"""`triton` and `grouped_mm` experts backends on CPU: availability, registry, weight loading (in place),
+validation, and grouped_mm's math through PyTorch's CPU grouped-GEMM fallback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epmoe.config import MoEConfig
+from epmoe.core.availability import Availability
+from epmoe.core.errors import BackendUnavailableError
+from epmoe.dispatch.base import DispatchedTokens
+from epmoe.experts import EXPERTS
+from epmoe.experts import kernel_formats as kf
+from epmoe.experts import testing as T
+from epmoe.experts.base import ExpertsSpec
+from epmoe.experts.grouped_mm import GroupedMMExperts
+from epmoe.experts.triton_experts import TritonExperts, pick_config, presets_for
+from epmoe.quant.plan import QuantPlan
+
+CPU = torch.device("cpu")
+GPTOSS_TINY = dict(
+    num_experts=8, top_k=2, hidden_size=128, intermediate_size=64, has_bias=True,
+    swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0,
+)  # fmt: skip
+
+
+def _spec(mode="bf16", ep_size=2, ep_rank=1, **cfg):
+    cfg = {**dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64), **cfg}
+    return ExpertsSpec(MoEConfig(**cfg), ep_rank, ep_size, CPU, plan=QuantPlan(expert_mode=mode))
+
+
+@pytest.fixture
+def force_available(monkeypatch):
+    for cls in (TritonExperts, GroupedMMExperts):
+        monkeypatch.setattr(cls, "availability", classmethod(lambda c, s: Availability.yes("test")))
+
+
+def test_registry_and_lazy_import():
+    assert EXPERTS.get("triton") is TritonExperts
+    assert EXPERTS.get("grouped_mm") is GroupedMMExperts
+    code = (
+        "import sys, epmoe, epmoe.experts, epmoe.experts.triton_experts, epmoe.experts.grouped_mm, "
+        "epmoe.experts.graphs; assert 'triton' not in sys.modules, 'triton imported eagerly'"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+
+
+def test_availability_reasons(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    a = TritonExperts.availability(_spec())
+    assert not a and "CUDA" in a.reason and "TRITON_INTERPRET" in a.hint
+    a = TritonExperts.availability(_spec("mxfp4_w4a8"))
+    assert not a and "mxfp4_w4a8" in a.reason
+    a = TritonExperts.availability(_spec(dtype=torch.float32))
+    assert not a and "float32" in a.reason
+    a = TritonExperts.availability(_spec("nvfp4_w4a16", hidden_size=96))
+    assert not a and "64" in a.reason
+    a = GroupedMMExperts.availability(_spec())
+    assert not a and "CUDA" in a.reason
+    a = GroupedMMExperts.availability(_spec("fp8_block"))
+    assert not a and "triton" in a.hint
+    with pytest.raises(BackendUnavailableError, match="triton"):
+        TritonExperts(_spec())
+
+
+def test_pick_config_by_rows_per_expert():
+    assert pick_config("bf16", 128 * 8, 128).name == "decode"
+    assert pick_config("bf16", 4096 * 8, 128).name == "prefill"
+    assert pick_config("fp8_block", 4096 * 8, 128).gemm1.block_k == 128
+    for mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
+        assert all(c.gemm1.block_k == 64 and c.gemm2.block_k == 64 for c in presets_for(mode).values())
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("backend", [TritonExperts, GroupedMMExperts])
+def test_reload_is_in_place(force_available, backend, mode):
+    if backend is GroupedMMExperts and mode != "bf16":
+        pytest.skip("grouped_mm is bf16 only")
+    spec = _spec(mode, **GPTOSS_TINY)
+    ex = backend(spec)
+    E = spec.num_local_experts
+    w_a = T.random_expert_weights(spec.config, E, seed=1, first_expert=spec.first_local_expert)
+    w_b = T.random_expert_weights(spec.config, E, seed=2, first_expert=spec.first_local_expert)
+    ex.load_weights(w_a)
+    params = ex.parameters()
+    assert params, "parameters() lists the kernel tensors"
+    ptrs = {k: v.data_ptr() for k, v in params.items()}
+    before = {k: v.clone() for k, v in params.items()}
+    ex.load_weights(w_b)
+    after = ex.parameters()
+    assert {k: v.data_ptr() for k, v in after.items()} == ptrs, "reload must copy in place"
+    assert any(not torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8)) for k in after)
+
+
+@pytest.mark.parametrize("backend", [TritonExperts, GroupedMMExperts])
+def test_bad_weights_rejected(force_available, backend):
+    spec = _spec()
+    ex = backend(spec)
+    E = spec.num_local_experts
+    w = T.random_expert_weights(spec.config, E, first_expert=spec.first_local_expert)
+    with pytest.raises(ValueError, match="w2"):
+        ex.load_weights(T.ExpertWeights(w1=w.w1, w3=w.w3, w2=w.w2[:, :, :32], first_expert=w.first_expert))
+    with pytest.raises(ValueError, match="owns experts"):
+        ex.load_weights(T.random_expert_weights(spec.config, E, first_expert=0))
+    with pytest.raises(RuntimeError, match="load_weights"):
+        ex(DispatchedTokens(torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)))
+
+
+def test_triton_takes_quantized_checkpoints(force_available):
+    spec = _spec("fp8_block")
+    ex = TritonExperts(spec)
+    w = T.random_expert_weights(spec.config, spec.num_local_experts, first_expert=spec.first_local_expert)
+    q = kf.quantize_expert_weights(w, "fp8_block")
+    ex.load_weights(q)  # quantized canonical weights are taken as they are ...
+    assert torch.equal(ex.parameters()["w2"].view(torch.uint8), q.w2.view(torch.uint8))
+    ex.load_weights(w)  # ... float ones are quantized the same way at load
+    assert torch.equal(ex.parameters()["w2"].view(torch.uint8), q.w2.view(torch.uint8))
+    with pytest.raises(ValueError, match="mxfp4"):
+        ex.load_weights(kf.quantize_expert_weights(w, "mxfp4_w4a16"))
+    bf = TritonExperts(_spec("bf16"))
+    bf.load_weights(q)  # a quantized checkpoint runs in bf16 mode dequantized
+    assert torch.allclose(bf.parameters()["w2"].float(), kf.dequantize_expert_weights(q).w2.bfloat16().float())
+
+
+def test_triton_forward_validates_before_launch(force_available):
+    spec = _spec()
+    ex = TritonExperts(spec)
+    ex.load_weights(T.random_expert_weights(spec.config, 4, first_expert=4))
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="hidden"):
+        ex(DispatchedTokens(torch.zeros(3, 64, dtype=torch.bfloat16), ids, torch.ones(3, 2)))
+    with pytest.raises(ValueError, match="topk_weights"):
+        ex(DispatchedTokens(torch.zeros(3, 128, dtype=torch.bfloat16), ids, torch.ones(3, 3)))
+    with pytest.raises(TypeError, match="dtype"):
+        ex(DispatchedTokens(torch.zeros(3, 128, dtype=torch.float16), ids, torch.ones(3, 2)))
+    out = ex(DispatchedTokens(torch.zeros(0, 128, dtype=torch.bfloat16), ids[:0], torch.ones(0, 2)))
+    assert out.shape == (0, 128)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(),
+        GPTOSS_TINY,
+        dict(activation="relu2"),
+    ],
+    ids=["swiglu", "gptoss", "relu2"],
+)
+def test_grouped_mm_math_on_cpu_fallback(force_available, cfg):
+    seed = int.from_bytes(os.urandom(2), "little")
+    spec = _spec(**cfg)
+    ex = GroupedMMExperts(spec)
+    E = spec.num_local_experts
+    w = T.random_expert_weights(spec.config, E, seed=seed, first_expert=spec.first_local_expert)
+    ex.load_weights(w)
+    N = 37
+    x = torch.randn(N, 128, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    ids, tw = T.random_local_routing(N, 2, E, seed=seed + 1, invalid_frac=0.3, empty_rows=3)
+    out = ex(DispatchedTokens(x, ids, tw))
+    # reference rounds the first projection and the activation to bf16 like the backend does
+    ref = T.experts_reference(spec.config, w, x, ids, tw, act_roundtrip=lambda a: a.bfloat16().double())
+    assert out.dtype == torch.bfloat16 and out.shape == (N, 128)
+    assert bool((out[-3:] == 0).all()), "rows with no local expert are zero"
+    err = T.relative_error(out, ref)
+    assert err < 1e-2, (seed, err)

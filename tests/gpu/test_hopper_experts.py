@@ -1,0 +1,216 @@
+"""Hopper experts backends (`triton`, `grouped_mm`) on the GPU against float64 math.
+
+Shapes: DeepSeek-V3-like (32 local experts, H=7168, I=2048, top-8, N up to 4096 and N=1) and
+GPT-OSS-like (16 local experts, H=2880, I=2880, top-4, biases, clamped swiglu).
+Fresh random seeds per test (printed on failure); the CUDA caching allocator is poisoned with NaN
+before each call so an unwritten output element (or a read of an unwritten row) shows up as NaN.
+
+Error bounds (||out - ref|| / ||ref||): 1e-2 everywhere. bf16: the operands are exact, the error is
+bf16 rounding of the activation, of each weighted expert output and of the sum (~3e-3). Quantized
+modes are compared with the float64 math on the dequantized weights (fp8_block also on the fp8
+1x128 activations and the same 1x128 round trip of the intermediate activation), so the bound is
+the bf16 one; the quantization error itself is the quant module's business.
+"""
+
+import os
+
+import pytest
+import torch
+
+from epmoe.config import MoEConfig
+from epmoe.dispatch.base import DispatchedTokens
+from epmoe.experts import kernel_formats as kf
+from epmoe.experts import testing as T
+from epmoe.experts.base import ExpertsSpec
+from epmoe.experts.triton_experts import FP8_BLOCK_PAYLOAD
+from epmoe.quant.payload import QuantizedActivation
+from epmoe.quant.plan import QuantPlan
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+BOUND = 1e-2
+DS = dict(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048)  # 8 ranks -> 32 local
+DS_EP = 8
+GPTOSS = dict(
+    num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880, has_bias=True,
+    swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0,
+)  # fmt: skip
+GPTOSS_EP = 8  # 16 local experts
+RELU2 = dict(num_experts=64, top_k=6, hidden_size=2048, intermediate_size=1024, activation="relu2")
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little") % (2**31)
+
+
+def _poison_allocator(nbytes: int = 3 << 30) -> None:
+    """Fill free cached memory with 0xFF (NaN in bf16/fp32/fp8) so reused blocks start poisoned."""
+    torch.cuda.synchronize()
+    try:
+        junk = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    except torch.cuda.OutOfMemoryError:
+        return
+    junk.fill_(0xFF)
+    del junk
+    torch.cuda.synchronize()
+
+
+_CACHE = {}
+_REF_CACHE = {}
+
+
+def _backend(name: str, mode: str, cfg_kwargs: dict, ep_size: int, seed: int):
+    """(experts, canonical weights); cached per (backend, mode, shape) to save load time."""
+    key = (name, mode, tuple(sorted(cfg_kwargs.items())), ep_size)
+    if key not in _CACHE:
+        from epmoe.experts import EXPERTS
+
+        cfg = MoEConfig(**cfg_kwargs)
+        spec = ExpertsSpec(cfg, ep_size - 1, ep_size, torch.device("cuda"), plan=QuantPlan(expert_mode=mode))
+        cls = EXPERTS.get(name)
+        avail = cls.availability(spec)
+        if not avail:
+            pytest.skip(f"{name}/{mode}: {avail.describe()}")
+        ex = cls(spec)
+        w = T.random_expert_weights(
+            cfg, spec.num_local_experts, device="cuda", seed=seed, first_expert=spec.first_local_expert
+        )
+        ex.load_weights(w)
+        _CACHE.clear()  # keep one backend's weights resident at a time
+        _REF_CACHE.clear()
+        _CACHE[key] = (ex, w)
+    return _CACHE[key]
+
+
+def _reference(ex, w, x, ids, tw):
+    cfg, mode = ex.config, ex.spec.plan.expert_mode
+    if mode == "bf16":
+        rt = (lambda a: a.bfloat16().double()) if ex.name == "grouped_mm" else None
+        return T.experts_reference(cfg, w, x, ids, tw, act_roundtrip=rt)
+    key = ("dequantized", id(w), mode)
+    if key not in _REF_CACHE:  # the backend quantized the same float weights the same way at load
+        _REF_CACHE.clear()
+        d = kf.dequantize_expert_weights(kf.quantize_expert_weights(w, mode))
+        _REF_CACHE[key] = (d.w13(), d.w2)
+    w13, w2 = _REF_CACHE[key]
+    if mode != "fp8_block":
+        return T.experts_reference(cfg, w, x, ids, tw, w13=w13, w2=w2)
+    xq, xs = kf.quantize_fp8_tokens(x)
+
+    def rt(a):
+        aq, a_s = kf.quantize_fp8_tokens(a.float())
+        return kf.dequantize_fp8_tokens(aq, a_s).double()
+
+    return T.experts_reference(cfg, w, kf.dequantize_fp8_tokens(xq, xs), ids, tw, w13=w13, w2=w2, act_roundtrip=rt)
+
+
+def _run_case(name, mode, cfg_kwargs, ep_size, N, invalid_frac=0.25):
+    seed = _seed()
+    ex, w = _backend(name, mode, cfg_kwargs, ep_size, seed)
+    cfg = ex.config
+    E = ex.spec.num_local_experts
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(N, cfg.hidden_size, generator=g, device="cuda").bfloat16()
+    empty = min(2, N - 1) if N > 1 else 0
+    ids, tw = T.random_local_routing(N, cfg.top_k, E, "cuda", seed + 2, invalid_frac=invalid_frac, empty_rows=empty)
+    _poison_allocator()
+    out = ex(DispatchedTokens(x, ids, tw))
+    torch.cuda.synchronize()
+    msg = f"{name}/{mode} N={N} seed={seed}"
+    assert out.shape == (N, cfg.hidden_size) and out.dtype == torch.bfloat16, msg
+    assert bool(torch.isfinite(out).all()), f"{msg}: NaN/inf (unwritten output or unwritten row read)"
+    if empty:
+        assert bool((out[-empty:] == 0).all()), f"{msg}: rows with no local expert must be 0"
+    ref = _reference(ex, w, x, ids, tw)
+    err = T.relative_error(out, ref)
+    print(f"{msg}: rel err {err:.2e}")
+    assert err < BOUND, f"{msg}: relative error {err:.3g} >= {BOUND}"
+    out2 = ex(DispatchedTokens(x, ids, tw))
+    assert torch.equal(out, out2), f"{msg}: not deterministic"
+    return ex, x, ids, tw, out
+
+
+TRITON_MODES = ["bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16"]
+# (mode, N): decode (N=1), a medium batch and a prefill batch; the W4A16 modes are the decode /
+# small-batch path, their large-tile kernels are covered by the GPT-OSS N=512 case. Kept lean:
+# every distinct (mode, tile preset, shape) costs a Triton compile (~1-2 s).
+DS_CASES = [
+    ("bf16", 1), ("bf16", 256), ("bf16", 4096),
+    ("fp8_block", 1), ("fp8_block", 4096),
+    ("nvfp4_w4a16", 1), ("mxfp4_w4a16", 1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode,N", DS_CASES)
+def test_triton_deepseek_shape(mode, N):
+    _run_case("triton", mode, DS, DS_EP, N)
+
+
+@pytest.mark.parametrize("N", [1, 512])
+@pytest.mark.parametrize("mode", TRITON_MODES)
+def test_triton_gptoss_shape(mode, N):
+    _run_case("triton", mode, GPTOSS, GPTOSS_EP, N)
+
+
+def test_triton_relu2():
+    _run_case("triton", "bf16", RELU2, 8, 300)
+
+
+@pytest.mark.parametrize("N", [1, 4096])
+def test_grouped_mm_deepseek_shape(N):
+    _run_case("grouped_mm", "bf16", DS, DS_EP, N)
+
+
+def test_grouped_mm_gptoss_shape():
+    _run_case("grouped_mm", "bf16", GPTOSS, GPTOSS_EP, 512)
+
+
+def test_triton_fp8_payload_matches_bf16_input():
+    """An fp8_block payload (quantized by the dispatcher) gives the same result as bf16 tokens
+    quantized inside the backend (up to the 1-ulp rounding of the in-kernel scale division)."""
+    ex, x, ids, tw, out = _run_case("triton", "fp8_block", DS, DS_EP, 64)
+    xq, xs = kf.quantize_fp8_tokens(x)
+    payload = QuantizedActivation(FP8_BLOCK_PAYLOAD, xq, xs, x.shape[1])
+    out_q = ex(DispatchedTokens(payload, ids, tw))
+    err = T.relative_error(out_q, out.double())
+    assert err < 5e-3, err
+
+
+@pytest.mark.parametrize("name", ["triton", "grouped_mm"])
+def test_reload_in_place_on_gpu(name):
+    seed = _seed()
+    ex, w = _backend(name, "bf16", GPTOSS, GPTOSS_EP, seed)
+    ptrs = {k: v.data_ptr() for k, v in ex.parameters().items()}
+    w2 = T.random_expert_weights(ex.config, ex.spec.num_local_experts, "cuda", seed + 7, first_expert=w.first_expert)
+    ex.load_weights(w2)
+    assert {k: v.data_ptr() for k, v in ex.parameters().items()} == ptrs
+    ex.load_weights(w)  # restore for the cached instance
+
+
+@pytest.mark.parametrize(
+    "name,mode", [("triton", "bf16"), ("triton", "fp8_block"), ("triton", "mxfp4_w4a16"), ("grouped_mm", "bf16")]
+)
+def test_cuda_graph_replay_equals_eager(name, mode):
+    from epmoe.experts.graphs import CapturedExperts
+
+    seed = _seed()
+    ex, w = _backend(name, mode, DS, DS_EP, seed)
+    E, K, H = ex.spec.num_local_experts, ex.config.top_k, ex.config.hidden_size
+    # 32 rows x top-8 over 32 experts: the decode tile preset (kernels already built by the N=1 tests)
+    graph = CapturedExperts(ex, max_rows=32, top_k=K)
+    for n in (32, 25, 1):
+        g = torch.Generator(device="cuda").manual_seed(seed + n)
+        x = torch.randn(n, H, generator=g, device="cuda").bfloat16()
+        ids, tw = T.random_local_routing(n, K, E, "cuda", seed + 3 * n, invalid_frac=0.3)
+        eager = ex(DispatchedTokens(x, ids, tw))
+        replay = graph(DispatchedTokens(x, ids, tw)).clone()
+        assert torch.equal(eager, replay), f"{name}/{mode} n={n} seed={seed}: graph replay != eager"
+    # a weight reload (in place) is seen by the captured graph
+    w_new = T.random_expert_weights(ex.config, E, "cuda", seed + 11, first_expert=w.first_expert)
+    ex.load_weights(w_new)
+    eager = ex(DispatchedTokens(x, ids, tw))
+    assert torch.equal(eager, graph(DispatchedTokens(x, ids, tw))), f"{name}/{mode}: graph missed the reload"
+    ex.load_weights(w)

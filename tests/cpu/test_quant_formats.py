@@ -213,9 +213,10 @@ def test_nvfp4_fast_recipe_close_to_rn(seed):
     x = torch.randn(64, 256, dtype=torch.bfloat16)
     a = nvfp4.quantize(x, recipe="rn")
     b = nvfp4.quantize(x, recipe="fast")
-    # association order differs only in the last bit of the unrounded scale
-    assert (u8(a.scales) != u8(b.scales)).float().mean().item() < 0.01, f"seed={seed}"
-    assert (a.packed != b.packed).float().mean().item() < 0.01, f"seed={seed}"
+    # association order differs only in the last bit of the unrounded scale, so only scales sitting on
+    # an E4M3 rounding boundary differ (worst of 300 seeds: 3.0 % of scales, 1.2 % of packed bytes)
+    assert (u8(a.scales) != u8(b.scales)).float().mean().item() < 0.06, f"seed={seed}"
+    assert (a.packed != b.packed).float().mean().item() < 0.03, f"seed={seed}"
 
 
 # ------------------------------------------------------------------ round-trip error bounds

@@ -41,12 +41,15 @@ class BlockAlignment:
     sorted_ids:    [max_blocks * block_m] int32, entry index j of each padded row, or num_entries
                    for a padding row
     block_expert:  [max_blocks] int32, local expert of each tile, -1 = unused tile
+    block_rows:    [max_blocks] int32, real (non-padding) rows of each tile, in 1..block_m for a used
+                   tile (only an expert's last tile has fewer than block_m), 0 for an unused one
     """
 
     block_m: int
     max_blocks: int
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor
+    block_rows: torch.Tensor
 
     @property
     def num_padded_rows(self) -> int:
@@ -88,7 +91,7 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
     max_blocks = max_blocks_for(nk, E, block_m)
     if max_blocks == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
-        return BlockAlignment(block_m, 0, empty, empty)
+        return BlockAlignment(block_m, 0, empty, empty, empty)
     counts = sort.expert_counts
     starts = sort.expert_ends - counts
     padded = (counts + block_m - 1) // block_m * block_m
@@ -106,4 +109,6 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
     src = (starts[row_expert] + rank).clamp(0, max(nk - 1, 0))
     sorted_ids = torch.where(real, sort.order[src], torch.full_like(src, nk)).to(torch.int32)
     block_expert = torch.where(used, block_expert, torch.full_like(block_expert, -1)).to(torch.int32)
-    return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert)
+    first_rank = block_first_row - pad_starts[be]
+    block_rows = torch.where(used, (counts[be] - first_rank).clamp(0, block_m), 0).to(torch.int32)
+    return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)

@@ -6,6 +6,8 @@ dequantization factors, nvfp4 global scale = dequant multiplier per expert and p
 The element codecs are `epmoe.quant.{e2m1, nvfp4, mxfp4, fp8_block}`.
 
 Kernel layout (what `TritonExperts.parameters()` holds), R = 2I ([gate; up]) or I (relu2):
+    bf16        w13 [E, R, H] model dtype, rows interleaved gate j / up j (`interleave_gate_up`) by
+                default, [gate; up] with the backend option triton_gate_up=blocked; w2 [E, H, I]
     fp8_block   w13 [E, R, H] e4m3, w13_scale [E, 2*ceil(I/128), ceil(H/128)] f32 (gate grid, then up
                 grid: a 128-row block never mixes gate and up), w2 [E, H, I], w2_scale f32
     nvfp4       w13 [E, R, H/2] uint8 k64-interleaved (below), w13_scale [E, R, H/16] e4m3,
@@ -88,6 +90,24 @@ def quantize_fp8_tokens(x: torch.Tensor, group: int = FP8_BLOCK):
 def dequantize_fp8_tokens(q: torch.Tensor, scale: torch.Tensor, group: int = FP8_BLOCK) -> torch.Tensor:
     C = q.shape[1]
     return q.float() * scale.repeat_interleave(group, dim=1)[:, :C]
+
+
+# --------------------------------------------------------------------------- gate/up row interleave
+
+
+def interleave_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """w1, w3 [E, I, H] -> w13 [E, 2I, H] with row 2j = w1[:, j] (gate) and row 2j+1 = w3[:, j] (up):
+    the bf16 `triton` layout, where one tile of 2*BN rows holds gate and up of BN columns."""
+    if w1.shape != w3.shape:
+        raise ValueError(f"w1 {list(w1.shape)} and w3 {list(w3.shape)} must have the same shape")
+    E, I, H = w1.shape
+    return torch.stack([w1, w3.to(w1.dtype)], dim=2).reshape(E, 2 * I, H)
+
+
+def deinterleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """Inverse of `interleave_gate_up`: [E, 2I, H] interleaved -> [E, 2I, H] as [gate; up]."""
+    E, R, H = w13.shape
+    return w13.reshape(E, R // 2, 2, H).transpose(1, 2).reshape(E, R, H)
 
 
 # --------------------------------------------------------------------------- fp4 kernel layout

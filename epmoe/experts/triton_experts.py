@@ -15,7 +15,8 @@ Forward (no host sync, fixed shapes for a fixed N, so it can be captured in a CU
   4. reduce: out[n] = sum_k y[n*K + k] over valid k in fixed k order (deterministic, no atomics).
 
 Modes (kernel-facing weight layouts; canonical formats in `epmoe.experts.kernel_formats`):
-  bf16         w13 [E, R, H], w2 [E, H, I] in the model dtype (R = 2I gate-then-up, or I for relu2)
+  bf16         w13 [E, R, H], w2 [E, H, I] in the model dtype (R = 2I: rows gate j, up j interleaved
+               (default, GATE_UP_LAYOUT) or gate-then-up (option triton_gate_up=blocked); I for relu2)
   fp8_block    W8A8: w13/w2 e4m3 with 128x128 fp32 block scales (gate and up each their own grid);
                activations quantized per token in 1x128 groups (on the fly, or taken from an fp8_block
                payload); the activation of gemm1 is re-quantized 1x128 in gemm1's epilogue
@@ -30,7 +31,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -65,50 +66,81 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """block_m is shared by both GEMMs (they share the padded routing)."""
+    """block_m is shared by both GEMMs (they share the padded routing). split_m: an expert's tail
+    tile with <= block_m/2 real rows runs a block_m/2-row copy of the tile code (less MMA work on
+    padding; needs block_m >= 32)."""
 
     name: str
     block_m: int
     gemm1: GemmConfig
     gemm2: GemmConfig
+    split_m: bool = False
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
         return (
-            f"{self.name}: BM={self.block_m} g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},"
-            f"s{g1.num_stages}) g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages})"
+            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''} "
+            f"g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},s{g1.num_stages},G{g1.group_m}) "
+            f"g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages},G{g2.group_m})"
         )
 
 
-# Presets for H200, chosen by reasoning (see benchmarks/bench_experts.py for the measured sweep):
+def _cfg(name, bm, g1, g2, split=False) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split)
+
+
+# Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
 # "decode": few rows per expert -> weight streaming; small BLOCK_M, deep pipeline, many programs.
-# "prefill": >= 128 rows per expert -> tensor-core bound; 128-row tiles, gate+up = 256 columns.
+# "prefill": >= 128 rows per expert -> tensor-core bound; 128-row tiles, gate+up = 256 columns, tail
+# tiles split to 64 rows. Variants stay listed so benchmarks/tune_hopper.py can re-measure them.
 _DENSE_PRESETS = {
-    "decode": TritonConfig("decode", 16, GemmConfig(64, 128, 4, 4), GemmConfig(64, 128, 4, 4)),
-    "decode_wide": TritonConfig("decode_wide", 16, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
-    "decode_deep": TritonConfig("decode_deep", 16, GemmConfig(64, 128, 4, 3), GemmConfig(64, 256, 4, 3)),
-    "small": TritonConfig("small", 32, GemmConfig(64, 128, 4, 4), GemmConfig(128, 64, 4, 4)),
-    "medium": TritonConfig("medium", 64, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
-    "prefill": TritonConfig("prefill", 128, GemmConfig(128, 64, 8, 3), GemmConfig(256, 64, 8, 3)),
-    "prefill_n128": TritonConfig("prefill_n128", 128, GemmConfig(128, 64, 8, 3), GemmConfig(128, 64, 4, 4)),
-    "prefill_m64": TritonConfig("prefill_m64", 64, GemmConfig(128, 64, 4, 4), GemmConfig(256, 64, 8, 3)),
+    "decode": _cfg("decode", 16, (64, 128, 4, 4), (64, 128, 4, 4)),
+    "decode_wide": _cfg("decode_wide", 16, (128, 64, 4, 4), (128, 64, 4, 4)),
+    "decode_deep": _cfg("decode_deep", 16, (64, 128, 4, 3), (64, 256, 4, 3)),
+    "small": _cfg("small", 32, (64, 128, 4, 4), (128, 64, 4, 4)),
+    "medium": _cfg("medium", 64, (128, 64, 4, 4), (128, 64, 4, 4)),
+    "prefill": _cfg("prefill", 128, (128, 64, 8, 3), (256, 64, 8, 3), split=True),
+    "prefill_nosplit": _cfg("prefill_nosplit", 128, (128, 64, 8, 3), (256, 64, 8, 3)),
+    "prefill_s4": _cfg("prefill_s4", 128, (128, 64, 8, 4), (256, 64, 8, 4), split=True),
+    "prefill_g16": _cfg("prefill_g16", 128, (128, 64, 8, 3, 16), (256, 64, 8, 3, 16), split=True),
+    "prefill_n128": _cfg("prefill_n128", 128, (128, 64, 8, 3), (128, 64, 4, 4), split=True),
+    "prefill_m64": _cfg("prefill_m64", 64, (128, 64, 4, 4), (256, 64, 8, 3)),
 }
 # fp8 W8A8: BLOCK_K == 128 (one scale per K step); gemm1 BLOCK_N == 128 (one 1x128 group per row).
-# The per-K-step scale promotion keeps a second accumulator live: 128-row gate+up tiles spill (sm90
-# compile, benchmarks/aot_sm90.py), so the large presets use 64-row tiles with 8 warps.
+# The per-K-step scale promotion keeps a second accumulator live: 128-row gate+up tiles spill with 8
+# warps (sm90 compile, benchmarks/aot_sm90.py), so the large presets use 64-row tiles with 8 warps.
+# Measured on H200 (T=4096, 256 rows per expert): "medium" 6.05 ms, "prefill" 6.25 ms.
 _FP8_PRESETS = {
-    "decode": TritonConfig("decode", 16, GemmConfig(128, 128, 4, 4), GemmConfig(64, 128, 4, 4)),
-    "small": TritonConfig("small", 32, GemmConfig(128, 128, 8, 4), GemmConfig(128, 128, 4, 4)),
-    "medium": TritonConfig("medium", 64, GemmConfig(128, 128, 8, 3), GemmConfig(128, 128, 4, 4)),
-    "prefill": TritonConfig("prefill", 64, GemmConfig(128, 128, 8, 4), GemmConfig(256, 128, 8, 3)),
+    "decode": _cfg("decode", 16, (128, 128, 4, 4), (64, 128, 4, 4)),
+    "decode_deep": _cfg("decode_deep", 16, (128, 128, 4, 5), (64, 128, 4, 6)),
+    "decode_n128": _cfg("decode_n128", 16, (128, 128, 4, 4), (128, 128, 4, 4)),
+    "small": _cfg("small", 32, (128, 128, 8, 4), (128, 128, 4, 4)),
+    "medium": _cfg("medium", 64, (128, 128, 8, 3), (128, 128, 4, 4)),
+    "medium_s4": _cfg("medium_s4", 64, (128, 128, 8, 4), (128, 128, 4, 5)),
+    "medium_g2w8": _cfg("medium_g2w8", 64, (128, 128, 8, 3), (256, 128, 8, 3)),
+    "prefill": _cfg("prefill", 64, (128, 128, 8, 4), (256, 128, 8, 3)),
+    "medium_split": _cfg("medium_split", 64, (128, 128, 8, 3), (128, 128, 4, 4), split=True),
 }
 # fp4 W4A16: BLOCK_K == 64 (the interleave block).
 _FP4_PRESETS = {
-    "decode": TritonConfig("decode", 16, GemmConfig(64, 64, 4, 4), GemmConfig(64, 64, 4, 4)),
-    "small": TritonConfig("small", 32, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
-    "medium": TritonConfig("medium", 64, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4)),
-    "prefill": TritonConfig("prefill", 128, GemmConfig(64, 64, 8, 3), GemmConfig(128, 64, 8, 3)),
+    "decode": _cfg("decode", 16, (64, 64, 4, 4), (64, 64, 4, 4)),
+    "small": _cfg("small", 32, (64, 64, 4, 4), (128, 64, 4, 4)),
+    "medium": _cfg("medium", 64, (64, 64, 4, 4), (128, 64, 4, 4)),
+    "prefill": _cfg("prefill", 128, (64, 64, 8, 3), (128, 64, 8, 3)),
 }
+
+# The tuned table: preset by mean rows per local expert (upper bounds, inclusive; None = any).
+# Update from benchmarks/tune_hopper.py's "winners" lines.
+AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
+    "bf16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
+    "fp8_block": ((16, "decode"), (40, "small"), (None, "medium")),
+    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
+    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
+}
+# Layout of w13 in bf16 mode (gated activations): "interleaved" (rows gate j, up j: one wide dot per
+# K step) or "blocked" ([gate; up]: two dots). Quantized modes are always blocked. Fixed at load;
+# spec option `triton_gate_up` overrides.
+GATE_UP_LAYOUT = "interleaved"
 
 
 def presets_for(mode: str) -> Dict[str, TritonConfig]:
@@ -120,10 +152,13 @@ def presets_for(mode: str) -> Dict[str, TritonConfig]:
 
 
 def pick_config(mode: str, num_entries: int, num_experts: int) -> TritonConfig:
-    """Preset by the mean rows per local expert (a host int: no sync)."""
+    """Preset by the mean rows per local expert (a host int: no sync), from AUTO_PRESETS."""
     rows = num_entries / max(num_experts, 1)
-    name = "decode" if rows <= 16 else "small" if rows <= 40 else "medium" if rows <= 96 else "prefill"
-    return presets_for(mode)[name]
+    table = AUTO_PRESETS.get(mode, AUTO_PRESETS["bf16"])
+    for bound, name in table:
+        if bound is None or rows <= bound:
+            return presets_for(mode)[name]
+    return presets_for(mode)[table[-1][1]]
 
 
 # --------------------------------------------------------------------------- kernels (lazy)
@@ -241,6 +276,11 @@ class TritonExperts(Experts):
             if name not in presets:
                 raise ValueError(f"triton_config={name!r}; use one of {sorted(presets)}")
             self.config_override = presets[name]
+        layout = spec.option("triton_gate_up", GATE_UP_LAYOUT)
+        if layout not in ("interleaved", "blocked"):
+            raise ValueError(f"triton_gate_up={layout!r}; use 'interleaved' or 'blocked'")
+        # Kernel-facing w13 rows alternate gate j / up j (bf16 mode, gated activations only).
+        self.gate_up_interleaved = layout == "interleaved" and self.mode == "bf16" and self.gated
 
     # ------------------------------------------------------------------ format
     @property
@@ -271,7 +311,12 @@ class TritonExperts(Experts):
             if weights.is_quantized:
                 weights = kf.dequantize_expert_weights(weights)
             w1 = weights.w1.to(dev)
-            w13 = w1 if weights.w3 is None else torch.cat([w1, weights.w3.to(dev)], dim=1)
+            if weights.w3 is None:
+                w13 = w1
+            elif self.gate_up_interleaved:
+                w13 = kf.interleave_gate_up(w1, weights.w3.to(dev))
+            else:
+                w13 = torch.cat([w1, weights.w3.to(dev)], dim=1)
             new = {"w13": _owned(w13, dev, cfg.dtype), "w2": _owned(weights.w2, dev, cfg.dtype)}
         elif weights.is_quantized:
             if weights.format != fmt:
@@ -368,6 +413,7 @@ class TritonExperts(Experts):
 
         x, x_scale = self._input_activations(hidden)
         cfg = self.config_override or pick_config(self.mode, N * K, E)
+        self._check_tile_config(cfg)
         ids32 = topk_ids.to(torch.int32).contiguous()
         w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
         blocks = align_blocks(sort_by_expert(ids32, E), cfg.block_m)
@@ -427,11 +473,10 @@ class TritonExperts(Experts):
         b = p.get("b13", w)
         xs = x_scale if x_scale is not None else x
         ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
-        self._check_gemm_config(g, gate_up=True)
         grid = (blocks.max_blocks * triton_cdiv(I, g.block_n),)
         self._launch("moe_gemm1_kernel", grid, (
             x, xs, w, ws, wg, b, out, out_s,
-            blocks.sorted_ids, blocks.block_expert,
+            blocks.sorted_ids, blocks.block_expert, blocks.block_rows,
             num_entries, blocks.max_blocks, H, I,
             x.stride(0), xs.stride(0),
             w.stride(0), w.stride(1),
@@ -443,6 +488,7 @@ class TritonExperts(Experts):
         ), dict(
             TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated, ACT=ACT, HAS_LIMIT=HAS_LIMIT,
             HAS_BIAS=self.config.has_bias, OUT_FP8=fp8,
+            GATE_UP_IL=self.gate_up_interleaved, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
             EVEN_K=H % g.block_k == 0,
             num_warps=g.num_warps, num_stages=g.num_stages,
@@ -457,11 +503,10 @@ class TritonExperts(Experts):
         wg = p.get("w2_global_scale", w)
         b = p.get("b2", w)
         a_s = act_scale if act_scale is not None else act
-        self._check_gemm_config(g, gate_up=False)
         grid = (blocks.max_blocks * triton_cdiv(H, g.block_n),)
         self._launch("moe_gemm2_kernel", grid, (
             act, a_s, w, ws, wg, b, y, w_flat,
-            blocks.sorted_ids, blocks.block_expert,
+            blocks.sorted_ids, blocks.block_expert, blocks.block_rows,
             num_entries, blocks.max_blocks, H, I,
             act.stride(0), a_s.stride(0),
             w.stride(0), w.stride(1),
@@ -470,18 +515,21 @@ class TritonExperts(Experts):
             b.stride(0),
             y.stride(0),
         ), dict(
-            W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias,
+            W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
             EVEN_K=I % g.block_k == 0,
             num_warps=g.num_warps, num_stages=g.num_stages,
         ))  # fmt: skip
 
-    def _check_gemm_config(self, g: GemmConfig, gate_up: bool) -> None:
-        if self.mode == "fp8_block":
-            if g.block_k != 128 or (gate_up and g.block_n != 128) or (not gate_up and 128 % g.block_n and g.block_n % 128):
-                raise ValueError(f"fp8_block needs BLOCK_K=128 (and gemm1 BLOCK_N=128), got {g}")
-        elif self.mode in ("nvfp4_w4a16", "mxfp4_w4a16") and g.block_k != 64:
-            raise ValueError(f"{self.mode} needs BLOCK_K=64 (the fp4 interleave block), got {g}")
+    def _check_tile_config(self, cfg: TritonConfig) -> None:
+        if cfg.split_m and cfg.block_m < 32:
+            raise ValueError(f"split_m needs block_m >= 32 (half tiles of >= 16 rows), got {cfg.describe()}")
+        for g, gate_up in ((cfg.gemm1, True), (cfg.gemm2, False)):
+            if self.mode == "fp8_block":
+                if g.block_k != 128 or (gate_up and g.block_n != 128) or (not gate_up and 128 % g.block_n and g.block_n % 128):
+                    raise ValueError(f"fp8_block needs BLOCK_K=128 (and gemm1 BLOCK_N=128), got {g}")
+            elif self.mode in ("nvfp4_w4a16", "mxfp4_w4a16") and g.block_k != 64:
+                raise ValueError(f"{self.mode} needs BLOCK_K=64 (the fp4 interleave block), got {g}")
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -13,6 +13,12 @@ fp32 accumulation everywhere; no atomics (deterministic). Weight formats (W_FMT)
 1 fp8 e4m3 with 128x128 fp32 block scales and per-token 1x128 fp8 activations (W8A8),
 2 nvfp4 W4A16 (e4m3 scale per 16 + fp32 global scale), 3 mxfp4 W4A16 (e8m0 scale per 32); fp4
 weights are in the k64-interleaved layout of `epmoe.experts.kernel_formats`.
+
+Tile options (constexpr): GATE_UP_IL (bf16/fp16, gated): w13 rows interleaved gate j / up j, one
+[BLOCK_M, 2*BLOCK_N] dot per K step instead of two [BLOCK_M, BLOCK_N] dots. SPLIT_M: a tile whose real
+rows fit in BLOCK_M/2 (an expert's tail) runs a BLOCK_M/2-row copy of the tile code.
+fp8 quantization (input rows and gemm1's output) divides with IEEE rounding (`tl.math.div_rn`), so it
+is bit-identical to the torch codec; plain `/` is div.full.f32 (<= 2 ulp) on NVIDIA.
 """
 
 import triton
@@ -90,56 +96,23 @@ def _tile_ids(max_blocks, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["num_entries", "max_blocks"])
-def moe_gemm1_kernel(
-    x_ptr,  # [N, H] activations (bf16/fp16, or fp8 for W_FMT 1)
-    xs_ptr,  # [N, ceil(H/128)] fp32 activation scales (W_FMT 1)
-    w_ptr,  # [E, R, H] (fp4: [E, R, H/2] packed) R = 2I (gate rows, then up rows) or I
-    ws_ptr,  # weight scales: fp8 [E, 2*ceil(I/128), ceil(H/128)]; fp4 [E, R, H/group]
-    wg_ptr,  # nvfp4 global scales [E, G] fp32
-    b_ptr,  # [E, R] fp32 bias
-    out_ptr,  # [P, I] activation out (model dtype, or fp8 for OUT_FP8)
-    outs_ptr,  # [P, ceil(I/128)] fp32 scales of out (OUT_FP8)
-    sorted_ids_ptr,  # [P] int32 entry of each padded row (>= num_entries: padding)
-    block_expert_ptr,  # [max_blocks] int32 expert of each m tile (-1: unused)
-    num_entries,
-    max_blocks,
-    H,
-    I,
-    stride_xm,
-    stride_xsm,
-    stride_we,
-    stride_wn,
-    stride_wse,
-    stride_wsn,
-    stride_wge,
-    stride_be,
-    stride_om,
-    stride_osm,
-    alpha,
-    beta,
-    limit,
-    TOP_K: tl.constexpr,
-    W_FMT: tl.constexpr,
-    GATED: tl.constexpr,
-    ACT: tl.constexpr,
-    HAS_LIMIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    OUT_FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+@triton.jit
+def _gemm1_tile(
+    pid_m, pid_n, e64,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, outs_ptr, sorted_ids_ptr,
+    num_entries, H, I,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be,
+    stride_om, stride_osm,
+    alpha, beta, limit,
+    TOP_K: tl.constexpr, W_FMT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_IL: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    num_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    e64 = expert.to(tl.int64)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """One gemm1 output tile: rows [pid_m*BLOCK_M, +TILE_M) of the padded routing (TILE_M is BLOCK_M,
+    or BLOCK_M/2 for a tail tile whose real rows fit in the first half), intermediate columns
+    [pid_n*BLOCK_N, +BLOCK_N)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
     ids = tl.load(sorted_ids_ptr + offs_m)
     row_ok = ids < num_entries
     # Padding rows read token 0 (in bounds, finite); their results are never used.
@@ -148,13 +121,36 @@ def moe_gemm1_kernel(
     n_ok = offs_n < I
     n_c = tl.where(n_ok, offs_n, 0)  # in-bounds column for loads; stores are masked
 
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + e64 * stride_we
     ws_base = ws_ptr + e64 * stride_wse
     num_k = tl.cdiv(H, BLOCK_K)
 
-    if W_FMT == 0 or W_FMT == 1:
+    if W_FMT == 0 and GATED and GATE_UP_IL:
+        # Interleaved rows (w13 row 2j = gate j, 2j+1 = up j): ONE [TILE_M, 2*BLOCK_N] dot per K step
+        # (wgmma n256 for BLOCK_N=128: the A tile is read from shared memory once, not once per half);
+        # the pair (gate j, up j) sits in adjacent accumulator columns of one thread, so the split is
+        # free.
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_r = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+        r_c = tl.where(offs_r < 2 * I, offs_r, 0)
+        a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = w_base + r_c[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        acc = tl.zeros((TILE_M, 2 * BLOCK_N), dtype=tl.float32)
+        for kk in range(0, num_k):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_ok = offs_k < H - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc_g, acc_u = tl.split(tl.reshape(acc, (TILE_M, BLOCK_N, 2)))
+    elif W_FMT == 0 or W_FMT == 1:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
         g_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
@@ -181,6 +177,8 @@ def moe_gemm1_kernel(
                 if GATED:
                     acc_u = tl.dot(a, u, acc_u)
             else:
+                # Scale promotion per 128-K block (BLOCK_K == 128): each fp8 dot covers one block of
+                # the activation's 1x128 and the weight's 128x128 scale grids.
                 a_s = tl.load(as_ptrs + kk)
                 g_s = tl.load(sg_ptrs + kk)
                 acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
@@ -228,9 +226,11 @@ def moe_gemm1_kernel(
     out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
     if OUT_FP8:
         # 1x128 quantization of the activation row for the fp8 down projection (BLOCK_N == 128).
+        # IEEE divisions (div_rn), as the torch codec: `/` compiles to an approximate division
+        # (div.full.f32, up to 2 ulp), which moves values that sit exactly on an e4m3 rounding tie.
         act = tl.where(n_ok[None, :], act, 0.0)
-        scale = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-10) / FP8_MAX
-        q8 = tl.clamp(act / scale[:, None], -FP8_MAX, FP8_MAX)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(act), axis=1), 1e-10), FP8_MAX)
+        q8 = tl.clamp(tl.math.div_rn(act, scale[:, None]), -FP8_MAX, FP8_MAX)
         tl.store(out_ptrs, q8.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
         tl.store(outs_ptr + rows * stride_osm + pid_n, scale)
     else:
@@ -238,52 +238,98 @@ def moe_gemm1_kernel(
 
 
 @triton.jit(do_not_specialize=["num_entries", "max_blocks"])
-def moe_gemm2_kernel(
-    a_ptr,  # [P, K] activations from gemm1 (model dtype, or fp8)
-    as_ptr,  # [P, ceil(K/128)] fp32 (W_FMT 1)
-    w_ptr,  # [E, N, K] (fp4: [E, N, K/2])
-    ws_ptr,  # fp8 [E, ceil(N/128), ceil(K/128)]; fp4 [E, N, K/group]
-    wg_ptr,  # nvfp4 [E, 1] fp32
-    b_ptr,  # [E, N] fp32
-    y_ptr,  # [num_entries, N] model dtype: routing-weighted expert outputs by entry
-    topk_w_ptr,  # [num_entries] fp32
-    sorted_ids_ptr,
-    block_expert_ptr,
+def moe_gemm1_kernel(
+    x_ptr,  # [N, H] activations (bf16/fp16, or fp8 for W_FMT 1)
+    xs_ptr,  # [N, ceil(H/128)] fp32 activation scales (W_FMT 1)
+    w_ptr,  # [E, R, H] (fp4: [E, R, H/2] packed) R = 2I (gate rows, then up rows; or interleaved
+    #         gate j, up j for GATE_UP_IL) or I
+    ws_ptr,  # weight scales: fp8 [E, 2*ceil(I/128), ceil(H/128)]; fp4 [E, R, H/group]
+    wg_ptr,  # nvfp4 global scales [E, G] fp32
+    b_ptr,  # [E, R] fp32 bias (gate, then up: never interleaved)
+    out_ptr,  # [P, I] activation out (model dtype, or fp8 for OUT_FP8)
+    outs_ptr,  # [P, ceil(I/128)] fp32 scales of out (OUT_FP8)
+    sorted_ids_ptr,  # [P] int32 entry of each padded row (>= num_entries: padding)
+    block_expert_ptr,  # [max_blocks] int32 expert of each m tile (-1: unused)
+    block_rows_ptr,  # [max_blocks] int32 real rows of each m tile (SPLIT_M)
     num_entries,
     max_blocks,
-    N,
-    K,
-    stride_am,
-    stride_asm,
+    H,
+    I,
+    stride_xm,
+    stride_xsm,
     stride_we,
     stride_wn,
     stride_wse,
     stride_wsn,
     stride_wge,
     stride_be,
-    stride_ym,
+    stride_om,
+    stride_osm,
+    alpha,
+    beta,
+    limit,
+    TOP_K: tl.constexpr,
     W_FMT: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    GATE_UP_IL: tl.constexpr,
+    SPLIT_M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    num_n = tl.cdiv(N, BLOCK_N)
+    num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
+    # SPLIT_M: an expert's tail tile with <= BLOCK_M/2 real rows runs the half-height code path, so
+    # the padding costs at most BLOCK_M/2 rows of MMA work per expert instead of BLOCK_M - 1.
+    half = False
+    if SPLIT_M:
+        half = tl.load(block_rows_ptr + pid_m) <= BLOCK_M // 2
+    if half:
+        _gemm1_tile(
+            pid_m, pid_n, e64, x_ptr, xs_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, outs_ptr,
+            sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
+            stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
+            TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
+            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+    else:
+        _gemm1_tile(
+            pid_m, pid_n, e64, x_ptr, xs_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, outs_ptr,
+            sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
+            stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
+            TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
+            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+        )  # fmt: skip
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+
+@triton.jit
+def _gemm2_tile(
+    pid_m, pid_n, e64,
+    a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr,
+    num_entries, N, K,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_ym,
+    W_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """One gemm2 output tile: padded rows [pid_m*BLOCK_M, +TILE_M), hidden columns [pid_n*BLOCK_N, +BLOCK_N)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
     rows = offs_m.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     n_c = tl.where(n_ok, offs_n, 0)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((TILE_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + e64 * stride_we
     ws_base = ws_ptr + e64 * stride_wse
     num_k = tl.cdiv(K, BLOCK_K)
@@ -339,6 +385,66 @@ def moe_gemm2_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["num_entries", "max_blocks"])
+def moe_gemm2_kernel(
+    a_ptr,  # [P, K] activations from gemm1 (model dtype, or fp8)
+    as_ptr,  # [P, ceil(K/128)] fp32 (W_FMT 1)
+    w_ptr,  # [E, N, K] (fp4: [E, N, K/2])
+    ws_ptr,  # fp8 [E, ceil(N/128), ceil(K/128)]; fp4 [E, N, K/group]
+    wg_ptr,  # nvfp4 [E, 1] fp32
+    b_ptr,  # [E, N] fp32
+    y_ptr,  # [num_entries, N] model dtype: routing-weighted expert outputs by entry
+    topk_w_ptr,  # [num_entries] fp32
+    sorted_ids_ptr,
+    block_expert_ptr,
+    block_rows_ptr,
+    num_entries,
+    max_blocks,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_wge,
+    stride_be,
+    stride_ym,
+    W_FMT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+    half = False
+    if SPLIT_M:
+        half = tl.load(block_rows_ptr + pid_m) <= BLOCK_M // 2
+    if half:
+        _gemm2_tile(
+            pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
+            sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
+            stride_wsn, stride_wge, stride_be, stride_ym,
+            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+    else:
+        _gemm2_tile(
+            pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
+            sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
+            stride_wsn, stride_wge, stride_be, stride_ym,
+            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+        )  # fmt: skip
+
+
 @triton.jit
 def moe_reduce_kernel(
     y_ptr,  # [N*K, H] weighted expert outputs by entry (rows of invalid entries are never read)
@@ -380,7 +486,10 @@ def quant_fp8_rows_kernel(
     offs = g * GROUP + tl.arange(0, GROUP)
     ok = offs < C
     x = tl.load(x_ptr + r * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / FP8_MAX
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    # IEEE divisions, bit-identical to the torch codec (`epmoe.quant.fp8_block`): `/` would compile to
+    # div.full.f32 (up to 2 ulp off), and bf16 inputs put many quotients exactly on an e4m3 rounding
+    # tie, where a 1-ulp change of the scale or quotient flips the rounding.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10), FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + r * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + r * stride_sm + g, scale)

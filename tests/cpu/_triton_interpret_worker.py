@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import traceback
+from dataclasses import replace
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -71,27 +72,87 @@ SHAPES = {
     ),  # fmt: skip
     "relu2": dict(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, activation="relu2"),
     "ragged": dict(num_experts=3, top_k=2, hidden_size=80, intermediate_size=48),  # K tails, N masks
+    # several 128-groups along H and I (and a partial one): fp8 scale indexing per K step and column
+    "groups": dict(num_experts=3, top_k=2, hidden_size=320, intermediate_size=192),
 }
 
 
-def tiny_config(mode: str) -> TritonConfig:
+def tiny_config(mode: str, split: bool = False) -> TritonConfig:
+    """16-row tiles (mma shapes the interpreter runs quickly); split: 32-row tiles whose expert tails
+    of <= 16 rows run the half-height path."""
     bk = 128 if mode == "fp8_block" else 64
     bn1 = 128 if mode == "fp8_block" else 32
-    return TritonConfig("tiny", 16, GemmConfig(bn1, bk, 4, 1, 2), GemmConfig(32, bk, 4, 1, 2))
+    return TritonConfig("tiny", 32 if split else 16, GemmConfig(bn1, bk, 4, 1, 2), GemmConfig(32, bk, 4, 1, 2), split)
 
 
-def run_case(mode: str, shape: str, seed: int) -> dict:
+def _pow2_blocks(shape, block_rows, block_cols, lo, hi, g) -> torch.Tensor:
+    """[..., R, C] factors 2^k, k uniform in [lo, hi], constant on block_rows x block_cols blocks:
+    exact in bf16, and makes the 1x128 / 128x128 quantization groups' amax differ by up to 2^(hi-lo),
+    so reading a neighbouring group's scale is a large error, not a 1-2% one."""
+    *lead, R, C = shape
+    nr, nc = -(-R // block_rows), -(-C // block_cols)
+    k = torch.randint(lo, hi + 1, (*lead, nr, nc), generator=g).float()
+    f = torch.exp2(k).repeat_interleave(block_rows, dim=-2).repeat_interleave(block_cols, dim=-1)
+    return f[..., :R, :C]
+
+
+def _nonuniform(w, x, g):
+    scale = lambda t: None if t is None else (t.float() * _pow2_blocks(t.shape, 128, 128, -3, 3, g)).to(t.dtype)  # noqa: E731
+    w = replace(w, w1=scale(w.w1), w3=scale(w.w3), w2=scale(w.w2))
+    x = (x.float() * _pow2_blocks(x.shape, 1, 128, -4, 4, g)).to(x.dtype)
+    return w, x
+
+
+def _fp8_stage_check(ex, cfg, x, ids, w) -> dict:
+    """The in-kernel input quantizer against the torch codec (bit for bit), and gemm1's fp8 output
+    (bytes and 1x128 scales) against float64 math on the same quantized operands."""
+    from epmoe.experts.align import align_blocks, sort_by_expert
+
+    N, K = ids.shape
+    E, I = ex.num_experts, ex.intermediate_size
+    xq, xs = ex._input_activations(x)
+    tq, ts = kf.quantize_fp8_tokens(x)
+    res = dict(
+        xq_mismatch=float((xq.view(torch.uint8) != tq.view(torch.uint8)).float().mean()),
+        xs_equal=bool(torch.equal(xs, ts)),
+    )
+    ids32 = ids.to(torch.int32).contiguous()
+    blocks = align_blocks(sort_by_expert(ids32, E), cfg.block_m)
+    act, act_s = ex._gemm1(xq, xs, blocks, N * K, K, cfg)
+    d = kf.dequantize_expert_weights(kf.quantize_expert_weights(w, "fp8_block"))
+    w13 = d.w13().double()
+    xd = kf.dequantize_fp8_tokens(tq, ts).double()
+    pos = torch.nonzero(blocks.sorted_ids < N * K).flatten()
+    ent = blocks.sorted_ids[pos].long()
+    exp = blocks.block_expert[pos // cfg.block_m].long()
+    h = torch.einsum("rh,rnh->rn", xd[ent // K], w13[exp])
+    a = T.activation_reference(ex.config, h[:, :I], h[:, I:] if ex.gated else None)
+    aq, a_s = kf.quantize_fp8_tokens(a.float())
+    res["act_mismatch"] = float((act[pos].view(torch.uint8) != aq.view(torch.uint8)).float().mean())
+    res["act_scale_rel"] = float(((act_s[pos] - a_s).abs() / a_s).max())
+    return res
+
+
+def run_case(mode: str, shape: str, opts: tuple, seed: int) -> dict:
     cfg = MoEConfig(**SHAPES[shape])
     E = cfg.num_experts
-    spec = ExpertsSpec(cfg, 0, 1, torch.device("cpu"), plan=QuantPlan(expert_mode=mode))
+    options = (("triton_gate_up", "blocked"),) if "blocked" in opts else ()
+    spec = ExpertsSpec(cfg, 0, 1, torch.device("cpu"), plan=QuantPlan(expert_mode=mode), options=options)
     ex = TritonExperts(spec)
-    ex.config_override = tiny_config(mode)
+    tcfg = tiny_config(mode, split="split" in opts)
+    ex.config_override = tcfg
     w = T.random_expert_weights(cfg, E, seed=seed)
-    ex.load_weights(w)
-    N = 9
+    N = 40 if "split" in opts else 9
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(N, cfg.hidden_size, generator=g).to(cfg.dtype)
+    if "nonuniform" in opts:
+        w, x = _nonuniform(w, x, g)
+    ex.load_weights(w)
     ids, tw = T.random_local_routing(N, cfg.top_k, E, seed=seed + 2, invalid_frac=0.3, empty_rows=2)
+    if "split" in opts:
+        # expert 0 in slot 0 of every non-empty row: 38 rows = one full 32-row tile + a 6-row tail
+        ids = torch.where(ids == 0, torch.full_like(ids, -1), ids)
+        ids[: N - 2, 0] = 0
     out = ex(DispatchedTokens(x, ids, tw))
     rt = lambda a: a.to(torch.bfloat16).double()  # noqa: E731  (gemm1 writes a bf16 activation)
     w13 = w2 = None
@@ -111,16 +172,26 @@ def run_case(mode: str, shape: str, seed: int) -> dict:
     err = T.relative_error(out, ref)
     empty_zero = bool((out[-2:] == 0).all())
     finite = bool(torch.isfinite(out).all())
-    return dict(err=err, empty_rows_zero=empty_zero, finite=finite, shape=list(out.shape), dtype=str(out.dtype))
+    res = dict(err=err, empty_rows_zero=empty_zero, finite=finite, shape=list(out.shape), dtype=str(out.dtype))
+    if "split" in opts:
+        from epmoe.experts.align import align_blocks, sort_by_expert
+
+        rows = align_blocks(sort_by_expert(ids.to(torch.int32), E), tcfg.block_m).block_rows
+        res["tiles_full"] = int((rows > tcfg.block_m // 2).sum())
+        res["tiles_half"] = int(((rows > 0) & (rows <= tcfg.block_m // 2)).sum())
+    if mode == "fp8_block" and "stages" in opts:
+        res.update(_fp8_stage_check(ex, tcfg, x, ids, w))
+    return res
 
 
 def main() -> None:
     cases = sys.argv[1:]
     for i, case in enumerate(cases):
-        mode, shape = case.split(":")
+        mode, shape, *rest = case.split(":")
+        opts = tuple(rest[0].split("+")) if rest else ()
         seed = int.from_bytes(os.urandom(2), "little")
         try:
-            res = run_case(mode, shape, seed)
+            res = run_case(mode, shape, opts, seed)
             res.update(case=case, seed=seed, ok=True)
         except Exception:
             res = dict(case=case, seed=seed, ok=False, error=traceback.format_exc()[-3000:])

@@ -25,6 +25,7 @@ def _check(ids: torch.Tensor, E: int, bm: int, seed) -> None:
     assert b.max_blocks == max_blocks_for(nk, E, bm)
     assert b.sorted_ids.shape == (b.max_blocks * bm,) and b.sorted_ids.dtype == torch.int32
     assert b.block_expert.shape == (b.max_blocks,) and b.block_expert.dtype == torch.int32
+    assert b.block_rows.shape == (b.max_blocks,) and b.block_rows.dtype == torch.int32
     need = int(((counts + bm - 1) // bm).sum())
     assert need <= b.max_blocks, (seed, need, b.max_blocks)
     used = b.block_expert >= 0
@@ -37,10 +38,12 @@ def _check(ids: torch.Tensor, E: int, bm: int, seed) -> None:
         real = r[r < nk]
         if b.block_expert[t] < 0:
             assert real.numel() == 0, seed
+            assert int(b.block_rows[t]) == 0, seed
             continue
         assert real.numel() > 0, "a used tile holds at least one row"
         assert bool((flat[real.long()] == b.block_expert[t]).all()), (seed, t)
         assert bool((r[: real.numel()] == real).all()), "real rows first, then padding"
+        assert int(b.block_rows[t]) == real.numel(), (seed, t)
         seen.append(real)
     seen = torch.cat(seen) if seen else torch.empty(0, dtype=torch.int32)
     assert torch.equal(torch.sort(seen.long()).values, torch.nonzero(valid).flatten()), "each valid entry once"

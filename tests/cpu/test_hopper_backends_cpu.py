@@ -17,7 +17,7 @@ from epmoe.experts import kernel_formats as kf
 from epmoe.experts import testing as T
 from epmoe.experts.base import ExpertsSpec
 from epmoe.experts.grouped_mm import GroupedMMExperts
-from epmoe.experts.triton_experts import TritonExperts, pick_config, presets_for
+from epmoe.experts.triton_experts import AUTO_PRESETS, TritonExperts, pick_config, presets_for
 from epmoe.quant.plan import QuantPlan
 
 CPU = torch.device("cpu")
@@ -71,6 +71,10 @@ def test_pick_config_by_rows_per_expert():
     assert pick_config("bf16", 128 * 8, 128).name == "decode"
     assert pick_config("bf16", 4096 * 8, 128).name == "prefill"
     assert pick_config("fp8_block", 4096 * 8, 128).gemm1.block_k == 128
+    assert pick_config("bf16", 4096 * 8, 128).split_m, "prefill splits expert tails"
+    for mode, table in AUTO_PRESETS.items():
+        assert all(name in presets_for(mode) for _, name in table), mode
+        assert table[-1][0] is None, f"{mode}: the last AUTO_PRESETS entry must take any size"
     for mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
         assert all(c.gemm1.block_k == 64 and c.gemm2.block_k == 64 for c in presets_for(mode).values())
 
@@ -108,6 +112,25 @@ def test_bad_weights_rejected(force_available, backend):
         ex.load_weights(T.random_expert_weights(spec.config, E, first_expert=0))
     with pytest.raises(RuntimeError, match="load_weights"):
         ex(DispatchedTokens(torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)))
+
+
+def test_triton_gate_up_layouts(force_available):
+    """bf16 gated: w13 rows interleaved (gate j, up j) by default, [gate; up] with
+    triton_gate_up=blocked; relu2 and quantized modes keep their own layouts."""
+    spec = _spec()
+    w = T.random_expert_weights(spec.config, spec.num_local_experts, first_expert=spec.first_local_expert)
+    ex = TritonExperts(spec)
+    ex.load_weights(w)
+    assert ex.gate_up_interleaved
+    assert torch.equal(ex.parameters()["w13"], kf.interleave_gate_up(w.w1, w.w3))
+    blocked = TritonExperts(ExpertsSpec(spec.config, 1, 2, CPU, plan=QuantPlan(expert_mode="bf16"),
+                                        options=(("triton_gate_up", "blocked"),)))  # fmt: skip
+    blocked.load_weights(w)
+    assert not blocked.gate_up_interleaved and torch.equal(blocked.parameters()["w13"], w.w13())
+    assert not TritonExperts(_spec("fp8_block")).gate_up_interleaved
+    assert not TritonExperts(_spec(activation="relu2")).gate_up_interleaved
+    with pytest.raises(ValueError, match="triton_gate_up"):
+        TritonExperts(ExpertsSpec(spec.config, 1, 2, CPU, options=(("triton_gate_up", "both"),)))
 
 
 def test_triton_takes_quantized_checkpoints(force_available):

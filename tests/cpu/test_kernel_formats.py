@@ -32,6 +32,16 @@ def test_interleave_roundtrip_and_layout():
         kf.interleave_fp4_k64(torch.zeros(2, 16, dtype=torch.uint8))
 
 
+def test_gate_up_interleave():
+    g = torch.Generator().manual_seed(_seed())
+    w1, w3 = torch.randn(2, 6, 5, generator=g), torch.randn(2, 6, 5, generator=g)
+    w13 = kf.interleave_gate_up(w1, w3)
+    assert torch.equal(w13[:, 0::2], w1) and torch.equal(w13[:, 1::2], w3), "row 2j gate j, 2j+1 up j"
+    assert torch.equal(kf.deinterleave_gate_up(w13), torch.cat([w1, w3], dim=1))
+    with pytest.raises(ValueError, match="same shape"):
+        kf.interleave_gate_up(w1, w3[:, :4])
+
+
 def test_fp8_block_matches_quant_module_and_pads():
     seed = _seed()
     g = torch.Generator().manual_seed(seed)

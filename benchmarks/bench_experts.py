@@ -27,12 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BACKENDS = ("triton", "grouped_mm", "torch_loop")
 MODES = ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")
-# Triton presets swept per (mode, phase); "auto" = what the backend picks by itself.
+# Triton presets swept per (mode, phase); "auto" = what the backend picks by itself. The wider
+# layout / preset sweep with verification and fp8 diagnostics is benchmarks/tune_hopper.py.
 SWEEP = {
     ("bf16", "decode"): ["auto", "decode_wide", "decode_deep", "small"],
-    ("bf16", "prefill"): ["auto", "prefill_n128", "prefill_m64", "medium"],
+    ("bf16", "prefill"): ["auto", "prefill_nosplit", "prefill_m64", "medium"],
     ("fp8_block", "decode"): ["auto"],
-    ("fp8_block", "prefill"): ["auto", "medium"],
+    ("fp8_block", "prefill"): ["auto", "prefill"],
     ("nvfp4_w4a16", "decode"): ["auto"],
     ("nvfp4_w4a16", "prefill"): ["auto"],
     ("mxfp4_w4a16", "decode"): ["auto"],

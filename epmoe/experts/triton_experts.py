@@ -416,16 +416,26 @@ class TritonExperts(Experts):
         self._check_tile_config(cfg)
         ids32 = topk_ids.to(torch.int32).contiguous()
         w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
-        blocks = align_blocks(sort_by_expert(ids32, E), cfg.block_m)
+        blocks = self._align(ids32, cfg)
         act, act_scale = self._gemm1(x, x_scale, blocks, N * K, K, cfg)
         y = torch.empty(N * K, H, dtype=out_dtype, device=self.device)
         self._gemm2(act, act_scale, blocks, N * K, w_flat, y, cfg)
-        out = torch.empty(N, H, dtype=out_dtype, device=self.device)
+        return self._reduce(y, ids32)
+
+    # The stages of `forward` (benchmarks/tune_hopper.py times them one by one).
+    def _align(self, ids32: torch.Tensor, cfg: TritonConfig):
+        return align_blocks(sort_by_expert(ids32, self.num_experts), cfg.block_m)
+
+    def _reduce(self, y: torch.Tensor, ids32: torch.Tensor) -> torch.Tensor:
+        """y [N*K, H] by entry -> out [N, H]: sum over the valid slots in k order."""
+        N, K = ids32.shape
+        H = self.hidden_size
+        out = torch.empty(N, H, dtype=y.dtype, device=self.device)
         BLOCK_H = 1024
         self._launch(
             "moe_reduce_kernel",
             (N, triton_cdiv(H, BLOCK_H)),
-            (y, ids32, out, H, E, y.stride(0), out.stride(0)),
+            (y, ids32, out, H, self.num_experts, y.stride(0), out.stride(0)),
             dict(TOP_K=K, BLOCK_H=BLOCK_H, num_warps=4),
         )
         return out

@@ -10,10 +10,7 @@ from dataclasses import replace
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter as ti  # noqa: E402
 
 from epmoe.config import MoEConfig  # noqa: E402
 from epmoe.dispatch.base import DispatchedTokens  # noqa: E402
@@ -21,47 +18,10 @@ from epmoe.experts import kernel_formats as kf  # noqa: E402
 from epmoe.experts import testing as T  # noqa: E402
 from epmoe.experts.base import ExpertsSpec  # noqa: E402
 from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts  # noqa: E402
+from epmoe.experts.triton_interpret import match_gpu_rounding  # noqa: E402
 from epmoe.quant.plan import QuantPlan  # noqa: E402
 
-# The interpreter (Triton 3.9) multiplies bf16 dot operands as raw uint16 and truncates fp32 ->
-# bf16 / fp8 casts, where the GPU rounds to nearest even; model the GPU here.
-_TORCH_OF = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16, tl.float8e4nv: torch.float8_e4m3fn}
-_orig_dot = ti.InterpreterBuilder.create_dot
-_orig_cast = ti.InterpreterBuilder.cast_impl
-_orig_fp_to_fp = ti.InterpreterBuilder.create_fp_to_fp
-
-
-def _rtne(src, dst_type):
-    s, d = src.dtype.scalar, dst_type.scalar
-    if s == tl.float32 and d in _TORCH_OF:
-        t = torch.from_numpy(np.ascontiguousarray(src.data)).to(_TORCH_OF[d])
-        bits = t.view(torch.uint8 if d == tl.float8e4nv else torch.int16).numpy()
-        return ti.TensorHandle(bits.view(ti._get_np_dtype(dst_type)).reshape(src.data.shape), d)
-    return None
-
-
-def _cast_impl(self, src, dst_type):
-    r = _rtne(src, dst_type)
-    return r if r is not None else _orig_cast(self, src, dst_type)
-
-
-def _fp_to_fp(self, src, dst_type, rounding_mode):
-    r = _rtne(src, dst_type)
-    return r if r is not None else _orig_fp_to_fp(self, src, dst_type, rounding_mode)
-
-
-def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    if a.dtype.scalar == tl.bfloat16:
-        a = _orig_cast(self, a, tl.float32)
-    if b.dtype.scalar == tl.bfloat16:
-        b = _orig_cast(self, b, tl.float32)
-    return _orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-
-ti.InterpreterBuilder.create_dot = _dot
-ti.InterpreterBuilder.cast_impl = _cast_impl
-ti.InterpreterBuilder.create_fp_trunc = lambda self, src, dst_type: _cast_impl(self, src, dst_type)
-ti.InterpreterBuilder.create_fp_to_fp = _fp_to_fp
+match_gpu_rounding()
 
 SHAPES = {
     # E local, K, H, I: H and I not multiples of the tiles (masks), I % 64 == 0 for fp4
@@ -154,7 +114,14 @@ def run_case(mode: str, shape: str, opts: tuple, seed: int) -> dict:
         ids = torch.where(ids == 0, torch.full_like(ids, -1), ids)
         ids[: N - 2, 0] = 0
     out = ex(DispatchedTokens(x, ids, tw))
-    rt = lambda a: a.to(torch.bfloat16).double()  # noqa: E731  (gemm1 writes a bf16 activation)
+    def bf16_roundtrip(a):  # gemm1 writes a bf16 activation
+        return a.to(torch.bfloat16).double()
+
+    def fp8_roundtrip(a):  # ... or an fp8 one with 1x128 scales
+        aq, a_s = kf.quantize_fp8_tokens(a.float())
+        return kf.dequantize_fp8_tokens(aq, a_s).double()
+
+    rt = fp8_roundtrip if mode == "fp8_block" else bf16_roundtrip
     w13 = w2 = None
     xr = x
     if mode != "bf16":
@@ -163,10 +130,6 @@ def run_case(mode: str, shape: str, opts: tuple, seed: int) -> dict:
         if mode == "fp8_block":
             xq, xs = kf.quantize_fp8_tokens(x)
             xr = kf.dequantize_fp8_tokens(xq, xs)
-
-            def rt(a):
-                aq, a_s = kf.quantize_fp8_tokens(a.float())
-                return kf.dequantize_fp8_tokens(aq, a_s).double()
 
     ref = T.experts_reference(cfg, w, xr, ids, tw, w13=w13, w2=w2, act_roundtrip=rt)
     err = T.relative_error(out, ref)

@@ -176,6 +176,12 @@ class EPMoE(torch.nn.Module):
             self.dispatcher: Dispatcher = shared_dispatcher
         else:
             self.dispatcher = self._build_dispatcher(plan, dict(dispatcher_options or {}))
+        if self.dispatcher.layout not in self.experts.accepted_layouts:
+            raise ValueError(
+                f"dispatcher {self.dispatcher.name!r} delivers the {self.dispatcher.layout!r} layout but experts "
+                f"backend {self.experts.name!r} takes {self.experts.accepted_layouts}; use experts='auto' or a "
+                "backend for that layout (e.g. 'masked_reference' for 'deepep_ll')"
+            )
         self.register_buffer(
             "e_score_correction_bias",
             torch.zeros(config.num_experts, dtype=torch.float32, device=self.device)

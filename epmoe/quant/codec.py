@@ -255,7 +255,8 @@ def pack_rows(q: QuantizedActivation) -> torch.Tensor:
         if q.global_scale is None:
             raise ValueError(f"payload format {fmt.name!r} needs a global scale to pack rows")
         gs = q.global_scale.to(device=q.data.device, dtype=torch.float32)
-        gs = gs.reshape(()).expand(N) if gs.numel() == 1 else gs.reshape(N)
+        # repeat, not expand: an expanded empty tensor keeps stride 0 and cannot be viewed as bytes (T = 0)
+        gs = gs.reshape(1).repeat(N) if gs.numel() == 1 else gs.reshape(N)
         parts.append(as_bytes(gs.contiguous().reshape(N, 1)).reshape(N, GLOBAL_SCALE_BYTES))
     rows = torch.cat(parts, dim=1)
     expected = wire_bytes_per_token(fmt, q.hidden_size)

@@ -21,15 +21,15 @@ are CUDA-graph capturable.
 
 How bit-exactness is guaranteed (the reference is a chain of IEEE float32 round-to-nearest-even torch
 ops; every step here is the same operation, in the same order):
-  * every float32 multiply and divide that can round is `mul.rn.f32` / `div.rn.f32` inline PTX:
+  * every float32 multiply, divide and add that can round is `mul.rn` / `div.rn` / `add.rn.f32` PTX:
     Triton's `/` is an approximate division, its `tl.math.div_rn` goes through libdevice with
     flush-to-zero enabled, and a plain `*` next to an add may be contracted into an FMA; explicit
     `.rn` instructions keep IEEE rounding and subnormals. Under the interpreter the same helpers use
     numpy's float32 multiply / divide (IEEE).
   * float32 -> E4M3 is torch's own integer algorithm (c10 `fp8e4m3fn_from_fp32_value`: round to
     nearest even, subnormals kept, overflow saturates to 0x7E, NaN -> 0x7F | sign) written with
-    integer ops, so the interpreter and the GPU agree by construction; E2M1 rounds with exact float
-    comparisons against the midpoints (ties to even); E4M3 / E2M1 / E8M0 are decoded from bits.
+    integer ops, so the interpreter and the GPU agree by construction; E2M1 rounds on the bits too
+    (nearest, ties to even, saturating); E4M3 / E2M1 / E8M0 are decoded from bits.
   * block maxima are integer maxima of |x|'s bit patterns: exact, order-independent, and they
     propagate NaN the way torch's amax does (a NaN's bits exceed +inf's).
   * bf16 inputs are read as raw 16-bit words and widened by a shift (exact); fp16 / fp32 by the exact
@@ -100,6 +100,18 @@ def _div_rn(a, b, PTX: tl.constexpr):
 
 
 @triton.jit
+def _add_rn(a, b, PTX: tl.constexpr):
+    """IEEE float32 a + b, round to nearest even (never fused with a multiply)."""
+    if PTX:
+        r = tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        r = a + b
+    return r
+
+
+@triton.jit
 def _load_f32(ptr, mask, IN_KIND: tl.constexpr):
     """Load values as float32, exactly. IN_KIND 0: float32; 1: bf16 passed as int16 words; 2: fp16."""
     if IN_KIND == 1:
@@ -117,7 +129,7 @@ def _abs_bits(v):
 
 
 @triton.jit
-def _e4m3_code(f):
+def _e4m3_code(f, PTX: tl.constexpr):
     """float32 -> float8_e4m3fn byte (int32 0..255), torch's c10 `fp8e4m3fn_from_fp32_value`:
     round to nearest even, subnormals kept, |f| >= 480 saturates to 0x7E, NaN -> 0x7F | sign."""
     b = f.to(tl.int32, bitcast=True)
@@ -126,15 +138,11 @@ def _e4m3_code(f):
     # normal results (|f| >= 2^-6): torch's rounding-bias trick on the bits
     norm = ((a + (0x7FFFF - (120 << 23)) + ((a >> 20) & 1)) >> 20) & 0xFF
     norm = tl.where(norm == 0x7F, 0x7E, norm)
-    # subnormal results: round(|f| * 2^9) to nearest even, as an integer shift of the significand
-    e = a >> 23
-    m = tl.where(e > 0, (a & 0x7FFFFF) | 0x800000, a & 0x7FFFFF)
-    # |f| = m * 2^(e - 150); shifts >= 25 leave < 0.5 -> 0 (the clamp keeps every shift defined)
-    s = tl.maximum(tl.minimum(141 - e, 25), 1)
-    q = m >> s
-    rem = m & ((1 << s) - 1)
-    half = 1 << (s - 1)
-    sub = q + tl.where((rem > half) | ((rem == half) & ((q & 1) == 1)), 1, 0)
+    # subnormal results: torch adds 2^14 (float32 ulp 2^-9 there: the add rounds |f| to a multiple of
+    # 2^-9, nearest even) and keeps the low bits; exact for any |f| < 2^-6, and flushing a float32
+    # subnormal |f| would not change the sum
+    big = _add_rn(a.to(tl.float32, bitcast=True), tl.full(f.shape, 16384.0, tl.float32), PTX)
+    sub = big.to(tl.int32, bitcast=True) - (141 << 23)
     r = tl.where(a < (121 << 23), sub, norm)
     r = tl.where(a >= 0x43F00000, tl.where(a > 0x7F800000, 0x7F, 0x7E), r)
     return r | sign
@@ -157,15 +165,15 @@ def _e4m3_value(c):
 @triton.jit
 def _e2m1_code(v):
     """float32 -> E2M1 code (int32 0..15): nearest, ties to even, |v| > 6 -> 6, sign bit kept,
-    NaN -> 0 (`epmoe.quant.e2m1.float_to_e2m1_codes`)."""
+    NaN -> 0 (`epmoe.quant.e2m1.float_to_e2m1_codes`), with integer ops on the bits."""
     b = v.to(tl.int32, bitcast=True)
     a = b & 0x7FFFFFFF
-    mag = a.to(tl.float32, bitcast=True)
-    code = tl.where(mag > 0.25, 1, 0) + tl.where(mag > 0.75, 1, 0) + tl.where(mag > 1.25, 1, 0)
-    code += tl.where(mag > 1.75, 1, 0) + tl.where(mag > 2.5, 1, 0) + tl.where(mag > 3.5, 1, 0)
-    code += tl.where(mag > 5.0, 1, 0)
-    code += tl.where((mag == 0.75) | (mag == 1.75) | (mag == 3.5), 1, 0)  # ties up to the even code
-    code = code | ((b >> 28) & 8)
+    # |v| >= 1: round the float32 to one mantissa bit (nearest, ties to even: the bf16 trick at bit
+    # 22); exponent|mantissa then counts E2M1 codes upwards from 1.0 = code 2 (0x3F800000 >> 22 = 254)
+    big = tl.minimum(((a + 0x1FFFFF + ((a >> 22) & 1)) >> 22) - 252, 7)
+    # |v| < 1: steps of 0.5; the ties 0.25 -> 0 and 0.75 -> 1.0 go to the even code
+    small = tl.where(a > 0x3E800000, 1, 0) + tl.where(a >= 0x3F400000, 1, 0)
+    code = tl.where(a >= 0x3F800000, big, small) | ((b >> 28) & 8)
     return tl.where(a > 0x7F800000, 0, code)
 
 
@@ -203,10 +211,9 @@ def _absmax_partial_kernel(x_ptr, part_ptr, n_groups, iters, IN_KIND: tl.constex
     the loads vectorise."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    G: tl.constexpr = TILE // 16
-    acc = tl.zeros([G, 16], dtype=tl.int32)
+    acc = tl.zeros([TILE // 16, 16], dtype=tl.int32)
     for i in range(iters):
-        grp = (i * nprog + pid).to(tl.int64) * G + tl.arange(0, G)
+        grp = (i * nprog + pid).to(tl.int64) * (TILE // 16) + tl.arange(0, TILE // 16)
         v = _load_f32(x_ptr + grp[:, None] * 16 + tl.arange(0, 16)[None, :], (grp < n_groups)[:, None], IN_KIND)
         acc = tl.maximum(acc, _abs_bits(v))
     tl.store(part_ptr + pid, tl.max(tl.max(acc, axis=1), axis=0))
@@ -246,7 +253,7 @@ def _nvfp4_quant_kernel(
     zero = amax_bits == 0
     sf_f = tl.where(zero, 0.0, sf_f)
     sf_f = tl.where(sf_f > 448.0, 448.0, sf_f)  # clamp(max=448) keeps NaN
-    sf_code = _e4m3_code(sf_f)
+    sf_code = _e4m3_code(sf_f, PTX)
     # out_scale = min(1 / (float(sf) * (1 / gs)), FLT_MAX), 0 for an all-zero block
     inv_gs = _div_rn(ones, gs, PTX)
     out_scale = _div_rn(ones, _mul_rn(_e4m3_value(sf_code), inv_gs, PTX), PTX)
@@ -298,7 +305,7 @@ def _fp8_block_quant_kernel(
     scale = _div_rn(amax, tl.full([GB], 448.0, tl.float32), PTX)
     v = _div_rn(xf, tl.broadcast_to(scale[:, None], [GB, 128]), PTX)
     v = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v))
-    tl.store(q_ptr + offs, _e4m3_code(v).to(tl.uint8), mask=gmask[:, None])
+    tl.store(q_ptr + offs, _e4m3_code(v, PTX).to(tl.uint8), mask=gmask[:, None])
     tl.store(s_ptr + g, scale, mask=gmask)
 
 
@@ -350,7 +357,7 @@ def _mxfp8_quant_kernel(
     code = tl.where(amax_bits > 0x7F800000, 255, code)
     v = _mul_rn(xf, tl.broadcast_to(_e8m0_inverse(code)[:, None], [BLK, 32]), PTX)
     v = tl.where(v > 448.0, 448.0, tl.where(v < -448.0, -448.0, v))
-    tl.store(q_ptr + offs, _e4m3_code(v).to(tl.uint8), mask=bmask[:, None])
+    tl.store(q_ptr + offs, _e4m3_code(v, PTX).to(tl.uint8), mask=bmask[:, None])
     tl.store(s_ptr + b, code.to(tl.uint8), mask=bmask)
 
 

@@ -198,6 +198,37 @@ def case_ties(cmp, g) -> list:
     return errs
 
 
+def _near(points: torch.Tensor, ulps: int = 3) -> torch.Tensor:
+    """float32 values within +-ulps ulps of each point (both signs)."""
+    b = points.float().abs().view(torch.int32)
+    b = (b.reshape(-1, 1) + torch.arange(-ulps, ulps + 1, dtype=torch.int32)).reshape(-1)
+    v = b[b >= 0].view(torch.float32)
+    return torch.cat([v, -v])
+
+
+def _with_block_max(vals: torch.Tensor, block: int, top: float) -> torch.Tensor:
+    """[1, n] rows of `block` values: block - 1 test values then `top` (fixes the block scale)."""
+    vals = vals[vals.abs() <= top]
+    n = -(-vals.numel() // (block - 1)) * (block - 1)
+    vals = torch.cat([vals, vals.new_zeros(n - vals.numel())]).reshape(-1, block - 1)
+    return torch.cat([vals, vals.new_full((vals.shape[0], 1), top)], dim=1).reshape(1, -1)
+
+
+def case_exhaustive_rounding(cmp, g) -> list:
+    """E2M1 and E4M3 rounding of every bf16 value in range and of float32 values +-3 ulps around every
+    rounding midpoint: NVFP4 with global scale 1 and block max 6 quantizes x itself (scale 1); FP8
+    1x128 with group max 448 too."""
+    every_bf16 = torch.arange(0, 0x7F80, dtype=torch.int16).view(torch.bfloat16).float()
+    every_bf16 = torch.cat([every_bf16, -every_bf16])
+    e2m1_mid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    x = _with_block_max(torch.cat([every_bf16, _near(e2m1_mid)]), 16, 6.0)
+    errs = cmp(codec.NVFP4, x, 1.0, tag="e2m1 every value")
+    e4 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    x8 = _with_block_max(torch.cat([every_bf16, _near(torch.cat([e4, (e4[1:] + e4[:-1]) / 2]))]), 128, 448.0)
+    errs += cmp(codec.FP8_BLOCK, x8, tag="e4m3 every value")
+    return errs
+
+
 def case_nan(cmp, g, fmt_name: str) -> list:
     """NaN poisons its block in both paths (compared NaN-aware)."""
     fmt = codec.QUANTIZED_FORMATS[fmt_name]
@@ -276,6 +307,7 @@ for _f in ("nvfp4", "fp8_block", "mxfp8"):
 for _d in DTYPES:
     CASES[f"nvfp4_scales:{_d}"] = lambda cmp, g, d=_d: case_nvfp4_scales(cmp, g, d)
 CASES["ties"] = case_ties
+CASES["exhaustive_rounding"] = case_exhaustive_rounding
 CASES["dequant_random_bytes"] = case_dequant_random_bytes
 CASES["errors"] = case_errors
 

@@ -25,7 +25,7 @@ ops; every step here is the same operation, in the same order):
     Triton's `/` is an approximate division, its `tl.math.div_rn` goes through libdevice with
     flush-to-zero enabled, and a plain `*` next to an add may be contracted into an FMA; explicit
     `.rn` instructions keep IEEE rounding and subnormals. Under the interpreter the same helpers use
-    numpy's float32 multiply / divide (IEEE).
+    numpy's float32 multiply / divide / add (IEEE).
   * float32 -> E4M3 is torch's own integer algorithm (c10 `fp8e4m3fn_from_fp32_value`: round to
     nearest even, subnormals kept, overflow saturates to 0x7E, NaN -> 0x7F | sign) written with
     integer ops, so the interpreter and the GPU agree by construction; E2M1 rounds on the bits too

@@ -37,6 +37,7 @@ def seed():
 def test_cases_bit_exact(case, seed):
     errs = run_case(case, seed, DEV)
     assert not errs, f"{case} (seed {seed}):\n" + "\n".join(errs[:5])
+    print(f"\n[triton_codec] {case}: bit-exact", end="")
 
 
 def _tokens(T, H, g):

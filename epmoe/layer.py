@@ -176,6 +176,12 @@ class EPMoE(torch.nn.Module):
             self.dispatcher: Dispatcher = shared_dispatcher
         else:
             self.dispatcher = self._build_dispatcher(plan, dict(dispatcher_options or {}))
+        if self.dispatcher.layout not in self.experts.accepted_layouts:
+            raise ValueError(
+                f"dispatcher {self.dispatcher.name!r} delivers the {self.dispatcher.layout!r} layout but experts "
+                f"backend {self.experts.name!r} takes {self.experts.accepted_layouts}; use experts='auto' or a "
+                "backend for that layout (e.g. 'masked_reference' for 'deepep_ll')"
+            )
         self.register_buffer(
             "e_score_correction_bias",
             torch.zeros(config.num_experts, dtype=torch.float32, device=self.device)
@@ -210,8 +216,14 @@ class EPMoE(torch.nn.Module):
         avail = cls.availability(self.device, self.ep_size)
         if not avail:
             raise BackendUnavailableError(plan.dispatcher, avail.reason, avail.hint)
+        from epmoe.quant.workspace import workspace_breakdown
+
+        # the plan's workspace sizing is the one definition of the A2A buffer size (exact for the
+        # FlashInfer and DeepEP buffers; the dispatcher checks it against its own requirement)
+        ws = workspace_breakdown(plan, self.config, self.ep_size, self.max_num_tokens_per_rank)
         spec = DispatchSpec(
             group=self.group, ep_rank=self.ep_rank, ep_size=self.ep_size,
+            workspace_bytes=ws.a2a_bytes if ws.exact else None,
             num_experts=self.config.num_experts, top_k=self.config.top_k,
             hidden_size=self.config.hidden_size, max_tokens_per_rank=self.max_num_tokens_per_rank,
             payload=self.experts.payload_format, wire=self._wire_format(plan),

@@ -221,6 +221,10 @@ class FlashInferA2ADispatcher(Dispatcher):
         self.low_precision_combine = bool(spec.option("low_precision_combine", False))
         static_gs = spec.option("nvfp4_global_scale", None)
         self._static_global_scale = None if static_gs is None else float(static_gs)
+        self._static_gs_tensor = (
+            None if static_gs is None
+            else torch.tensor(self._static_global_scale, dtype=torch.float32, device=torch.device(spec.device))
+        )
         if self.low_precision_combine and spec.combine_dtype != torch.bfloat16:
             raise ValueError("low_precision_combine produces bf16 outputs; it needs combine_dtype bfloat16")
         self.slots = plan_payloads(
@@ -446,7 +450,7 @@ class FlashInferA2ADispatcher(Dispatcher):
         """(packed uint8 [T, H/2], e4m3 scales [T, H/16], float32 global scale) of this rank's rows."""
         H = self.spec.hidden_size
         if self._static_global_scale is not None:
-            gs = torch.tensor(self._static_global_scale, dtype=torch.float32, device=hidden.device)
+            gs = self._static_gs_tensor  # made once: a per-call host->device copy would sync the stream
         elif hidden.shape[0] == 0:
             gs = torch.ones((), dtype=torch.float32, device=hidden.device)
         else:

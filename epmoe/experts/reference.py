@@ -108,38 +108,27 @@ class ReferenceExperts(Experts):
             x = codec.dequantize_activation(x, torch.float32)  # already in the activation format
         else:
             x = self._quant_act(x.float())
-        N = x.shape[0]
-        out = torch.zeros(N, self.config.hidden_size, dtype=torch.float32, device=x.device)
+        out = torch.zeros(x.shape[0], self.config.hidden_size, dtype=torch.float32, device=x.device)
         ids, w = tokens.topk_ids, tokens.topk_weights
-        p = self._params
-        if tokens.static:
-            return self._forward_dense(x, ids, w, out)
         for e in range(self.spec.num_local_experts):
-            rows, ks = (ids == e).nonzero(as_tuple=True)
-            if rows.numel() == 0:
+            if tokens.static:
+                # no host sync, fixed shapes (CUDA-graph safe): the expert runs on every row and rows
+                # that did not choose it get weight 0 (E_local x the FLOPs; fine for decode batches)
+                we = torch.where(ids == e, w.float(), torch.zeros((), device=x.device)).sum(dim=1)
+                out += we.unsqueeze(1) * self._expert(e, x)
                 continue
-            xe = x[rows].float()
-            h = xe @ p["w13"][e].float().t()
-            if "b13" in p:
-                h = h + p["b13"][e].float()
-            y = self._quant_act(apply_activation(self.config, h)) @ p["w2"][e].float().t()
-            if "b2" in p:
-                y = y + p["b2"][e].float()
-            out.index_add_(0, rows, y * w[rows, ks].float().unsqueeze(1))
+            rows, ks = (ids == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, self._expert(e, x[rows]) * w[rows, ks].float().unsqueeze(1))
         return out.to(self.config.dtype)
 
-    def _forward_dense(self, x, ids, w, out) -> torch.Tensor:
-        """No host sync, fixed shapes (CUDA-graph safe): every local expert runs on every row and rows
-        that did not choose it get weight 0. Costs E_local x the FLOPs; fine for decode-sized batches."""
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert e on rows x [n, H] (fp32) -> [n, H] fp32 (FC2 input quantized per the plan)."""
         p = self._params
-        xf = x.float()
-        for e in range(self.spec.num_local_experts):
-            we = torch.where(ids == e, w.float(), torch.zeros((), device=x.device)).sum(dim=1)  # [N]
-            h = xf @ p["w13"][e].float().t()
-            if "b13" in p:
-                h = h + p["b13"][e].float()
-            y = self._quant_act(apply_activation(self.config, h)) @ p["w2"][e].float().t()
-            if "b2" in p:
-                y = y + p["b2"][e].float()
-            out += we.unsqueeze(1) * y
-        return out.to(self.config.dtype)
+        h = x @ p["w13"][e].float().t()
+        if "b13" in p:
+            h = h + p["b13"][e].float()
+        y = self._quant_act(apply_activation(self.config, h)) @ p["w2"][e].float().t()
+        if "b2" in p:
+            y = y + p["b2"][e].float()
+        return y

@@ -3,6 +3,8 @@ workspace sizing, expert-weight containers and layout conversion.
 
     e2m1, nvfp4, mxfp4, mxfp8, fp8_block   formats (pure torch, CPU and GPU, bit-exact docs in docs/formats.md)
     payload, codec                         what dispatchers send (PayloadFormat, QuantizedActivation, byte rows)
+    triton_codec                           the codec's Triton kernels for CUDA tensors (imports triton; codec
+                                           loads it on first use, bit-exact with the reference formats)
     plan                                   QuantPlan / resolve_quant_plan (rules in docs/quant-plan.md)
     workspace                              workspace and memory sizing from a plan
     expert_map                             ExpertPlacement: global <-> local expert ids, per-expert slicing

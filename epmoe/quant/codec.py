@@ -17,10 +17,16 @@ Formats:
     NVFP4      data uint8 [T, H/2] (2 x e2m1), scales float8_e4m3fn [T, H/16] linear, global scale
     FP8_BLOCK  data float8_e4m3fn [T, H], scales float32 [T, H/128] (1x128, DeepSeek-V3)
     MXFP8      data float8_e4m3fn [T, H], scales uint8 E8M0 [T, H/32]
+
+Kernels: CUDA tensors go through the Triton kernels of `epmoe.quant.triton_codec` (bit-identical to
+the torch reference, one or two launches instead of dozens) when triton is importable; everything
+else uses the pure-torch reference. `use_triton=False` (or EPMOE_TRITON_CODEC=0 in the environment)
+forces the reference, `use_triton=True` forces the kernels (CPU tensors then need TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Union
 
 import torch
@@ -56,6 +62,41 @@ QUANTIZED_FORMATS = {f.name: f for f in (NVFP4, FP8_BLOCK, MXFP8)}
 _ALIASES = {"fp8": "fp8_block"}
 _UNQUANTIZED = {"bf16": None, "model": None, "none": None, "fp16": torch.float16, "fp32": torch.float32}
 GLOBAL_SCALE_BYTES = 4
+TRITON_CODEC_ENV = "EPMOE_TRITON_CODEC"  # "0" -> the torch reference even for CUDA tensors
+_triton_module = None
+_triton_error: Optional[str] = None
+
+
+def _load_triton_codec():
+    """`epmoe.quant.triton_codec`, or None (with the reason kept in `_triton_error`) when triton
+    cannot be imported. Imported on first use only: importing epmoe never imports triton."""
+    global _triton_module, _triton_error
+    if _triton_module is None and _triton_error is None:
+        try:
+            from epmoe.quant import triton_codec
+
+            _triton_module = triton_codec
+        except ImportError as e:  # no triton, or a broken install: the torch reference still works
+            _triton_error = f"{type(e).__name__}: {e}"
+    return _triton_module
+
+
+def triton_codec_for(device: Union[torch.device, str], use_triton: Optional[bool] = None):
+    """The Triton codec module to use for tensors on `device`, or None for the torch reference.
+
+    use_triton None (default): the kernels for CUDA devices when triton imports and
+    EPMOE_TRITON_CODEC is not "0"; False: never; True: always (ImportError naming the cause when
+    triton is missing)."""
+    if use_triton is False:
+        return None
+    if use_triton is None:
+        if torch.device(device).type != "cuda" or os.environ.get(TRITON_CODEC_ENV, "1").strip() == "0":
+            return None
+        return _load_triton_codec()
+    mod = _load_triton_codec()
+    if mod is None:
+        raise ImportError(f"use_triton=True but epmoe.quant.triton_codec cannot be imported ({_triton_error}); pip install triton")
+    return mod
 
 
 def payload_format(name: str, model_dtype: torch.dtype) -> PayloadFormat:
@@ -92,44 +133,66 @@ def _check_format(fmt: PayloadFormat) -> None:
 
 
 def quantize_activation(
-    x: torch.Tensor, fmt: PayloadFormat, global_scale: Optional[Union[torch.Tensor, float]] = None
+    x: torch.Tensor,
+    fmt: PayloadFormat,
+    global_scale: Optional[Union[torch.Tensor, float]] = None,
+    *,
+    use_triton: Optional[bool] = None,
 ) -> QuantizedActivation:
     """x [T, H] (bf16/fp16/fp32) -> QuantizedActivation in `fmt` (scales in linear layout).
 
-    global_scale (NVFP4 only): None -> 448*6/amax(x) computed here (one float32 0-dim per call);
-    a float / 0-dim tensor; or per-token [T]. Passing one for another format is a ValueError.
+    global_scale (NVFP4 only): None -> 448*6/amax(x) computed here on x's device, without a host
+    sync (one float32 0-dim per call); a float / 0-dim tensor; or per-token [T]. Passing one for
+    another format is a ValueError.
+    use_triton: None -> the Triton kernels for CUDA tensors (see `triton_codec_for`), False -> the
+    torch reference, True -> the kernels. Both give the same bytes.
     """
     _check_format(fmt)
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"quantize_activation expects x of shape [num_tokens, hidden_size], got {shape}")
     H = x.shape[1]
+    tc = triton_codec_for(x.device, use_triton)
+    if tc is not None and not tc.supports_input(x):  # float64 (or a CPU tensor without the interpreter)
+        tc = None
     if fmt is NVFP4 or fmt == NVFP4:
-        q = nvfp4.quantize(x, global_scale)
+        q = tc.quantize_nvfp4(x, global_scale) if tc is not None else nvfp4.quantize(x, global_scale)
         return QuantizedActivation(fmt, q.packed, q.scales, H, q.global_scale)
     if global_scale is not None:
         raise ValueError(f"payload format {fmt.name!r} has no global scale; pass global_scale=None")
     if fmt == FP8_BLOCK:
-        q = fp8_block.quantize_activation(x, fmt.block_size)
+        if tc is not None and fmt.block_size == fp8_block.ACT_GROUP:
+            q = tc.quantize_fp8_block(x)
+        else:
+            q = fp8_block.quantize_activation(x, fmt.block_size)
         return QuantizedActivation(fmt, q.data, q.scales, H)
-    q = mxfp8.quantize(x)
+    q = tc.quantize_mxfp8(x) if tc is not None else mxfp8.quantize(x)
     return QuantizedActivation(fmt, q.data, q.scales, H)
 
 
-def dequantize_activation(q: QuantizedActivation, dtype: torch.dtype) -> torch.Tensor:
-    """QuantizedActivation -> [N, H] `dtype`."""
+def dequantize_activation(
+    q: QuantizedActivation, dtype: torch.dtype, *, use_triton: Optional[bool] = None
+) -> torch.Tensor:
+    """QuantizedActivation -> [N, H] `dtype` (use_triton as in `quantize_activation`)."""
     if not isinstance(q, QuantizedActivation):
         raise TypeError(f"expected a QuantizedActivation, got {type(q).__name__}")
     fmt = q.format
     _check_format(fmt)
+    tc = triton_codec_for(q.data.device, use_triton)
+    if tc is not None and dtype not in tc.OUTPUT_DTYPES:  # float64 output: the reference
+        tc = None
     if fmt == NVFP4:
         if q.global_scale is None:
             raise ValueError("an NVFP4 QuantizedActivation needs its global_scale to be dequantized")
-        out = nvfp4.dequantize(q.data, q.scales, q.global_scale, dtype)
+        deq = tc.dequantize_nvfp4 if tc is not None else nvfp4.dequantize
+        out = deq(q.data, q.scales, q.global_scale, dtype)
     elif fmt == FP8_BLOCK:
-        out = fp8_block.dequantize_activation(q.data, q.scales, dtype, fmt.block_size)
+        if tc is not None and fmt.block_size == fp8_block.ACT_GROUP:
+            out = tc.dequantize_fp8_block(q.data, q.scales, dtype)
+        else:
+            out = fp8_block.dequantize_activation(q.data, q.scales, dtype, fmt.block_size)
     else:
-        out = mxfp8.dequantize(q.data, q.scales, dtype)
+        out = (tc.dequantize_mxfp8 if tc is not None else mxfp8.dequantize)(q.data, q.scales, dtype)
     if out.shape[-1] != q.hidden_size:
         raise ValueError(f"dequantized rows have {out.shape[-1]} values; QuantizedActivation says {q.hidden_size}")
     return out
@@ -192,7 +255,8 @@ def pack_rows(q: QuantizedActivation) -> torch.Tensor:
         if q.global_scale is None:
             raise ValueError(f"payload format {fmt.name!r} needs a global scale to pack rows")
         gs = q.global_scale.to(device=q.data.device, dtype=torch.float32)
-        gs = gs.reshape(()).expand(N) if gs.numel() == 1 else gs.reshape(N)
+        # repeat, not expand: an expanded empty tensor keeps stride 0 and cannot be viewed as bytes (T = 0)
+        gs = gs.reshape(1).repeat(N) if gs.numel() == 1 else gs.reshape(N)
         parts.append(as_bytes(gs.contiguous().reshape(N, 1)).reshape(N, GLOBAL_SCALE_BYTES))
     rows = torch.cat(parts, dim=1)
     expected = wire_bytes_per_token(fmt, q.hidden_size)

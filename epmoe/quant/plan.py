@@ -39,7 +39,9 @@ DISPATCH_DTYPES = ("auto", "bf16", "nvfp4", "fp8")
 COMBINE_DTYPES = ("bf16",)
 ARCHES = ("cpu", "sm80", "sm90", "sm100", "sm120")
 DISPATCHER_NAMES = ("torch", "reference", "flashinfer", "deepep", "deepep_ll")
-EXPERTS_BACKEND_NAMES = ("reference", "triton", "grouped_mm", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl")
+EXPERTS_BACKEND_NAMES = (
+    "reference", "masked_reference", "triton", "grouped_mm", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl",
+)
 HUMMING_MIN_FLASHINFER = "0.6.18"
 
 # Checkpoint `quantization_config.quant_method` -> checkpoint family.
@@ -112,15 +114,20 @@ class ExpertsBackendRule:
 
 
 _ALL = EXPERT_MODES
+# the masked layout (deepep_ll) runs these modes (epmoe.experts.masked.MASKED_EXPERT_MODES)
+_MASKED = ("bf16", "fp8_block", "nvfp4_w4a4")
 EXPERTS_BACKEND_RULES: Tuple[ExpertsBackendRule, ...] = (
-    ExpertsBackendRule("cpu", "reference", _ALL, layouts=("flat", "masked")),
-    ExpertsBackendRule("sm80", "reference", _ALL, layouts=("flat", "masked")),
+    ExpertsBackendRule("cpu", "reference", _ALL),
+    ExpertsBackendRule("cpu", "masked_reference", _MASKED, layouts=("masked",)),
+    ExpertsBackendRule("sm80", "reference", _ALL),
+    ExpertsBackendRule("sm80", "masked_reference", _MASKED, layouts=("masked",)),
     ExpertsBackendRule("sm90", "triton", ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")),
     # torch._grouped_mm (CUTLASS, bf16 only); after triton until bench_experts.py says otherwise
     ExpertsBackendRule("sm90", "grouped_mm", ("bf16",)),
     ExpertsBackendRule("sm90", "flashinfer_cutlass", ("bf16", "fp8_block", "mxfp4_w4a16"), True),
     ExpertsBackendRule("sm90", "flashinfer_cutlass", ("mxfp4_w4a8",), True, HUMMING_MIN_FLASHINFER),
-    ExpertsBackendRule("sm90", "reference", _ALL, layouts=("flat", "masked")),
+    ExpertsBackendRule("sm90", "reference", _ALL),
+    ExpertsBackendRule("sm90", "masked_reference", _MASKED, layouts=("masked",)),
     # rows mirror what the backends implement (flashinfer_layout._VARIANT_BY_MODE_ARCH for CUTLASS,
     # flashinfer_sm100.TRTLLM_MODES / CUTEDSL_MODES); tests/cpu/test_quant_plan.py checks they agree
     ExpertsBackendRule("sm100", "flashinfer_trtllm", ("mxfp4_w4a16",), True),
@@ -129,10 +136,12 @@ EXPERTS_BACKEND_RULES: Tuple[ExpertsBackendRule, ...] = (
     ExpertsBackendRule("sm100", "flashinfer_cutlass", ("bf16", "nvfp4_w4a4", "mxfp4_w4a8", "mxfp8"), True),
     ExpertsBackendRule("sm100", "triton", ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")),
     ExpertsBackendRule("sm100", "grouped_mm", ("bf16",)),
-    ExpertsBackendRule("sm100", "reference", _ALL, layouts=("flat", "masked")),
+    ExpertsBackendRule("sm100", "reference", _ALL),
+    ExpertsBackendRule("sm100", "masked_reference", _MASKED, layouts=("masked",)),
     ExpertsBackendRule("sm120", "flashinfer_cutlass", ("bf16", "nvfp4_w4a4", "mxfp4_w4a8"), True),
     ExpertsBackendRule("sm120", "triton", ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")),
-    ExpertsBackendRule("sm120", "reference", _ALL, layouts=("flat", "masked")),
+    ExpertsBackendRule("sm120", "reference", _ALL),
+    ExpertsBackendRule("sm120", "masked_reference", _MASKED, layouts=("masked",)),
 )
 
 # What the experts' GEMMs consume as activations, per mode (mxfp4_w4a8 depends on the option).

@@ -31,6 +31,7 @@ import torch
 
 from epmoe.config import MoEConfig
 from epmoe.quant.codec import GLOBAL_SCALE_BYTES, payload_format
+from epmoe.quant.deepep_sizing import NORMAL_MODE_EP_SIZES, deepep_buffer_bytes
 from epmoe.quant.plan import QuantPlan
 
 CACHELINE = 128
@@ -281,16 +282,26 @@ def workspace_breakdown(
         note = "payloads are written into peers' regions (one-sided); equals moe_a2a_get_workspace_size_per_rank"
         experts_rows = recv_rows
     elif plan.dispatcher == "deepep_ll":
-        # Estimate after DeepEP's low-latency layout: per-expert receive slots of max_tokens from
-        # each source rank, double-buffered send/recv for dispatch and combine.
-        msg = 16 + max(H * 2, per_tok)
-        recv_slots = config.num_experts * max_tokens_per_rank
-        dispatch_region = 2 * recv_slots * msg
-        send = 2 * max_tokens_per_rank * msg
-        combine_region = 2 * recv_slots * comb_b
-        aux = pad_up(2 * config.num_experts * INT32_BYTES, CACHELINE)
-        note = "estimate of DeepEP's low-latency buffer (masked layout: E_local x ep_size*max_tokens slots)"
+        # DeepEP's own low-latency size hint (double-buffered send/receive/signalling regions for
+        # dispatch and combine, per-expert receive slots of max_tokens from every rank): exact.
+        exact_bytes = deepep_buffer_bytes(
+            low_latency=True, hidden_size=H, ep_size=ep_size, num_experts=config.num_experts, top_k=K,
+            max_tokens_per_rank=max_tokens_per_rank, wire=fmt,
+        ).num_rdma_bytes
+        dispatch_region, send, combine_region, aux = exact_bytes, 0, 0, 0
+        exact = True
+        note = "one NVSHMEM buffer; equals DeepEP's get_low_latency_rdma_size_hint (regions not split out)"
         experts_rows = L * recv_rows
+    elif plan.dispatcher == "deepep" and ep_size in NORMAL_MODE_EP_SIZES:
+        # DeepEP's normal mode: a ring per channel over NVLink IPC, independent of the batch size
+        exact_bytes = deepep_buffer_bytes(
+            low_latency=False, hidden_size=H, ep_size=ep_size, num_experts=config.num_experts, top_k=K,
+            max_tokens_per_rank=max_tokens_per_rank, wire=fmt,
+        ).num_nvl_bytes
+        dispatch_region, send, combine_region, aux = exact_bytes, 0, 0, 0
+        exact = True
+        note = "one NVLink IPC buffer (per-channel rings); equals what DeepEP's intranode kernels need"
+        experts_rows = recv_rows
     else:
         # torch / reference / deepep: one row per (token, destination rank). A token reaches at
         # most min(top_k, ep_size) ranks, so the send side holds max_tokens * min(top_k, ep) rows

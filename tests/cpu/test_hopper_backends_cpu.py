@@ -1,6 +1,7 @@
 """`triton` and `grouped_mm` experts backends on CPU: availability, registry, weight loading (in place),
 validation, and grouped_mm's math through PyTorch's CPU grouped-GEMM fallback."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -52,6 +53,9 @@ def test_registry_and_lazy_import():
 def test_availability_reasons(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     a = TritonExperts.availability(_spec())
+    if importlib.util.find_spec("triton") is None:
+        assert not a and "triton is not installed" in a.reason and "pip install triton" in a.hint
+        return
     assert not a and "CUDA" in a.reason and "TRITON_INTERPRET" in a.hint
     a = TritonExperts.availability(_spec("mxfp4_w4a8"))
     assert not a and "mxfp4_w4a8" in a.reason

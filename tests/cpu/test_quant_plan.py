@@ -279,7 +279,7 @@ def test_explicit_w4a8_implies_path():
         ("nvfp4", "nvfp4_w4a16", "sm100", "0.6.17", "torch", "triton"),
         ("nvfp4", None, "sm120", FI, "torch", "flashinfer_cutlass"),
         ("mxfp8", None, "sm90", FI, "torch", "reference"),
-        (None, None, "sm90", None, "deepep_ll", "reference"),
+        (None, None, "sm90", None, "deepep_ll", "masked_reference"),
         (None, None, "sm80", None, "torch", "reference"),
     ],
 )
@@ -377,3 +377,16 @@ def test_bf16_experts_take_explicit_quantized_dispatch_but_auto_never_picks_it()
     assert (p.expert_mode, p.dispatch_dtype) == ("bf16", "nvfp4")
     assert any("dequantized on arrival" in n for n in p.notes)
     assert resolve_quant_plan(cfg(), arch="cpu").dispatch_dtype == "bf16"
+
+
+def test_masked_layout_table_matches_the_masked_experts():
+    from epmoe.experts.masked import MASKED_EXPERT_MODES
+    from epmoe.quant.plan import EXPERTS_BACKEND_RULES
+
+    for rule in EXPERTS_BACKEND_RULES:
+        if "masked" in rule.layouts and rule.backend == "masked_reference":
+            assert set(rule.modes) == set(MASKED_EXPERT_MODES), rule
+        if rule.backend == "reference":
+            assert rule.layouts == ("flat",), "ReferenceExperts takes the flat layout only"
+    p = resolve_quant_plan(cfg(), arch="sm90", dispatcher="deepep_ll")
+    assert p.experts_backend == "masked_reference" and p.layout == "masked"

@@ -123,12 +123,23 @@ def test_gpt_oss_table_says_which_k():
     assert "max_tokens_per_rank=256 (per source rank)" in t and "[exact]" in t and "total per rank" in t
 
 
-def test_deepep_ll_estimate():
-    c = small()
+def test_deepep_sizes_are_deepeps_own():
+    """The plan sizes DeepEP's buffers with the same formulas the dispatcher checks them against."""
+    from epmoe.dispatch.deepep import deepep_buffer_bytes
+
+    c = small(hidden_size=2048)
     plan = resolve_quant_plan(c, requested_mode="nvfp4_w4a4", dispatcher="deepep_ll", arch="cpu")
     ws = workspace_breakdown(plan, c, 2, 16)
-    assert ws.layout == "masked" and ws.experts_rows == 4 * 32 and not ws.exact
-    assert "estimate" in ws.note
+    assert ws.layout == "masked" and ws.experts_rows == 4 * 32 and ws.exact
+    want = deepep_buffer_bytes(low_latency=True, hidden_size=2048, ep_size=2, num_experts=c.num_experts,
+                               top_k=c.top_k, max_tokens_per_rank=16).num_rdma_bytes
+    assert ws.a2a_bytes == want
+    plan = resolve_quant_plan(c, dispatcher="deepep", arch="cpu")
+    ws = workspace_breakdown(plan, c, 4, 16)
+    assert ws.exact and ws.a2a_bytes == deepep_buffer_bytes(
+        low_latency=False, hidden_size=2048, ep_size=4, num_experts=c.num_experts, top_k=c.top_k,
+        max_tokens_per_rank=16).num_nvl_bytes
+    assert not workspace_breakdown(plan, c, 1, 16).exact  # one rank: DeepEP normal mode cannot run
 
 
 def test_shared_workspace_max_over_layers():

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
+    path = os.environ.get("PYTHONPATH")  # keep what the machine put there (e.g. FlashInfer's site dir)
+    env.update(PYTHONPATH=str(REPO) + (os.pathsep + path if path else ""), PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0")
     return env
 
 

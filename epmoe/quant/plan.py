@@ -338,6 +338,23 @@ def backend_supports(rule: ExpertsBackendRule, mode: str, layout: str, flashinfe
     return True
 
 
+def _why_not(backend: str, mode: str, arch: str, layout: str, flashinfer_version: Optional[str]) -> str:
+    """The first reason the table gives for `backend` not running (mode, arch, layout)."""
+    rows = [r for r in EXPERTS_BACKEND_RULES if r.backend == backend]
+    here = [r for r in rows if r.arch == arch]
+    if not here:
+        return f"it has no kernels for {arch} (it runs on {sorted({r.arch for r in rows})})"
+    if not any(mode in r.modes for r in here):
+        return f"on {arch} it runs {sorted({m for r in here for m in r.modes})}"
+    if not any(mode in r.modes and layout in r.layouts for r in here):
+        return f"it takes the {sorted({lay for r in here for lay in r.layouts})} layout"
+    need = [r for r in here if mode in r.modes and layout in r.layouts]
+    if flashinfer_version is None and all(r.requires_flashinfer for r in need):
+        return "it needs FlashInfer, which is not installed"
+    mins = [r.min_flashinfer for r in need if r.min_flashinfer]
+    return f"it needs FlashInfer >= {min(mins)} (installed: {flashinfer_version})" if mins else "not in the table"
+
+
 def candidate_backends(arch: str, mode: str, layout: str = "flat", flashinfer_version: Optional[str] = None) -> list:
     """Backends that can run (mode, layout) on arch, in priority order."""
     out = []
@@ -578,8 +595,8 @@ def resolve_quant_plan(
         backend = experts_backend
         if backend not in candidates:
             raise ValueError(
-                f"experts backend {backend!r} cannot run {mode} ({layout} layout) on {arch}"
-                + (f" with FlashInfer {flashinfer_version}" if flashinfer_version else " without FlashInfer")
+                f"experts backend {backend!r} cannot run {mode} ({layout} layout) on {arch}: "
+                + _why_not(backend, mode, arch, layout, flashinfer_version)
                 + f"; backends that can: {candidates or ['reference']} (or experts_backend='auto')"
             )
 

@@ -295,10 +295,14 @@ def test_experts_backend_auto(method, mode, arch, fi, layout_dispatcher, backend
 def test_experts_backend_explicit_checked():
     p = resolve_quant_plan(cfg("mxfp4"), arch="sm90", experts_backend="flashinfer_cutlass", flashinfer_version=FI)
     assert p.experts_backend == "flashinfer_cutlass"
-    with pytest.raises(ValueError, match=r"'flashinfer_cutlass' cannot run mxfp4_w4a16.*without FlashInfer.*\['triton', 'reference'\]"):
+    with pytest.raises(ValueError, match=r"'flashinfer_cutlass' cannot run mxfp4_w4a16.*needs FlashInfer, which is not installed.*\['triton', 'reference'\]"):
         resolve_quant_plan(cfg("mxfp4"), arch="sm90", experts_backend="flashinfer_cutlass")
-    with pytest.raises(ValueError, match="'triton' cannot run nvfp4_w4a4"):
+    with pytest.raises(ValueError, match=r"'triton' cannot run nvfp4_w4a4.*no kernels for cpu"):
         resolve_quant_plan(cfg("nvfp4"), arch="cpu", experts_backend="triton")
+    with pytest.raises(ValueError, match=r"cannot run nvfp4_w4a4.*on sm90 it runs \['bf16'"):
+        resolve_quant_plan(cfg("nvfp4"), arch="sm90", requested_mode="nvfp4_w4a4", experts_backend="grouped_mm")
+    with pytest.raises(ValueError, match="it takes the \\['masked'\\] layout"):
+        resolve_quant_plan(cfg(), arch="sm90", experts_backend="masked_reference")
     with pytest.raises(ValueError, match="masked layout"):
         resolve_quant_plan(cfg(), arch="sm90", experts_backend="triton", dispatcher="deepep_ll")
     for arch in ("cpu", "sm90", "sm100", "sm120"):  # reference runs every mode everywhere

@@ -281,27 +281,23 @@ def workspace_breakdown(
         exact = True
         note = "payloads are written into peers' regions (one-sided); equals moe_a2a_get_workspace_size_per_rank"
         experts_rows = recv_rows
-    elif plan.dispatcher == "deepep_ll":
-        # DeepEP's own low-latency size hint (double-buffered send/receive/signalling regions for
-        # dispatch and combine, per-expert receive slots of max_tokens from every rank): exact.
-        exact_bytes = deepep_buffer_bytes(
-            low_latency=True, hidden_size=H, ep_size=ep_size, num_experts=config.num_experts, top_k=K,
+    elif plan.dispatcher == "deepep_ll" or (plan.dispatcher == "deepep" and ep_size in NORMAL_MODE_EP_SIZES):
+        # DeepEP's own size formulas (epmoe.quant.deepep_sizing), the ones its dispatcher checks:
+        # low latency: one NVSHMEM buffer, double-buffered send/receive/signalling regions with
+        # per-expert receive slots of max_tokens from every rank; normal: one NVLink IPC buffer of
+        # per-channel rings, independent of the batch size.
+        low_latency = plan.dispatcher == "deepep_ll"
+        sizes = deepep_buffer_bytes(
+            low_latency=low_latency, hidden_size=H, ep_size=ep_size, num_experts=config.num_experts, top_k=K,
             max_tokens_per_rank=max_tokens_per_rank, wire=fmt,
-        ).num_rdma_bytes
-        dispatch_region, send, combine_region, aux = exact_bytes, 0, 0, 0
+        )
+        dispatch_region = sizes.num_rdma_bytes if low_latency else sizes.num_nvl_bytes
+        send, combine_region, aux = 0, 0, 0
         exact = True
-        note = "one NVSHMEM buffer; equals DeepEP's get_low_latency_rdma_size_hint (regions not split out)"
-        experts_rows = L * recv_rows
-    elif plan.dispatcher == "deepep" and ep_size in NORMAL_MODE_EP_SIZES:
-        # DeepEP's normal mode: a ring per channel over NVLink IPC, independent of the batch size
-        exact_bytes = deepep_buffer_bytes(
-            low_latency=False, hidden_size=H, ep_size=ep_size, num_experts=config.num_experts, top_k=K,
-            max_tokens_per_rank=max_tokens_per_rank, wire=fmt,
-        ).num_nvl_bytes
-        dispatch_region, send, combine_region, aux = exact_bytes, 0, 0, 0
-        exact = True
-        note = "one NVLink IPC buffer (per-channel rings); equals what DeepEP's intranode kernels need"
-        experts_rows = recv_rows
+        note = ("one NVSHMEM buffer; equals DeepEP's get_low_latency_rdma_size_hint" if low_latency
+                else "one NVLink IPC buffer (per-channel rings); equals what DeepEP's intranode kernels need")
+        note += " (regions not split out)"
+        experts_rows = (L if low_latency else 1) * recv_rows
     else:
         # torch / reference / deepep: one row per (token, destination rank). A token reaches at
         # most min(top_k, ep_size) ranks, so the send side holds max_tokens * min(top_k, ep) rows

@@ -61,3 +61,45 @@ def test_deterministic_bits_across_runs_and_reloads():
         layer.update_weights(random_weights(CFG, seed), e_score_correction_bias=random_correction_bias(CFG, seed))
         runs.append(layer(x, logits))
     assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+@pytest.mark.parametrize("experts", ["reference", "triton"])
+def test_routing_capture_and_replay_under_cuda_graphs(experts):
+    """Capture the routing in a graph replay, then replay it (ids/weights path, its own graph):
+    bitwise the same output; captured ids equal the router's own top-k."""
+    from epmoe import route
+
+    seed = fresh_seed()
+    cfg = CFG if experts == "reference" else MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128,
+                                                       dtype=torch.bfloat16)
+    layer = EPMoE(cfg, device="cuda", experts=experts)
+    corr = random_correction_bias(cfg, seed) if cfg.routing == "sigmoid_grouped" else None
+    layer.load_weights(random_weights(cfg, seed), e_score_correction_bias=corr)
+    runner = layer.decode_runner(16, cuda_graph=True)
+    for T in (16, 5):
+        x, logits = random_inputs(cfg, T, seed + T)
+        x, logits = x.cuda(), logits.cuda()
+        got = runner(x, logits, return_routing=True)
+        y = got.hidden_states.clone()
+        ids, w = got.routing.topk_ids.clone(), got.routing.topk_weights.clone()
+        want = route(cfg, logits, layer.e_score_correction_bias)
+        assert torch.equal(ids, want.topk_ids) and torch.equal(w, want.topk_weights)
+        again = runner(x, topk_ids=ids, topk_weights=w).clone()
+        assert torch.equal(y, again), f"replayed routing changed the output ({experts}, T={T}, seed {seed})"
+
+
+def test_flashinfer_dispatcher_layer_uses_the_plan_workspace():
+    """EPMoE hands the plan's exact A2A size to the FlashInfer dispatcher (equal to FlashInfer's own)."""
+    pytest.importorskip("flashinfer")
+    seed = fresh_seed()
+    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16)
+    for dd in ("bf16", "nvfp4"):
+        layer = EPMoE(cfg, device="cuda", dispatcher="flashinfer", experts="triton", dispatch_dtype=dd,
+                      max_num_tokens_per_rank=64)
+        layer.load_weights(random_weights(cfg, seed))
+        assert layer.dispatcher.spec.workspace_bytes is not None
+        x, logits = random_inputs(cfg, 40, seed)
+        y = layer(x.cuda(), logits.cuda())
+        ref = reference_moe(cfg, x, random_weights(cfg, seed), logits)
+        assert max_rel_err(y, ref) < (2e-2 if dd == "bf16" else 0.3), (dd, seed)
+        layer.dispatcher.close()

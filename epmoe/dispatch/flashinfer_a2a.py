@@ -550,6 +550,11 @@ class FlashInferA2ADispatcher(Dispatcher):
         return out
 
     def close(self) -> None:
+        """Stop using the workspace. FlashInfer keeps one MNNVL workspace per geometry for the whole
+        process and reuses it for the next dispatcher of that geometry; freeing it (its testing-only
+        `_reset_workspace`) and mapping a new one crashed the H200 process now and then (segfault
+        in the next dispatcher's first round), so it is released only with the option
+        `release_workspace_on_close=True`."""
         a2a = getattr(self, "_a2a", None)
         if a2a is None:
             return
@@ -558,7 +563,7 @@ class FlashInferA2ADispatcher(Dispatcher):
             torch.cuda.synchronize()
         self._comm.barrier()  # no peer may still read or write this rank's workspace
         reset = getattr(a2a, "_reset_workspace", None)
-        if reset is not None:
+        if reset is not None and self.spec.option("release_workspace_on_close", False):
             reset()
 
 

@@ -373,7 +373,10 @@ def test_single_rank_errors_and_handle_cycle(fake_fi):
     buf.copy_(fake_experts(tokens, 0, 4))
     d.combine(buf, h)
     assert ff.FakeMoeAlltoAll.instances[-1].combine_calls[-1]["payload_in_workspace"] is True
-    d.close()
+    d.close()  # keeps FlashInfer's per-process workspace (reused by the next dispatcher of this geometry)
+    assert not ff.FakeMoeAlltoAll.instances[-1].reset_called
+    d2 = FlashInferA2ADispatcher(_spec(0, 1, 4, 2, 16, 4, release_workspace_on_close=True))
+    d2.close()
     assert ff.FakeMoeAlltoAll.instances[-1].reset_called
 
 

@@ -526,7 +526,7 @@ class DecodeRunner:
         topk_weights: Optional[torch.Tensor] = None,
         return_routing: bool = False,
     ) -> Union[torch.Tensor, MoEOutput]:
-        cfg, T = self.layer.config, hidden_states.shape[0]
+        T = hidden_states.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"{T} tokens exceed this decode runner's max_tokens={self.max_tokens}; "
                              "build a runner for more tokens or use EPMoE.forward")

@@ -150,7 +150,6 @@ class TorchA2ADispatcher(Dispatcher):
         meta = torch.zeros(ep, 2, dtype=torch.int64, device=hidden.device)
         if error is None:
             ids = topk_ids.to(torch.int64)
-            T = hidden.shape[0]
             dest = torch.where(ids >= 0, ids // E_local, torch.full_like(ids, -1))  # [T, K]
             ranks = torch.arange(ep, device=ids.device)
             sent = (dest.unsqueeze(-1) == ranks).any(dim=1)  # [T, ep]

@@ -9,12 +9,13 @@ subprocess (~5-10 s). The GPU half of the check (inline PTX path) is tests/gpu/t
 """
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tests.cpu.interpret import run_interpret_worker
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -26,18 +27,7 @@ _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton_code
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, _WORKER, *CASES], capture_output=True, text=True, env=env, timeout=240
-    )
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            out[r["case"]] = r
-    if not out:
-        pytest.fail(f"interpreter worker produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+    return run_interpret_worker(_WORKER, CASES)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

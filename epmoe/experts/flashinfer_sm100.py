@@ -236,7 +236,28 @@ def _base_availability(spec: ExpertsSpec, modes, archs, what: str) -> Tuple[Avai
 
 
 # ----------------------------------------------------------------------------- CuTe-DSL
-class FlashInferCuteDslExperts(Experts):
+class _Sm100Experts(Experts):
+    """What the two SM100 backends share: BF16 activations in, kernel-layout tensors in `_params`
+    (prepared first, then stored in place on a reload)."""
+
+    _params: Dict[str, torch.Tensor]
+
+    @property
+    def payload_format(self) -> PayloadFormat:
+        return PayloadFormat.unquantized(torch.bfloat16)
+
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        return dict(self._params)
+
+    def load_weights(self, weights: ExpertWeights) -> None:
+        self.commit_weights(self.prepare_weights(weights))
+
+    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
+        _store_in_place(self._params, prepared)
+
+
+
+class FlashInferCuteDslExperts(_Sm100Experts):
     """NVFP4 experts on FlashInfer's CuTe-DSL kernels (SM100/SM103/SM107)."""
 
     name = "flashinfer_cutedsl"
@@ -266,19 +287,6 @@ class FlashInferCuteDslExperts(Experts):
         )
         self._wrapper = fm.CuteDslMoEWrapper(device=str(torch.device(spec.device)), **kw)
         self._params: Dict[str, torch.Tensor] = {}
-
-    @property
-    def payload_format(self) -> PayloadFormat:
-        return PayloadFormat.unquantized(torch.bfloat16)
-
-    def parameters(self) -> Dict[str, torch.Tensor]:
-        return dict(self._params)
-
-    def load_weights(self, weights: ExpertWeights) -> None:
-        self.commit_weights(self.prepare_weights(weights))
-
-    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
-        _store_in_place(self._params, prepared)
 
     def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)
@@ -314,7 +322,7 @@ class FlashInferCuteDslExperts(Experts):
 
 
 # ----------------------------------------------------------------------------- TRT-LLM-gen
-class FlashInferTrtllmExperts(Experts):
+class FlashInferTrtllmExperts(_Sm100Experts):
     """MXFP4 x BF16 experts on FlashInfer's TRT-LLM-gen kernels (SM100/SM103)."""
 
     name = "flashinfer_trtllm"
@@ -333,19 +341,6 @@ class FlashInferTrtllmExperts(Experts):
 
         self._fm = fm
         self._params: Dict[str, torch.Tensor] = {}
-
-    @property
-    def payload_format(self) -> PayloadFormat:
-        return PayloadFormat.unquantized(torch.bfloat16)
-
-    def parameters(self) -> Dict[str, torch.Tensor]:
-        return dict(self._params)
-
-    def load_weights(self, weights: ExpertWeights) -> None:
-        self.commit_weights(self.prepare_weights(weights))
-
-    def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
-        _store_in_place(self._params, prepared)
 
     def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)

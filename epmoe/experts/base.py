@@ -40,6 +40,12 @@ class ExpertsSpec:
     options: tuple = ()
 
     @property
+    def expert_mode(self) -> str:
+        """The plan's expert mode ("bf16" without a plan; option "mode" when a plan has none)."""
+        mode = getattr(self.plan, "expert_mode", None) if self.plan is not None else None
+        return str(mode) if mode else self.option("mode", "bf16")
+
+    @property
     def num_local_experts(self) -> int:
         return self.config.num_experts // self.ep_size
 

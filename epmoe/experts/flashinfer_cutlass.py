@@ -361,12 +361,6 @@ def _device_arch(device: torch.device) -> int:
     return major * 10 + minor
 
 
-def _spec_mode(spec: ExpertsSpec) -> str:
-    if spec.plan is not None and getattr(spec.plan, "expert_mode", None):
-        return spec.plan.expert_mode
-    return spec.option("mode", "bf16")
-
-
 # ----------------------------------------------------------------------------- the backend
 class FlashInferCutlassExperts(Experts):
     """Local experts on `flashinfer.fused_moe.cutlass_fused_moe` (flat layout, local ids).
@@ -385,7 +379,7 @@ class FlashInferCutlassExperts(Experts):
         if device.type != "cuda" or not torch.cuda.is_available():
             return Availability.no(f"needs a CUDA GPU, got device {device}", "run on an NVIDIA GPU (SM90+)")
         arch = _device_arch(device)
-        mode = _spec_mode(spec)
+        mode = spec.expert_mode
         try:
             variant = resolve_cutlass_variant(mode, arch)
         except ValueError as e:
@@ -425,7 +419,7 @@ class FlashInferCutlassExperts(Experts):
         self._flashinfer = flashinfer
         self.device = torch.device(spec.device)
         self.arch = _device_arch(self.device)
-        self.mode = _spec_mode(spec)
+        self.mode = spec.expert_mode
         self.variant = resolve_cutlass_variant(self.mode, self.arch)
         self.features = probe_flashinfer_features(flashinfer, fm)
         self.geometry: CutlassGeometry = cutlass_geometry(self.config, self.variant)

@@ -33,7 +33,7 @@ import torch
 from epmoe.core.availability import Availability
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts.base import Experts, ExpertsSpec
-from epmoe.experts.flashinfer_cutlass import INSTALL_HINT, _device_arch, _spec_mode, check_reload, version_at_least
+from epmoe.experts.flashinfer_cutlass import INSTALL_HINT, _device_arch, check_reload, version_at_least
 from epmoe.quant.flashinfer_layout import w31
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
@@ -226,7 +226,7 @@ def _base_availability(spec: ExpertsSpec, modes, archs, what: str) -> Tuple[Avai
     device = torch.device(spec.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return Availability.no(f"{what} needs a Blackwell GPU, got device {device}"), None
-    mode = _spec_mode(spec)
+    mode = spec.expert_mode
     if mode not in modes:
         return Availability.no(f"{what} runs {sorted(modes)}, not {mode!r}"), None
     arch = _device_arch(device)
@@ -255,6 +255,18 @@ class _Sm100Experts(Experts):
     def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
         _store_in_place(self._params, prepared)
 
+    def _kernel_inputs(self, tokens):
+        """(BF16 tokens, global ids with non-local slots sanitized, weights) for the kernels."""
+        x = tokens.hidden
+        if isinstance(x, QuantizedActivation):
+            from epmoe.quant.codec import dequantize_activation
+
+            x = dequantize_activation(x, torch.bfloat16)
+        ids, w = sanitized_global_ids(
+            tokens.topk_ids, tokens.topk_weights, self.spec.first_local_expert, self.spec.num_local_experts, self.spec.ep_size
+        )
+        return x, ids, w
+
 
 
 class FlashInferCuteDslExperts(_Sm100Experts):
@@ -278,7 +290,7 @@ class FlashInferCuteDslExperts(_Sm100Experts):
         import flashinfer.fused_moe as fm
 
         self._fm, self._flashinfer = fm, flashinfer
-        self.quant_mode = CUTEDSL_MODES[_spec_mode(spec)]
+        self.quant_mode = CUTEDSL_MODES[spec.expert_mode]
         accepted = frozenset(inspect.signature(fm.CuteDslMoEWrapper.__init__).parameters)
         kw = cutedsl_wrapper_kwargs(
             self.quant_mode, self.config, num_local_experts=spec.num_local_experts,
@@ -304,14 +316,7 @@ class FlashInferCuteDslExperts(_Sm100Experts):
         return new
 
     def forward(self, tokens) -> torch.Tensor:
-        x = tokens.hidden
-        if isinstance(x, QuantizedActivation):
-            from epmoe.quant.codec import dequantize_activation
-
-            x = dequantize_activation(x, torch.bfloat16)
-        ids, w = sanitized_global_ids(
-            tokens.topk_ids, tokens.topk_weights, self.spec.first_local_expert, self.spec.num_local_experts, self.spec.ep_size
-        )
+        x, ids, w = self._kernel_inputs(tokens)
         x_sf = None
         if self.quant_mode == "w4a4":
             N, H = x.shape
@@ -368,14 +373,7 @@ class FlashInferTrtllmExperts(_Sm100Experts):
         return new
 
     def forward(self, tokens) -> torch.Tensor:
-        x = tokens.hidden
-        if isinstance(x, QuantizedActivation):
-            from epmoe.quant.codec import dequantize_activation
-
-            x = dequantize_activation(x, torch.bfloat16)
-        ids, w = sanitized_global_ids(
-            tokens.topk_ids, tokens.topk_weights, self.spec.first_local_expert, self.spec.num_local_experts, self.spec.ep_size
-        )
+        x, ids, w = self._kernel_inputs(tokens)
         kw = trtllm_routed_kwargs(
             self._params, self.config, x=x.contiguous(), topk_ids=ids, topk_weights=w,
             first_local_expert=self.spec.first_local_expert, num_local_experts=self.spec.num_local_experts,

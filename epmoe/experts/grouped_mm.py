@@ -29,17 +29,13 @@ from epmoe.quant.payload import QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
 
 
-def _mode_of(spec: ExpertsSpec) -> str:
-    return "bf16" if spec.plan is None else str(getattr(spec.plan, "expert_mode", "bf16"))
-
-
 class GroupedMMExperts(Experts):
     name = "grouped_mm"
     accepted_layouts = ("flat",)
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:
-        mode = _mode_of(spec)
+        mode = spec.expert_mode
         if mode != "bf16":
             return Availability.no(
                 f"expert mode {mode!r} is not supported by grouped_mm (bf16 only)",

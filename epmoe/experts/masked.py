@@ -77,13 +77,9 @@ class MaskedReferenceExperts(Experts):
             raise ValueError(f"experts backend {self.name!r}: {avail.reason}; {avail.hint}")
         self._params: Dict[str, torch.Tensor] = {}
 
-    @staticmethod
-    def _expert_mode(spec: ExpertsSpec) -> str:
-        return getattr(spec.plan, "expert_mode", "bf16") if spec.plan is not None else "bf16"
-
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:
-        mode = cls._expert_mode(spec)
+        mode = spec.expert_mode
         ok = masked_expert_mode_support(mode)
         if not ok:
             return ok
@@ -101,7 +97,7 @@ class MaskedReferenceExperts(Experts):
         given = self.spec.option("payload")
         if given is not None:
             return given
-        if self._expert_mode(self.spec) == "fp8_block":
+        if self.spec.expert_mode == "fp8_block":
             return _fp8_block_payload()
         return PayloadFormat.unquantized(self.config.dtype)
 

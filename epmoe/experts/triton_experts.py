@@ -189,11 +189,6 @@ def _owned(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
     return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
 
 
-def _mode_of(spec: ExpertsSpec) -> str:
-    plan = spec.plan
-    return "bf16" if plan is None else str(getattr(plan, "expert_mode", "bf16"))
-
-
 def _activation_args(config):
     """(ACT, HAS_LIMIT, alpha, beta, limit) for the kernels."""
     if config.activation == "relu2":
@@ -216,7 +211,7 @@ class TritonExperts(Experts):
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:
-        mode = _mode_of(spec)
+        mode = spec.expert_mode
         if mode not in SUPPORTED_MODES:
             return Availability.no(
                 f"expert mode {mode!r} is not implemented by the triton backend",
@@ -257,7 +252,7 @@ class TritonExperts(Experts):
         avail = self.availability(spec)
         if not avail:
             raise BackendUnavailableError(self.name, avail.reason, avail.hint)
-        self.mode = _mode_of(spec)
+        self.mode = spec.expert_mode
         self.device = torch.device(spec.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())

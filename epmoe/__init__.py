@@ -18,6 +18,22 @@ Public API:
     load_expert_weights         checkpoint loading (epmoe.checkpoint)
 """
 
+import os as _os
+import sys as _sys
+
+
+def _run_as_launcher() -> bool:
+    argv = list(getattr(_sys, "orig_argv", ()))
+    return any(a == "-m" and b in ("epmoe.launch", "epmoe.launch.cli") for a, b in zip(argv, argv[1:])) or (
+        len(argv) > 1 and _os.path.basename(argv[1]) == "epmoe-launch")
+
+
+if _run_as_launcher():
+    # The launcher reports faults itself (one fault report per rank). Without this, torch's C++ logging
+    # prints a ~45-frame stack dump for every failed call to a store whose host rank died; it is read
+    # once, when torch is first imported, hence here. An explicit setting wins.
+    _os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 from epmoe.checkpoint import load_expert_weights
 from epmoe.config import MoEConfig
 from epmoe.layer import EPMoE, MoEOutput, StepStats

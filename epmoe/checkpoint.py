@@ -36,6 +36,10 @@ _CORRECTION = re.compile(r"^(?P<prefix>.*?)(gate\.)?e_score_correction_bias$")
 _CANONICAL = ("w1", "w2", "w3", "w13", "b13", "b2", "e_score_correction_bias")
 
 
+class CheckpointReadError(OSError):
+    """A checkpoint file could not be read (corrupt, truncated, unreadable); names the file."""
+
+
 @dataclass(frozen=True)
 class LoadedExperts:
     """experts: ExpertWeights of global experts [first_expert, first_expert + n);
@@ -66,9 +70,12 @@ class _Reader:
         from safetensors import safe_open
 
         for f in files:
-            with safe_open(f, framework="pt") as h:
-                for k in h.keys():
-                    self._files[k] = f
+            try:
+                with safe_open(f, framework="pt") as h:
+                    for k in h.keys():
+                        self._files[k] = f
+            except Exception as e:  # noqa: BLE001 - SafetensorError and friends: name the file
+                raise CheckpointReadError(f"cannot read {f}: {type(e).__name__}: {e}") from e
 
     def keys(self) -> Iterable[str]:
         return self._dict.keys() if self._dict is not None else self._files.keys()
@@ -81,10 +88,13 @@ class _Reader:
             return t if rows is None else t[rows[0] : rows[1]]
         from safetensors import safe_open
 
-        with safe_open(self._files[key], framework="pt") as h:
-            if rows is None:
-                return h.get_tensor(key)
-            return h.get_slice(key)[rows[0] : rows[1]]
+        try:
+            with safe_open(self._files[key], framework="pt") as h:
+                if rows is None:
+                    return h.get_tensor(key)
+                return h.get_slice(key)[rows[0] : rows[1]]
+        except Exception as e:  # noqa: BLE001 - name the file and the tensor
+            raise CheckpointReadError(f"cannot read {key!r} from {self._files[key]}: {type(e).__name__}: {e}") from e
 
 
 def _choose_prefix(prefixes: List[str], prefix: Optional[str], layer_idx: Optional[int]) -> str:

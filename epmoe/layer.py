@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Union
 
@@ -18,7 +19,7 @@ import torch
 from epmoe.checkpoint import Source, load_expert_weights
 from epmoe.config import MoEConfig, dtype_name
 from epmoe.core import dist as edist
-from epmoe.core.errors import BackendUnavailableError
+from epmoe.core.errors import BackendUnavailableError, NonFiniteError
 from epmoe.core.fault import FaultWatch
 from epmoe.dispatch import DISPATCHERS, Dispatcher, DispatchSpec
 from epmoe.experts import EXPERTS, Experts, ExpertsSpec
@@ -86,6 +87,12 @@ class EPMoE(torch.nn.Module):
     timeout_s:     wait at most this long in any collective of this layer (gloo; on NCCL the process
                    group's timeout applies); past it every rank raises CollectiveTimeoutError with a
                    FaultReport (layer, call number, phase, which rank waits on which)
+    check_finite:  check inputs and outputs for NaN/Inf on every call (off by default: it costs a host
+                   sync and one small collective per call); any hit raises NonFiniteError on every rank
+                   naming the ranks and the tensor
+
+    Arithmetic: experts compute in float32 (or the plan's quantized format) whatever the model dtype;
+    a float64 layer takes and returns float64 but is accurate to float32 (a UserWarning says so).
 
     `dispatcher` may also be a Dispatcher built for another layer: several layers (a model) then
     share one dispatcher and its workspace (it must match this layer's group and shape).
@@ -110,6 +117,7 @@ class EPMoE(torch.nn.Module):
         dispatcher_options: Optional[Mapping[str, Any]] = None,
         experts_options: Optional[Mapping[str, Any]] = None,
         timeout_s: Optional[float] = None,
+        check_finite: bool = False,
         name: str = "EPMoE",
     ):
         super().__init__()
@@ -124,6 +132,7 @@ class EPMoE(torch.nn.Module):
         self.strict = strict
         self.deterministic = deterministic
         self.timeout_s = timeout_s
+        self.check_finite = bool(check_finite)
         shared_dispatcher = dispatcher if isinstance(dispatcher, Dispatcher) else None
         dispatcher_name = shared_dispatcher.name if shared_dispatcher is not None else dispatcher
 
@@ -158,7 +167,7 @@ class EPMoE(torch.nn.Module):
         fingerprint = dict(config.fingerprint())
         fingerprint.update(
             dispatcher=dispatcher_name, experts=experts, timeout_s=repr(timeout_s), max_num_tokens_per_rank=repr(max_num_tokens_per_rank),
-            deterministic=repr(deterministic), ep_size=repr(self.ep_size),
+            deterministic=repr(deterministic), ep_size=repr(self.ep_size), check_finite=repr(self.check_finite),
         )
         if plan is not None:
             fingerprint.update(plan.fingerprint())
@@ -167,6 +176,11 @@ class EPMoE(torch.nn.Module):
         edist.agree_fingerprint(fingerprint, group, what=name, timeout_s=self._watch.collective_timeout)
         if error is not None:
             raise error
+        if config.dtype == torch.float64:
+            warnings.warn(
+                f"{name}: dtype float64: the experts compute in float32 arithmetic, so outputs (float64) are "
+                "accurate to float32 (~1e-7 relative), not float64; use epmoe.reference_moe for a float64 result",
+                UserWarning, stacklevel=2)
 
         self.num_local_experts = config.num_experts // self.ep_size
         self.first_local_expert = self.ep_rank * self.num_local_experts
@@ -287,6 +301,10 @@ class EPMoE(torch.nn.Module):
     def _prepare(self, weights, prefix, layer_idx, e_score_correction_bias, update: bool):
         lo, hi = self.first_local_expert, self.first_local_expert + self.num_local_experts
         if isinstance(weights, ExpertWeights):
+            if weights.num_experts not in (self.num_local_experts, self.config.num_experts):
+                raise ValueError(
+                    f"ExpertWeights hold {weights.num_experts} experts; pass all {self.config.num_experts} (global) "
+                    f"or this rank's {self.num_local_experts} starting at expert {lo}")
             local = weights if (weights.num_experts, weights.first_expert) == (self.num_local_experts, lo) \
                 else weights.slice_experts(lo, hi)
             corr = e_score_correction_bias
@@ -300,6 +318,8 @@ class EPMoE(torch.nn.Module):
             if tuple(corr.shape) != (self.config.num_experts,):
                 raise ValueError(
                     f"e_score_correction_bias has shape {list(corr.shape)}; expected [{self.config.num_experts}]")
+        local.validate(self.config, self.num_local_experts)
+        _check_finite_weights(local, corr)
         dtypes = {name: t.dtype for name, t in local.tensors().items()}
         if update:
             changed = {n: (self._loaded_dtypes.get(n), d) for n, d in dtypes.items() if self._loaded_dtypes.get(n) != d}
@@ -316,7 +336,8 @@ class EPMoE(torch.nn.Module):
         prepared = corr = dtypes = None
         try:
             prepared, corr, dtypes = self._prepare(weights, prefix, layer_idx, e_score_correction_bias, update)
-        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - any failure on one rank (SafetensorError, MemoryError, ...)
+            # must become an error on every rank, or the others would wait in the agreement below
             error = e
             if update and isinstance(e, ValueError) and "has shape" in str(e):
                 error = ValueError(f"{e}; update_weights keeps shapes fixed: build a new EPMoE for new shapes")
@@ -367,6 +388,16 @@ class EPMoE(torch.nn.Module):
                     raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected torch.int32")
                 if T and bool(((topk_ids < -1) | (topk_ids >= cfg.num_experts)).any()):
                     raise ValueError(f"topk_ids has values outside [-1, {cfg.num_experts}); -1 means no expert")
+                if T and cfg.top_k > 1:
+                    s = topk_ids.sort(dim=1).values
+                    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+                    if bool(dup.any()):
+                        row = int(dup.any(dim=1).nonzero()[0])
+                        raise ValueError(
+                            f"topk_ids row {row} lists expert {int(s[row, 1:][dup[row]][0])} more than once "
+                            f"({topk_ids[row].tolist()}); each token's top-k experts must differ (-1 for none)")
+                if not topk_weights.is_floating_point():
+                    raise TypeError(f"topk_weights has dtype {topk_weights.dtype}; expected a float dtype")
             if self.strict and T > self.max_num_tokens_per_rank:
                 raise ValueError(
                     f"{T} tokens exceed max_num_tokens_per_rank={self.max_num_tokens_per_rank} with strict=True; "
@@ -374,6 +405,12 @@ class EPMoE(torch.nn.Module):
                 )
             if not self._weights_loaded:
                 raise RuntimeError("EPMoE.forward before load_weights")
+            if self.check_finite:
+                for tname, t in (("hidden_states", hidden_states), ("router_logits", router_logits),
+                                 ("topk_weights", topk_weights)):
+                    if t is not None and t.numel() and not bool(torch.isfinite(t).all()):
+                        raise NonFiniteError(f"{self.name}: input {tname} holds NaN/Inf on rank "
+                                             f"{edist.global_rank(self.group, self.ep_rank)}")
         except (ValueError, TypeError, RuntimeError) as e:
             return e
         return None
@@ -411,6 +448,7 @@ class EPMoE(torch.nn.Module):
             routing = Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=topk_weights.float())
 
         outputs: List[torch.Tensor] = []
+        bad_expert_out = False
         rows = 0
         bytes_sent = 0
         per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64, device=hidden_states.device) if return_stats else None
@@ -422,6 +460,8 @@ class EPMoE(torch.nn.Module):
                 )
             with watch.phase("experts" if rounds == 1 else f"experts[round {r}]"):
                 expert_out = self.experts(tokens)
+            if self.check_finite and isinstance(expert_out, torch.Tensor) and expert_out.numel():
+                bad_expert_out = bad_expert_out or not bool(torch.isfinite(expert_out).all())
             with watch.phase("combine" if rounds == 1 else f"combine[round {r}]"):
                 outputs.append(self.dispatcher.combine(expert_out, handle))
             rows += tokens.num_tokens
@@ -430,6 +470,9 @@ class EPMoE(torch.nn.Module):
                 ids = tokens.topk_ids[tokens.topk_ids >= 0].long()
                 per_expert += torch.bincount(ids, minlength=self.num_local_experts)
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+        if self.check_finite:
+            with watch.phase("finite check"):
+                self._agree_finite(bad_expert_out, out, to)
         if not (return_routing or return_stats):
             return out
         stats = None
@@ -439,6 +482,21 @@ class EPMoE(torch.nn.Module):
                 tokens_per_local_expert=per_expert.cpu(), bytes_sent=bytes_sent,
             )
         return MoEOutput(hidden_states=out, routing=routing if return_routing else None, stats=stats)
+
+    def _agree_finite(self, bad_expert_out: bool, out: torch.Tensor, timeout_s) -> None:
+        bad_out = bool(out.numel()) and not bool(torch.isfinite(out).all())
+        flags = edist.gather_ints([int(bad_expert_out), int(bad_out)], self.group, timeout_s)
+        if not bool(flags.any()):
+            return
+        ranks = lambda col: [edist.global_rank(self.group, r) for r in range(flags.shape[0]) if flags[r, col]]
+        parts = []
+        if ranks(0):
+            parts.append(f"expert output (this rank's experts' results before the combine) on ranks {ranks(0)}")
+        if ranks(1):
+            parts.append(f"combined output on ranks {ranks(1)}")
+        raise NonFiniteError(
+            f"{self.name} call {self._watch.call}: NaN/Inf in " + "; ".join(parts)
+            + ". NaN/Inf in a rank's expert output comes from its weights or from the tokens it received")
 
     # ------------------------------------------------------------------ decode (CUDA graphs)
     def decode_runner(self, max_tokens: int, *, cuda_graph: bool = True) -> "DecodeRunner":
@@ -550,3 +608,18 @@ class DecodeRunner:
         if return_routing:
             return MoEOutput(out, Routing(self.topk_ids_out[:T], self.topk_weights_out[:T]))
         return out
+
+
+def _check_finite_weights(w: ExpertWeights, corr: Optional[torch.Tensor]) -> None:
+    """NaN/Inf in one rank's weights would poison the tokens other ranks send it: refuse at load,
+    naming the tensor and the expert (float tensors only; packed quantized data has no NaN)."""
+    for name, t in w.tensors().items():
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or t.numel() == 0:
+            continue
+        ok = torch.isfinite(t).reshape(t.shape[0] if t.dim() else 1, -1).all(dim=1)
+        if not bool(ok.all()):
+            e = w.first_expert + int((~ok).nonzero()[0])
+            raise ValueError(f"expert weight {name!r} of expert {e} holds NaN/Inf values; fix the checkpoint "
+                             "(nothing was loaded on any rank)")
+    if corr is not None and not bool(torch.isfinite(corr).all()):
+        raise ValueError("e_score_correction_bias holds NaN/Inf values; fix the checkpoint")

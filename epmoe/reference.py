@@ -6,7 +6,7 @@ it shares only `epmoe.routing.route`, so both sides choose the same experts on n
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -66,4 +66,46 @@ def reference_moe(
             u = w3[e] @ x[t] + (b3[e] if b3 is not None else 0) if w3 is not None else None
             y = w2[e] @ _act(config, g, u) + (b2[e] if b2 is not None else 0)
             out[t] += wts[t, k] * y
+    return out
+
+
+def reference_moe_streamed(
+    config: MoEConfig,
+    hidden_states: torch.Tensor,
+    expert: Callable[[int], ExpertWeights],
+    router_logits: Optional[torch.Tensor] = None,
+    routing: Optional[Routing] = None,
+    e_score_correction_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """`reference_moe` holding one expert at a time: `expert(e)` returns the ExpertWeights of expert e
+    alone (e.g. read from a checkpoint), called once per expert that some token chose. Memory: one
+    expert in float64 plus the activations, whatever the model size. -> [T, H] float64."""
+    if routing is None:
+        if router_logits is None:
+            raise ValueError("pass router_logits or routing")
+        routing = route(config, router_logits, e_score_correction_bias)
+    x = hidden_states.double().cpu()
+    ids = routing.topk_ids.cpu().long()
+    wts = routing.topk_weights.double().cpu()
+    I = config.intermediate_size
+    out = torch.zeros(x.shape[0], config.hidden_size, dtype=torch.float64)
+    for e in sorted(int(v) for v in torch.unique(ids) if v >= 0):
+        w = expert(e)
+        if w.num_experts != 1:
+            raise ValueError(f"expert({e}) returned {w.num_experts} experts; expected exactly one")
+        rows, ks = (ids == e).nonzero(as_tuple=True)
+        xe = x[rows]
+        g = xe @ w.w1[0].double().t()
+        u = xe @ w.w3[0].double().t() if w.w3 is not None else None
+        b2 = None
+        if w.b13 is not None:
+            b13 = w.b13[0].double()
+            g = g + (b13[:I] if config.is_gated else b13)
+            if u is not None:
+                u = u + b13[I:]
+            b2 = w.b2[0].double()
+        y = _act(config, g, u) @ w.w2[0].double().t()
+        if b2 is not None:
+            y = y + b2
+        out.index_add_(0, rows, wts[rows, ks].unsqueeze(1) * y)
     return out

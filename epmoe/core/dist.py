@@ -50,9 +50,11 @@ def collective_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def barrier(group: Any = None) -> None:
+def barrier(group: Any = None, timeout_s: Optional[float] = None) -> None:
+    """A barrier whose failures are classified like every other collective (PeerLostError,
+    CollectiveTimeoutError after `timeout_s` on gloo)."""
     if is_distributed(group):
-        dist.barrier(group=group)
+        run_collective(lambda: dist.barrier(group=group, async_op=True), timeout_s, "barrier")
 
 
 def _all_gather(src: torch.Tensor, group: Any, timeout_s: Optional[float], what: str) -> List[torch.Tensor]:

@@ -30,3 +30,8 @@ class RemoteRankError(RuntimeError):
 class PeerInputError(ValueError):
     """Another rank of the group was given invalid input in the same call; every rank raises
     (the bad rank its own ValueError/TypeError, the others this), so none waits in a collective."""
+
+
+class NonFiniteError(ValueError):
+    """NaN/Inf found by the opt-in finite check (EPMoE(check_finite=True)); raised on every rank,
+    naming the ranks and the tensor."""

@@ -130,11 +130,21 @@ class FaultReport:
         return "\n".join(lines)
 
 
+_DEAD_STORES: set = set()  # ids of stores that failed once (their host rank is gone): not touched again
+
+
 def _store():
+    """The default group's key-value store, or None when there is none or it failed before: a store
+    whose host (rank 0 under env://) died makes every further call fail and log a C++ stack dump."""
     try:
-        return dist.distributed_c10d._get_default_store()
+        store = dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store: reports carry only this rank's view
         return None
+    return None if id(store) in _DEAD_STORES else store
+
+
+def _store_failed(store) -> None:
+    _DEAD_STORES.add(id(store))
 
 
 class FaultWatch:
@@ -145,6 +155,7 @@ class FaultWatch:
         self.group = group
         self.timeout_s = timeout_s
         self.call = 0
+        self._own: Optional[tuple] = None
         self.ranks: List[int] = []
         if dist.is_available() and dist.is_initialized():
             self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -166,6 +177,7 @@ class FaultWatch:
         return f"epmoe/fault/{self.layer_uid}/{rank}"
 
     def _write(self, status: str, phase: str, detail: str) -> None:
+        self._own = (status, self.call, phase, detail[:500])
         store = _store()
         if store is None:
             return
@@ -173,7 +185,7 @@ class FaultWatch:
             store.set(self._key(self.rank), json.dumps(
                 {"status": status, "call": self.call, "phase": phase, "detail": detail[:500]}))
         except Exception:  # noqa: BLE001 - reporting must never mask the real error
-            pass
+            _store_failed(store)
 
     def _read_peers(self, grace_s: float) -> Tuple[RankState, ...]:
         store = _store()
@@ -187,11 +199,14 @@ class FaultWatch:
                     if store.check([self._key(r)]):
                         d = json.loads(store.get(self._key(r)))
                         states[r] = RankState(r, d["status"], d["call"], d["phase"], d["detail"])
-                except Exception:  # noqa: BLE001
-                    pass
+                except Exception:  # noqa: BLE001 - the store's host is gone: stop asking it
+                    _store_failed(store)
+                    store = None
             if len(states) == len(self.ranks) or time.monotonic() >= deadline or store is None:
                 break
             time.sleep(0.05)
+        if self.rank not in states and self._own is not None:  # this rank's view, even without a store
+            states[self.rank] = RankState(self.rank, *self._own)
         return tuple(states.get(r, RankState(r, "no report", detail="alive elsewhere or gone"))
                      for r in self.ranks)
 

@@ -1,22 +1,29 @@
 """The launcher: `python -m epmoe.launch` (single process), `torchrun --nproc-per-node N -m epmoe.launch`,
 `mpirun -np N python -m epmoe.launch`.
 
-It builds synthetic weights, saves them as safetensors with HF names, loads them back through the real
-loader, then serves a loop of batches with a progress bar and a summary table.
+It runs MoE layers either on an existing checkpoint (`--checkpoint DIR`, read only) or on synthetic
+weights that it writes as safetensors with HF names (into a fresh temp dir, or `--write-synthetic DIR`,
+which must be empty or written by us before) and loads back through the real loader; then it serves a
+loop of batches with a progress bar and a summary table.
+
+Errors are one line per job (rank 0 prints; every rank exits with the same code): 2 for usage errors,
+found before any weights are written or loaded; 1 for faults and failed checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
+import re
 import socket
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,72 +31,169 @@ from epmoe.config import MoEConfig, dtype_name, parse_dtype
 from epmoe.core import dist as edist
 from epmoe.launch.env import available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown
 from epmoe.launch.presets import PRESETS
-from epmoe.launch.synthetic import SyntheticLayer, read_gate, write_checkpoint
+from epmoe.launch import synthetic as synth
 from epmoe.layer import EPMoE
 from epmoe.quant.plan import EXPERT_MODES
 
 CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+MARKER = ".epmoe-synthetic"  # written first into every directory the launcher writes synthetic weights to
+PROGRESS_EVERY_S = 5.0  # without a terminal, a progress line at least this often
+
+
+class UsageError(Exception):
+    """A bad flag, file or combination, found before any work: one line, exit code 2."""
+
+
+def _backend_names() -> "Tuple[List[str], List[str]]":
+    from epmoe.dispatch import DISPATCHERS
+    from epmoe.experts import EXPERTS
+
+    return DISPATCHERS.names(), EXPERTS.names()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line per job, exit 2 (argparse's own code for usage errors)
+        if detect_launch_env().rank == 0:
+            sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    dispatchers, experts = _backend_names()
+    p = _Parser(
         prog="python -m epmoe.launch",
-        description="Run an expert-parallel MoE layer on synthetic weights (torchrun / mpirun / single process).",
+        description="Run expert-parallel MoE layers on an existing checkpoint (--checkpoint) or on synthetic "
+                    "weights, under torchrun / mpirun / a single process. Exit codes: 0 ok, 1 fault or failed "
+                    "--check, 2 usage error (nothing was run), 3 --doctor found the configuration cannot run.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model shape (default: tiny)")
-    src.add_argument("--config", metavar="PATH", help="a HF config.json (or its directory)")
+    src.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                     help="model shape for synthetic weights (tiny when neither --config nor --checkpoint is given)")
+    src.add_argument("--config", metavar="PATH", help="a HF config.json (or its directory) for synthetic weights")
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="load an existing HF checkpoint (config.json + *.safetensors); never written to")
+    p.add_argument("--write-synthetic", metavar="DIR", default=None,
+                   help="write the synthetic checkpoint here (a new or empty directory, or one written by this "
+                        f"launcher before, marked by {MARKER}); default: a temp dir removed at exit")
+    p.add_argument("--weights-dir", metavar="DIR", default=None, help="deprecated name of --write-synthetic")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda if present, else cpu with gloo")
-    p.add_argument("--dispatcher", default="torch", help="torch | flashinfer | deepep | deepep_ll")
-    p.add_argument("--experts", default="auto", help="experts backend (auto: chosen by the quant plan)")
-    p.add_argument("--quant", default=None, choices=list(EXPERT_MODES), help="expert quant mode (default: unquantized)")
+    p.add_argument("--dispatcher", default="torch", choices=dispatchers, help="token all-to-all backend")
+    p.add_argument("--experts", default="auto", choices=["auto", *experts],
+                   help="experts backend; auto lets the quant plan choose by arch (reference on CPU)")
+    p.add_argument("--quant", default=None, choices=list(EXPERT_MODES),
+                   help="expert quant mode (default: the checkpoint's, unquantized for synthetic weights)")
     p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "bf16", "nvfp4"],
                    help="how tokens travel (auto: decided by the quant plan)")
-    p.add_argument("--dtype", default=None, help="activation dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens per rank per step")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="activation and weight dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per rank per step (>= 0)")
     p.add_argument("--tokens-jitter", type=float, default=0.0, metavar="FRAC",
-                   help="draw each rank's T per step uniformly in [tokens*(1-FRAC), tokens*(1+FRAC)] (1.0 includes 0)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--layers", type=int, default=1, help="MoE layers per step (each with its own weights)")
-    p.add_argument("--max-tokens-per-rank", type=int, default=None,
-                   help="dispatch round size (default: --tokens rounded up to 64); larger batches run in rounds")
+                   help="draw each rank's T per step uniformly in [tokens*(1-FRAC), tokens*(1+FRAC)] "
+                        "(>= 0; 1.0 includes 0)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (>= 1)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 0)")
+    p.add_argument("--layers", type=int, default=1, help="MoE layers per step, each with its own weights (>= 1)")
+    p.add_argument("--max-tokens-per-rank", type=int, default=None, metavar="N",
+                   help="dispatch round size (>= 1; default: --tokens rounded up to 64); larger batches run in rounds")
     p.add_argument("--scale", type=float, default=None, metavar="F",
-                   help="scale the preset's expert count by F in (0, 1] (never done silently)")
+                   help="scale the model's expert count by F in (0, 1] (never done silently; too-large runs ask for it)")
     p.add_argument("--check", action="store_true",
-                   help="compare every step with a dense float64 reference on rank 0; exit 1 on mismatch")
-    p.add_argument("--plan", action="store_true", help="print configuration, placement and memory; run nothing")
+                   help="compare every step with a dense float64 reference on rank 0 (read one expert at a time "
+                        "from the checkpoint); exit 1 on mismatch")
+    p.add_argument("--check-finite", action="store_true",
+                   help="raise on every rank when an input or output of a layer holds NaN/Inf (costs a sync per call)")
+    p.add_argument("--plan", action="store_true",
+                   help="print configuration, placement, quant plan and memory per rank; run nothing")
     p.add_argument("--doctor", action="store_true",
                    help="preflight report of what this host can run (GPUs, NVLink, NCCL, packages, backends); with "
                         "--dispatcher/--experts/--device/--quant/--ep, exit 3 if that configuration cannot run here")
     p.add_argument("--ep", type=int, default=None, help="EP size for --plan / --doctor (default: the launch's world size)")
-    p.add_argument("--json", metavar="PATH", help="write per-step latency, tokens/s and per-expert load")
-    p.add_argument("--weights-dir", metavar="DIR", help="where the synthetic checkpoint goes (default: a temp dir)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write per-step latency, tokens/s, per-expert load and memory here")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and of the inputs")
     p.add_argument("--deterministic", action="store_true", help="bitwise-reproducible reductions")
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="collective timeout in seconds: a rank that waits longer ends with a fault report")
     return p
 
 
-# ---------------------------------------------------------------------------- configuration
-def load_config(args: argparse.Namespace, device: torch.device) -> "tuple[MoEConfig, dict]":
-    if args.config:
-        path = args.config
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
+# ---------------------------------------------------------------------------- flags and files
+def check_flags(args: argparse.Namespace) -> None:
+    """Everything that can be checked from the flags alone (identical on every rank)."""
+    for name, lo in (("tokens", 0), ("steps", 1), ("layers", 1), ("warmup", 0)):
+        v = getattr(args, name)
+        if v < lo:
+            raise UsageError(f"--{name} {v}: must be >= {lo}")
+    if not (math.isfinite(args.tokens_jitter) and args.tokens_jitter >= 0):
+        raise UsageError(f"--tokens-jitter {args.tokens_jitter:g}: must be a fraction >= 0 (1.0 includes T=0)")
+    if args.max_tokens_per_rank is not None and args.max_tokens_per_rank < 1:
+        raise UsageError(f"--max-tokens-per-rank {args.max_tokens_per_rank}: must be >= 1")
+    if args.ep is not None and args.ep < 1:
+        raise UsageError(f"--ep {args.ep}: must be >= 1")
+    if args.scale is not None and not 0 < args.scale <= 1:
+        raise UsageError(f"--scale {args.scale}: use a factor in (0, 1]")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
+    if args.weights_dir is not None:
+        if args.write_synthetic is not None:
+            raise UsageError("--weights-dir is the old name of --write-synthetic; pass only --write-synthetic")
+        args.write_synthetic = args.weights_dir
+    if args.checkpoint is not None and args.write_synthetic is not None:
+        raise UsageError("--checkpoint loads an existing checkpoint and --write-synthetic writes synthetic weights; "
+                         "pass one of them")
+    if args.check and args.tokens == 0:
+        raise UsageError("--check with --tokens 0 compares nothing; pass --tokens N >= 1")
+    if args.json and not args.doctor:
+        d = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(d):
+            raise UsageError(f"--json {args.json}: directory {d} does not exist; create it or pass another path")
+        if not os.access(d, os.W_OK):
+            raise UsageError(f"--json {args.json}: directory {d} is not writable")
+
+
+def _read_json(path: str, flag: str) -> dict:
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"{flag}: {path} does not exist; pass a HF config.json or a directory holding one")
+    try:
         with open(path) as f:
             hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{flag}: {path} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot read {path} ({e.strerror})") from None
+    if not isinstance(hf, dict):
+        raise UsageError(f"{flag}: {path} holds a JSON {type(hf).__name__}; expected an object (a HF config)")
+    return hf
+
+
+def default_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    if args.dtype:
+        return parse_dtype(args.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: float32 keeps --check tight
+
+
+def load_config(args: argparse.Namespace, device: torch.device) -> "tuple[MoEConfig, dict]":
+    """The model config (a preset, --config or --checkpoint's config.json) in the run's dtype."""
+    if args.checkpoint:
+        if not os.path.isdir(args.checkpoint):
+            raise UsageError(f"--checkpoint {args.checkpoint}: not a directory; pass a HF checkpoint directory")
+        hf = _read_json(args.checkpoint, "--checkpoint")
+        if not glob.glob(os.path.join(args.checkpoint, "*.safetensors")):
+            raise UsageError(f"--checkpoint {args.checkpoint}: no *.safetensors files there")
+    elif args.config:
+        hf = _read_json(args.config, "--config")
     else:
         hf = dict(PRESETS[args.preset or "tiny"])
-    if args.dtype:
-        dtype = parse_dtype(args.dtype)
-    elif args.plan:
-        dtype = MoEConfig.from_hf_config(hf).dtype  # plan for the model as deployed (its own dtype)
-    else:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: float32 keeps --check tight
-    cfg = MoEConfig.from_hf_config(hf, dtype=dtype)
-    if args.quant is None and cfg.quant_method is not None:
+    where = args.checkpoint or args.config or f"preset {args.preset or 'tiny'}"
+    try:
+        cfg = MoEConfig.from_hf_config(hf, dtype=default_dtype(args, device))
+    except (ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"{where}: not a MoE config epmoe can run ({type(e).__name__}: {e})") from None
+    if args.checkpoint is None and args.quant is None and cfg.quant_method is not None:
         cfg = cfg.replace(quant_method=None)  # synthetic weights are unquantized unless --quant asks
     return cfg, hf
 
@@ -98,7 +202,7 @@ def apply_scale(cfg: MoEConfig, scale: Optional[float], ep: int) -> MoEConfig:
     if scale is None:
         return cfg
     if not 0 < scale <= 1:
-        raise SystemExit(f"--scale {scale}: use a factor in (0, 1]")
+        raise UsageError(f"--scale {scale}: use a factor in (0, 1]")
     unit = ep
     if cfg.routing == "sigmoid_grouped":
         unit = math.lcm(ep, cfg.n_group)
@@ -112,11 +216,35 @@ def apply_scale(cfg: MoEConfig, scale: Optional[float], ep: int) -> MoEConfig:
     return cfg.replace(**kwargs)
 
 
-def weight_bytes_per_rank(cfg: MoEConfig, ep: int, layers: int) -> int:
-    elem = torch.tensor([], dtype=cfg.dtype).element_size()
-    return (cfg.num_experts // ep) * cfg.expert_param_count() * elem * layers
+def check_placement(cfg: MoEConfig, ep: int, args: argparse.Namespace) -> None:
+    if cfg.num_experts % ep:
+        fits = [n for n in range(1, cfg.num_experts + 1) if cfg.num_experts % n == 0 and n <= max(ep * 2, 8)]
+        raise UsageError(
+            f"num_experts={cfg.num_experts} is not divisible by {ep} ranks; launch a rank count that divides it "
+            f"(e.g. {fits[-3:]})" + (" or pass --scale F" if args.checkpoint is None else ""))
 
 
+def check_write_dir(path: str) -> None:
+    """Synthetic weights go only into a new/empty directory or one this launcher wrote before."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--write-synthetic {path}: exists and is not a directory")
+    if os.path.isdir(path):
+        entries = sorted(os.listdir(path))
+        if entries and MARKER not in entries:
+            shown = ", ".join(entries[:4]) + (" ..." if len(entries) > 4 else "")
+            raise UsageError(
+                f"--write-synthetic {path}: the directory holds files epmoe did not write ({shown}); nothing was "
+                f"overwritten. To run on that checkpoint pass --checkpoint {path}; to write synthetic weights pass "
+                "a new or empty directory")
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"--write-synthetic {path}: directory is not writable")
+    else:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise UsageError(f"--write-synthetic {path}: parent directory {parent} does not exist")
+
+
+# ---------------------------------------------------------------------------- memory
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -125,41 +253,254 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+def synthetic_writer_bytes(cfg: MoEConfig, num_layers: int) -> int:
+    """Peak memory of the synthetic writer (on the one process per node that writes). The writer may
+    say it itself (`synthetic.writer_peak_bytes`); otherwise: it builds every layer's tensors and
+    safetensors serialises them, about twice the whole model."""
+    own = getattr(synth, "writer_peak_bytes", None)
+    if own is not None:
+        return int(own(cfg, num_layers))
+    elem = torch.tensor([], dtype=cfg.dtype).element_size()
+    per_layer = cfg.num_experts * (cfg.expert_param_count() + cfg.hidden_size) * elem
+    return 2 * per_layer * num_layers
+
+
+@dataclass
+class MemoryEstimate:
+    """What one rank allocates, by item. `host` items live in this machine's RAM (all ranks of a node
+    share it); `device` items on the rank's device (the same RAM on CPU runs)."""
+
+    host: Dict[str, int]
+    device: Dict[str, int]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.host.values()) + sum(self.device.values())
+
+    def format(self) -> str:
+        parts = [f"{k} {_fmt_bytes(v)}" for k, v in {**self.device, **self.host}.items() if v]
+        return " + ".join(parts) + f" = {_fmt_bytes(self.total_bytes)}"
+
+
+def estimate_memory(cfg: MoEConfig, plan, ep: int, num_layers: int, max_tokens: int, max_T: int, *,
+                    check: bool, writer: bool, runtime_bytes: int, device: torch.device) -> MemoryEstimate:
+    """Everything the run allocates on one rank: expert weights and workspace (memory_required), the
+    loader's transient copies of one layer, rank 0's --check buffers (every rank's inputs/outputs of a
+    step and one expert in float64), the synthetic writer (on the writing process) and the process
+    itself (`runtime_bytes`: Python, torch, gloo, measured)."""
+    from epmoe.quant.workspace import memory_required
+
+    mem = memory_required(plan, cfg, ep, max_tokens, num_moe_layers=num_layers)
+    elem = torch.tensor([], dtype=cfg.dtype).element_size()
+    E_local = cfg.num_experts // ep
+    H, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    per_expert = cfg.expert_param_count()
+    device_items = {"expert weights": mem.weights_bytes, "workspace": mem.workspace.total_bytes}
+    host = {"runtime": runtime_bytes,
+            # read (per expert), stacked, converted to the kernel layout: three copies of one layer's slice
+            "loading": 3 * E_local * per_expert * max(elem, 2)}
+    if check:
+        rows = ep * max_T
+        records = rows * num_layers * (2 * H * elem + E * 4)
+        host["check"] = 2 * records + 2 * per_expert * 8 + rows * (3 * H + 2 * I + E) * 8
+    if writer:
+        host["writer"] = synthetic_writer_bytes(cfg, num_layers)
+    if device.type == "cpu":
+        host = {**device_items, **host}
+        device_items = {}
+    return MemoryEstimate(host=host, device=device_items)
+
+
+def check_memory(est: MemoryEstimate, cfg: MoEConfig, args, device: torch.device, le, watch) -> Optional[str]:
+    """Agreed on every rank: None if the node's RAM and each device fit the estimate, else the error."""
+    node_key = (socket.gethostname(), le.node_rank)
+    dev_key = (node_key, str(device))
+    have_host = available_memory_bytes(torch.device("cpu"))
+    have_dev = available_memory_bytes(device) if device.type == "cuda" else None
+    scalable = est.host.get("expert weights", 0) + est.host.get("loading", 0) + est.host.get("writer", 0) \
+        + est.device.get("expert weights", 0)
+    mine = (node_key, dev_key, sum(est.host.values()) - est.host["runtime"], sum(est.device.values()),
+            have_host, have_dev, scalable)
+    with watch.phase("memory check"):
+        everyone = edist.all_gather_objects(mine, None, watch.collective_timeout)
+    problems = []
+    for key in sorted({e[0] for e in everyone}):
+        on_node = [e for e in everyone if e[0] == key]
+        need = sum(e[2] for e in on_node)
+        have = on_node[0][4]
+        if have is not None and need > 0.9 * have:
+            grow = sum(e[6] for e in on_node if device.type == "cpu") + sum(
+                e[6] - e[3] for e in on_node if device.type != "cpu")
+            problems.append((need, have, grow, f"node {key[0]} ({len(on_node)} ranks) needs {_fmt_bytes(need)} "
+                                              f"of RAM but {_fmt_bytes(have)} is available"))
+    for key in sorted({e[1] for e in everyone}):
+        on_dev = [e for e in everyone if e[1] == key]
+        need, have = sum(e[3] for e in on_dev), on_dev[0][5]
+        if have is not None and need > 0.9 * have:
+            problems.append((need, have, need, f"{key[1]} on {key[0][0]} ({len(on_dev)} ranks) needs "
+                                              f"{_fmt_bytes(need)} but {_fmt_bytes(have)} is free"))
+    if not problems:
+        return None
+    # memory scales about linearly with the expert count, except the runtime and the workspace
+    frac = min(max(0.0, 1 - (need - 0.8 * have) / max(grow, 1)) for need, have, grow, _ in problems)
+    suggestion = math.floor(100 * frac * (args.scale or 1.0)) / 100
+    what = "; ".join(p[3] for p in problems)
+    fix = (f"pass --scale {suggestion} to run fewer experts" if suggestion >= 0.01 and args.checkpoint is None
+           else "use fewer --layers")
+    return (f"{args.layers} layer(s) of {cfg.model_type} with {cfg.num_experts} experts on {len(everyone)} rank(s): "
+            f"{what} (estimate per rank: {est.format()}); {fix}, or use more ranks or nodes")
+
+
+# ---------------------------------------------------------------------------- plan
+def _plan_text(plan, cfg: MoEConfig) -> str:
+    """The plan's description; unquantized modes are named by the run's dtype (the plan calls them bf16)."""
+    text = plan.describe()
+    if cfg.dtype != torch.bfloat16:
+        dt = dtype_name(cfg.dtype)
+        text = text.replace("experts=bf16 (weights bf16, activations bf16)",
+                            f"experts=unquantized (weights {dt}, activations {dt})")
+        text = re.sub(r"\b(dispatch|combine)=bf16\b", rf"\1={dt}", text)
+    return text
+
+
 def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.device) -> int:
-    from epmoe.quant.plan import resolve_quant_plan
+    from epmoe.experts import EXPERTS
+    from epmoe.quant.plan import installed_flashinfer_version, resolve_quant_plan
+    from epmoe.quant.workspace import memory_required, workspace_breakdown
 
     arch = "cpu"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability()
         arch = f"sm{major}{minor}"
-    if cfg.num_experts % ep:
-        print(f"error: num_experts={cfg.num_experts} is not divisible by ep={ep}", file=sys.stderr)
-        return 2
-    from epmoe.experts import EXPERTS
-    from epmoe.quant.plan import installed_flashinfer_version
-
-    plan = resolve_quant_plan(cfg, requested_mode=args.quant, dispatch_dtype=args.dispatch_dtype,
-                              dispatcher=args.dispatcher, experts_backend=args.experts, arch=arch,
-                              flashinfer_version=installed_flashinfer_version(),
-                              registered_backends=EXPERTS.names())
+    check_placement(cfg, ep, args)
+    try:
+        plan = resolve_quant_plan(cfg, requested_mode=args.quant, dispatch_dtype=args.dispatch_dtype,
+                                  dispatcher=args.dispatcher, experts_backend=args.experts, arch=arch,
+                                  flashinfer_version=installed_flashinfer_version(),
+                                  registered_backends=EXPERTS.names())
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
     max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
     E_local = cfg.num_experts // ep
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "
           f"I={cfg.intermediate_size} activation={cfg.activation} routing={cfg.routing} "
-          f"bias={cfg.has_bias} dtype={dtype_name(cfg.dtype)} layers={cfg.num_layers}")
+          f"bias={cfg.has_bias} dtype={dtype_name(cfg.dtype)} layers={cfg.num_layers}"
+          + ("" if args.dtype else f" (the run's default dtype on {device.type}; --dtype changes it)"))
     print(f"placement: ep={ep}, {E_local} experts per rank (contiguous)")
     for r in range(ep):
         print(f"  rank {r}: experts [{r * E_local}, {(r + 1) * E_local})")
-    from epmoe.quant.workspace import format_plan_report
-
-    print(f"memory per rank (max_tokens_per_rank={max_tokens}, K = hidden_size {cfg.hidden_size}"
+    print(_plan_text(plan, cfg))
+    ws = workspace_breakdown(plan, cfg, ep, max_tokens)
+    print(f"workspace (max_tokens_per_rank={max_tokens}, K = hidden_size {cfg.hidden_size}"
           + (f", checkpoint K {cfg.hidden_size_unpadded}" if cfg.hidden_size_unpadded else "") + "):")
-    print(format_plan_report(plan, cfg, ep, max_tokens, num_moe_layers=cfg.num_layers))
+    print(ws.format_table())
+    print(memory_required(plan, cfg, ep, max_tokens, num_moe_layers=cfg.num_layers).format_table())
     return 0
 
 
 def _round_up(x: int, m: int) -> int:
     return max(m, -(-x // m) * m)
+
+
+# ---------------------------------------------------------------------------- progress
+class Progress:
+    """A bar with rate and ETA on a terminal; otherwise a line at least every PROGRESS_EVERY_S seconds
+    (and at the end)."""
+
+    def __init__(self, total: int, what: str, enabled: bool, stream=None):
+        self.total, self.what, self.enabled = total, what, enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, done: int, extra: str = "") -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not self.tty and done < self.total and now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        elapsed = now - self.t0
+        eta = elapsed / done * (self.total - done) if done else float("nan")
+        width = 30
+        bar = "#" * int(width * done / max(1, self.total))
+        line = (f"[{bar.ljust(width, '.')}] {self.what} {done}/{self.total}  {elapsed:.0f}s elapsed, "
+                f"ETA {_fmt_s(eta)}" + (f"  {extra}" if extra else ""))
+        if self.tty:
+            self.stream.write("\r" + line)
+            if done >= self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _fmt_s(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.1f}min"
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _checkpoint_keys(directory: str) -> Dict[str, str]:
+    """tensor name -> file of every *.safetensors file of `directory` (headers only)."""
+    from safetensors import safe_open
+
+    out: Dict[str, str] = {}
+    for f in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        try:
+            with safe_open(f, framework="pt") as h:
+                for k in h.keys():
+                    out[k] = f
+        except Exception as e:  # noqa: BLE001 - any reader failure names the file
+            raise UsageError(f"cannot read {f}: {type(e).__name__}: {e}") from None
+    return out
+
+
+def moe_layer_indices(keys: Dict[str, str]) -> List[int]:
+    found = {int(m.group(1)) for k in keys for m in [re.search(r"(?:^|\.)layers\.(\d+)\..*experts\.", k)] if m}
+    return sorted(found)
+
+
+def read_gate(keys: Dict[str, str], layer_idx: int) -> Optional[torch.Tensor]:
+    """The router weight [E, H] of a layer (`...layers.L.<block>.gate.weight` or `.router.weight`)."""
+    from safetensors import safe_open
+
+    pat = re.compile(rf"(?:^|\.)layers\.{layer_idx}\.[^.]+\.(?:gate|router)\.weight$")
+    hits = [k for k in keys if pat.search(k)]
+    if not hits:
+        return None
+    with safe_open(keys[hits[0]], framework="pt") as h:
+        return h.get_tensor(hits[0])
+
+
+def write_synthetic(directory: str, cfg: MoEConfig, hf: dict, num_layers: int, seed: int) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, MARKER), "w") as f:  # ours: a later run may overwrite it
+        f.write("synthetic weights written by python -m epmoe.launch; safe to delete\n")
+    synth.write_checkpoint(directory, cfg, hf, num_layers, seed)  # its return value is not kept
 
 
 # ---------------------------------------------------------------------------- run
@@ -170,17 +511,7 @@ class RunStats:
     bytes_sent: List[int] = field(default_factory=list)
     max_err: float = 0.0
     checked: int = 0
-
-
-def _progress(step: int, total: int, ms: float) -> None:
-    width = 30
-    done = int(width * step / total)
-    line = f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total}  {ms:7.2f} ms/step"
-    if sys.stderr.isatty():
-        sys.stderr.write(line)
-        sys.stderr.flush()
-    elif step == total or step % max(1, total // 10) == 0:
-        sys.stderr.write(line.strip() + "\n")
+    check_s: float = 0.0
 
 
 def _tokens_for_step(args, rank: int, step: int) -> int:
@@ -193,125 +524,222 @@ def _tokens_for_step(args, rank: int, step: int) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point. Faults end with one report and a non-zero exit on every rank (torchrun-friendly)."""
+    """Entry point. Usage errors: one line (rank 0), exit 2 on every rank. Faults: one report per rank,
+    exit 1 (torchrun-friendly)."""
     from epmoe.core.errors import BackendUnavailableError, ConfigMismatchError, PeerInputError
     from epmoe.core.fault import CollectiveFailure
 
+    rank = detect_launch_env().rank
     try:
         return _main(argv)
+    except UsageError as e:
+        _die(f"epmoe: error: {e}" if rank == 0 else "", 2)
     except CollectiveFailure as e:
-        text = e.report.format() if e.report is not None else f"epmoe: {e}"
-        _die(text, 1)
-    except (PeerInputError, ConfigMismatchError, BackendUnavailableError) as e:
-        _die(f"epmoe: rank {detect_launch_env().rank}: {type(e).__name__}: {e}", 1)
+        _die(e.report.format() if e.report is not None else f"epmoe: rank {rank}: {e}", 1)
+    except (ConfigMismatchError, BackendUnavailableError) as e:  # agreed at construction: usage
+        _die(f"epmoe: error: {e}" if rank == 0 else "", 2)
+    except PeerInputError as e:  # another rank failed; rank 0 says it once (its own error or this)
+        _die(f"epmoe: error: {e}" if rank == 0 else "", 1)
+    except LoadError as e:  # every rank raised (this or PeerInputError): rank 0 says it once
+        _die(f"epmoe: error: rank {rank}: {e}" if rank == 0 else "", 1)
+    except KeyboardInterrupt:
+        _die(f"epmoe: rank {rank}: interrupted", 130)
     return 1
+
+
+class LoadError(Exception):
+    """Loading weights failed on this rank (every rank raises: this one or PeerInputError)."""
 
 
 def _die(text: str, code: int) -> None:
     """Print once and leave without tearing down process groups (a peer may be gone)."""
     if os.environ.get("EPMOE_DEBUG"):
         raise
-    sys.stderr.write(text.rstrip() + "\n")
+    if text:
+        sys.stderr.write(text.rstrip() + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(code)
 
 
+def _agree(error: Optional[str], watch, what: str) -> None:
+    """Every rank learns whether any rank hit a usage error; all raise UsageError (rank 0 prints)."""
+    with watch.phase(what):
+        errors = edist.all_gather_objects(error, None, watch.collective_timeout)
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not bad:
+        return
+    if len({e for _, e in bad}) == 1 and len(bad) == len(errors):
+        raise UsageError(bad[0][1])
+    raise UsageError("; ".join(f"rank {r}: {e}" for r, e in bad))
+
+
 def _main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("tokens", "steps", "layers"):
-        if getattr(args, name) < (0 if name == "tokens" else 1):
-            raise SystemExit(f"--{name} {getattr(args, name)}: must be {'>= 0' if name == 'tokens' else '>= 1'}")
-    if args.ep is not None and args.ep < 1:
-        raise SystemExit(f"--ep {args.ep}: must be >= 1")
+    check_flags(args)
     if args.doctor:
         from epmoe.launch.doctor import run as run_doctor
 
         return run_doctor(args)
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except SystemExit as e:
+        raise UsageError(str(e.code)) from None
     le = detect_launch_env()
-    cfg, hf = load_config(args, device)
-
     if args.plan:
+        cfg, _ = load_config(args, device)
         ep = args.ep or le.world_size
         cfg = apply_scale(cfg, args.scale, ep)
         return print_plan(cfg, args, ep, device) if le.rank == 0 else 0
 
+    from epmoe.core.errors import PeerInputError
+    from epmoe.core.fault import FaultWatch
+
     le = init_distributed(device.type, args.timeout)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
+    watch = FaultWatch("launcher", None, args.timeout)  # the launcher's own collectives: same fault reports
     ep = le.world_size
     rank0 = le.rank == 0
-    unscaled = cfg
-    cfg = apply_scale(cfg, args.scale, ep)
-    if rank0 and args.scale is not None:
-        print(f"--scale {args.scale}: experts {unscaled.num_experts} -> {cfg.num_experts} "
-              f"(top_k {cfg.top_k}, expert shape H={cfg.hidden_size} I={cfg.intermediate_size} unchanged)")
-    num_layers = args.layers
-    need = weight_bytes_per_rank(cfg, ep, num_layers)
-    have = available_memory_bytes(device)
-    if have is not None and need > 0.8 * have and args.scale is None:
-        if rank0:
-            print(f"error: {num_layers} layer(s) of {cfg.model_type} need {_fmt_bytes(need)} of expert weights per "
-                  f"rank on {device}, but only {_fmt_bytes(have)} is free; pass --scale F (e.g. --scale "
-                  f"{max(0.01, round(0.5 * have / need, 2))}) to run fewer experts, or use more ranks", file=sys.stderr)
-        shutdown()
-        return 2
+    say = _say if rank0 else (lambda text: None)
 
+    # ---- everything checkable, before any weights are written or loaded (agreed across ranks)
+    error = None
+    cfg = hf = None
+    try:
+        cfg, hf = load_config(args, device)
+        unscaled = cfg
+        cfg = apply_scale(cfg, args.scale, ep)
+        check_placement(cfg, ep, args)
+        if le.local_rank == 0 and args.write_synthetic is not None:
+            check_write_dir(args.write_synthetic)
+    except UsageError as e:
+        error = str(e)
+    _agree(error, watch, "checking flags")
+    if args.scale is not None:
+        say(f"--scale {args.scale}: experts {unscaled.num_experts} -> {cfg.num_experts} "
+            f"(top_k {cfg.top_k}, expert shape H={cfg.hidden_size} I={cfg.intermediate_size} unchanged)")
+    num_layers = args.layers
+    layer_idx = list(range(num_layers))
+    keys: Dict[str, str] = {}
+    if args.checkpoint:
+        error = None
+        try:
+            keys = _checkpoint_keys(args.checkpoint)
+            found = moe_layer_indices(keys)
+            if len(found) < num_layers:
+                raise UsageError(f"--checkpoint {args.checkpoint}: --layers {num_layers} but the checkpoint holds "
+                                 f"experts of {len(found)} layer(s) {found[:8]}")
+            layer_idx = found[:num_layers]
+        except UsageError as e:
+            error = str(e)
+        _agree(error, watch, "reading the checkpoint index")
     max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
-    # local rank 0 of each node writes the checkpoint; everyone reads it back through the loader
+
+    # building the layers checks the dispatcher, experts backend and quant plan on every rank
+    layers = []
+    try:
+        for L in layer_idx:
+            layers.append(EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=max_tokens,
+                                experts=args.experts, quant=args.quant, dispatch_dtype=args.dispatch_dtype,
+                                deterministic=args.deterministic, timeout_s=args.timeout,
+                                check_finite=args.check_finite, name=f"EPMoE[layer {L}]"))
+    except (ValueError, TypeError) as e:  # agreed by the layer: every rank raises the same
+        raise UsageError(str(e)) from None
+    plan = layers[0].plan
+
+    writes = args.checkpoint is None and le.local_rank == 0
+    max_T = args.tokens if args.tokens_jitter <= 0 else int(round(args.tokens * (1 + args.tokens_jitter)))
+    est = estimate_memory(cfg, plan, ep, num_layers, max_tokens, max_T, check=args.check and rank0,
+                          writer=writes, runtime_bytes=_rss_bytes(), device=device)
+    problem = check_memory(est, cfg, args, device, le, watch)
+    if problem:
+        raise UsageError(problem)
+    with watch.phase("gathering estimates"):
+        estimates = edist.all_gather_objects(est.total_bytes, None, watch.collective_timeout)
+    say(f"memory per rank (estimate): {est.format()}"
+        + (" on rank 0" if ep > 1 else ""))
+
+    # ---- weights: an existing checkpoint, or synthetic ones written by local rank 0 of each node
     tmp = None
-    wdir = args.weights_dir
-    # A node is (host name, node rank): torchrun numbers its agents (GROUP_RANK), even two on one host;
-    # mpirun sets no node rank, so there the host name tells the nodes apart.
+    wdir = args.checkpoint
     node_key = (socket.gethostname(), le.node_rank)
     if wdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="epmoe-synthetic-") if le.local_rank == 0 else None
-        shared = edist.all_gather_objects((node_key, tmp.name if tmp else None))
-        wdir = next((d for k, d in shared if k == node_key and d), None)
-    synthetic: dict = {}
-    if le.local_rank == 0 and wdir is not None:
-        try:
-            synthetic = write_checkpoint(wdir, cfg, hf, num_layers, args.seed)
-        except OSError as e:  # reported below through the agreement, not by leaving the others waiting
-            print(f"error: rank {le.rank} could not write the synthetic checkpoint to {wdir}: {e}; "
-                  "pass --weights-dir DIR on a writable filesystem", file=sys.stderr)
-    edist.barrier()  # the files exist (or their writer failed) before anyone looks
-    # every rank says whether it sees the files, so a rank that cannot read them makes all ranks
-    # stop with the reason instead of some of them waiting in a collective
-    seen = edist.all_gather_objects(wdir is not None and os.path.isfile(os.path.join(wdir, "model.safetensors")))
-    if not all(seen):
-        if rank0:
+        wdir = args.write_synthetic
+        if wdir is None:
+            # A node is (host name, node rank): torchrun numbers its agents (GROUP_RANK), even two on one host;
+            # mpirun sets no node rank, so there the host name tells the nodes apart.
+            tmp = tempfile.TemporaryDirectory(prefix="epmoe-synthetic-") if le.local_rank == 0 else None
+            with watch.phase("sharing the weights directory"):
+                shared = edist.all_gather_objects((node_key, tmp.name if tmp else None), None, watch.collective_timeout)
+            wdir = next((d for k, d in shared if k == node_key and d), None)
+        if writes and wdir is not None:
+            t0 = time.monotonic()
+            if le.rank == 0 or le.local_rank == 0:
+                _say(f"rank {le.rank}: writing synthetic weights ({num_layers} layer(s), {cfg.num_experts} experts, "
+                     f"{_fmt_bytes(num_layers * cfg.num_experts * cfg.expert_param_count() * est_elem(cfg))}) "
+                     f"to {wdir} ...")
+            try:
+                write_synthetic(wdir, cfg, hf, num_layers, args.seed)
+                if rank0:
+                    _say(f"rank 0: wrote them in {time.monotonic() - t0:.1f}s")
+            except OSError as e:  # reported below through the agreement, not by leaving the others waiting
+                _say(f"epmoe: error: rank {le.rank} could not write the synthetic checkpoint to {wdir}: {e}; "
+                     "pass --write-synthetic DIR on a writable filesystem")
+        # every rank says whether it sees the files, so a rank that cannot read them makes all ranks
+        # stop with the reason instead of some of them waiting in a collective
+        with watch.phase("waiting for the synthetic weights"):
+            edist.barrier(None, watch.collective_timeout)  # the files exist (or their writer failed) first
+            seen = edist.all_gather_objects(
+                wdir is not None and os.path.isfile(os.path.join(wdir, "model.safetensors")), None,
+                watch.collective_timeout)
+        if not all(seen):
             blind = [r for r, ok in enumerate(seen) if not ok]
-            print(f"error: ranks {blind} cannot see the synthetic checkpoint written by local rank 0 of their node "
-                  f"({'no local rank 0 on that node' if wdir is None else wdir}); pass --weights-dir DIR on a "
-                  "filesystem every node shares, or launch so each node has a LOCAL_RANK 0", file=sys.stderr)
-        shutdown()
-        if tmp is not None:
-            tmp.cleanup()
-        return 2
-    if not rank0:
-        synthetic = {}
+            if tmp is not None:
+                tmp.cleanup()
+            raise UsageError(
+                f"ranks {blind} cannot see the synthetic checkpoint written by local rank 0 of their node "
+                f"({'no local rank 0 on that node' if wdir is None else wdir}); pass --write-synthetic DIR on a "
+                "filesystem every node shares, or launch so each node has a LOCAL_RANK 0")
+        keys = _checkpoint_keys(wdir)
 
-    layers, gates = [], []
-    for L in range(num_layers):
-        layer = EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=max_tokens,
-                      experts=args.experts, quant=args.quant, dispatch_dtype=args.dispatch_dtype,
-                      deterministic=args.deterministic, timeout_s=args.timeout, name=f"EPMoE[layer {L}]")
-        layer.load_weights(wdir, layer_idx=L)
-        layers.append(layer)
-        gates.append(read_gate(wdir, L).to(device))
+    load_bar = Progress(len(layers), "loading layer", rank0)
+    load_bar.update(0)
+    gates = []
+    for i, (L, layer) in enumerate(zip(layer_idx, layers)):
+        try:
+            layer.load_weights(wdir, layer_idx=L)
+        except PeerInputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the layer agreed on it: every rank raises
+            raise LoadError(f"loading layer {L} from {wdir}: {type(e).__name__}: {e}") from e
+        gate = read_gate(keys, L)
+        if gate is None:
+            if i == 0:
+                say(f"note: the checkpoint has no router weight for layer {L}; using a random one (seed {args.seed})")
+            g = torch.Generator().manual_seed(args.seed * 1000 + L)
+            gate = torch.randn(cfg.num_experts, cfg.hidden_size, generator=g) * cfg.hidden_size ** -0.5
+        gates.append(gate.to(device))
+        load_bar.update(i + 1)
+    corr = {}
+    if args.check and rank0:
+        from epmoe.checkpoint import load_expert_weights
+
+        for L in layer_idx:
+            corr[L] = load_expert_weights(wdir, cfg, experts=(0, 1), layer_idx=L).e_score_correction_bias
     if rank0:
         print(f"epmoe launch: {cfg.model_type} ep={ep} ({le.launcher}, {'nccl' if device.type == 'cuda' else 'gloo'} "
               f"on {device}) layers={num_layers} tokens/rank={args.tokens} jitter={args.tokens_jitter} "
               f"max_tokens_per_rank={max_tokens} dtype={dtype_name(cfg.dtype)}")
-        print(layers[0].plan.describe())
+        print(_plan_text(layers[0].plan, cfg))
+        sys.stdout.flush()
 
     stats = RunStats()
     per_expert = torch.zeros(num_layers, cfg.num_experts // ep, dtype=torch.int64)
     tol = CHECK_TOL[cfg.dtype]
     failed_check = False
     total = args.warmup + args.steps
+    bar = Progress(total, "step", rank0)
     for step in range(total):
         timed = step >= args.warmup
         T = _tokens_for_step(args, le.rank, step)
@@ -320,7 +748,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
         records = []
         if device.type == "cuda":
             torch.cuda.synchronize()
-        edist.barrier()  # steps start together, so one rank's --check work is not timed on the others
+        with watch.phase(f"step {step} start barrier"):  # steps start together: one rank's --check is not timed
+            edist.barrier(None, watch.collective_timeout)
         t0 = time.perf_counter()
         step_bytes = 0
         for L, layer in enumerate(layers):
@@ -339,23 +768,29 @@ def _main(argv: Optional[List[str]] = None) -> int:
             stats.step_ms.append(ms)
             stats.tokens.append(T)
             stats.bytes_sent.append(step_bytes)
+        extra = f"{ms:7.2f} ms/step"
         if args.check:
-            err = _check_step(cfg, synthetic, records, rank0)
+            c0 = time.perf_counter()
+            with watch.phase(f"step {step} check"):
+                err, n = _check_step(cfg, wdir, layer_idx, corr, records, rank0, watch)
+            stats.check_s += time.perf_counter() - c0
             if rank0:
                 stats.max_err = max(stats.max_err, err)
-                stats.checked += len(layers) * ep
+                stats.checked += n
                 if not err <= tol:
                     failed_check = True
-                    print(f"\ncheck FAILED at step {step}: max rel err {err:.3g} > {tol:g}", file=sys.stderr)
-        if rank0:
-            _progress(step + 1, total, ms)
-    if rank0 and sys.stderr.isatty():
-        sys.stderr.write("\n")
+                    _say(f"\ncheck FAILED at step {step}: max rel err {err:.3g} > {tol:g}")
+            extra += f", check {stats.check_s / (step + 1):.2f} s/step"
+        bar.update(step + 1, extra)
 
-    gathered = edist.all_gather_objects((stats.step_ms, stats.tokens, stats.bytes_sent, per_expert))
-    failed_check = bool(edist.all_gather_objects(failed_check)[0])
+    with watch.phase("summary"):
+        gathered = edist.all_gather_objects(
+            (stats.step_ms, stats.tokens, stats.bytes_sent, per_expert, _peak_rss_bytes()), None,
+            watch.collective_timeout)
+        failed_check = bool(edist.all_gather_objects(failed_check, None, watch.collective_timeout)[0])
+    nothing_checked = args.check and stats.checked == 0
     if rank0:
-        _summary(args, cfg, ep, layers[0], gathered, stats, tol, failed_check)
+        _summary(args, cfg, ep, layers[0], gathered, stats, tol, failed_check, estimates)
     elif args.check and le.local_rank == 0:  # one verdict line per node, so each node's log says how it went
         print(f"node {le.node_rank} ({socket.gethostname()}, rank {le.rank}): check | "
               f"{'FAILED' if failed_check else 'passed'} (details on rank 0)")
@@ -364,29 +799,40 @@ def _main(argv: Optional[List[str]] = None) -> int:
     shutdown()
     if tmp is not None:
         tmp.cleanup()
-    return 1 if failed_check else 0
+    return 1 if failed_check or (nothing_checked and rank0) else 0
 
 
-def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool) -> float:
-    """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference."""
-    from epmoe.reference import reference_moe
+def est_elem(cfg: MoEConfig) -> int:
+    return torch.tensor([], dtype=cfg.dtype).element_size()
 
-    everything = edist.all_gather_objects(records)
+
+def _check_step(cfg: MoEConfig, wdir: str, layer_idx: List[int], corr: dict, records, rank0: bool,
+                watch) -> "Tuple[float, int]":
+    """Gather every rank's (input, logits, output) per layer; rank 0 compares with the float64
+    reference, reading one expert at a time from the checkpoint (never the whole model at once).
+    Returns (worst relative error, rank-layer pairs compared)."""
+    from epmoe.checkpoint import load_expert_weights
+    from epmoe.reference import reference_moe_streamed
+
+    everything = edist.all_gather_objects(records, None, watch.collective_timeout)
     if not rank0:
-        return 0.0
-    worst = 0.0
-    for L, layer in synthetic.items():
-        xs = torch.cat([r[L][0] for r in everything])
+        return 0.0, 0
+    worst, compared = 0.0, 0
+    for i, L in enumerate(layer_idx):
+        xs = torch.cat([r[i][0] for r in everything])
         if xs.shape[0] == 0:
             continue
-        logits = torch.cat([r[L][1] for r in everything])
-        ys = torch.cat([r[L][2] for r in everything])
-        ref = reference_moe(cfg, xs, layer.experts, logits, e_score_correction_bias=layer.e_score_correction_bias)
+        logits = torch.cat([r[i][1] for r in everything])
+        ys = torch.cat([r[i][2] for r in everything])
+        ref = reference_moe_streamed(
+            cfg, xs, lambda e: load_expert_weights(wdir, cfg, experts=(e, e + 1), layer_idx=L).experts,
+            logits, e_score_correction_bias=corr.get(L))
         err = float((ys.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         if not torch.isfinite(ys).all():
             err = float("inf")
         worst = max(worst, err)
-    return worst
+        compared += sum(1 for r in everything if r[i][0].shape[0] > 0)
+    return worst, compared
 
 
 def _pct(values: List[float], q: float) -> float:
@@ -396,11 +842,12 @@ def _pct(values: List[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def _summary(args, cfg, ep, layer, gathered, stats: RunStats, tol: float, failed_check: bool) -> None:
+def _summary(args, cfg, ep, layer, gathered, stats: RunStats, tol: float, failed_check: bool, estimates) -> None:
     step_ms = [max(ms) for ms in zip(*[g[0] for g in gathered])]  # a step ends when the slowest rank ends
     tokens = [sum(ts) for ts in zip(*[g[1] for g in gathered])]
     sent = [sum(bs) for bs in zip(*[g[2] for g in gathered])]
     load = torch.cat([g[3] for g in gathered], dim=1)  # [layers, E]
+    peak = [g[4] for g in gathered]
     total_s = sum(step_ms) / 1e3
     tps = sum(tokens) / total_s if total_s > 0 else 0.0
     mean_load = load.double().mean(dim=1, keepdim=True).clamp_min(1e-9)
@@ -413,11 +860,19 @@ def _summary(args, cfg, ep, layer, gathered, stats: RunStats, tol: float, failed
         ("throughput", f"{tps:,.0f} tokens/s (all ranks)"),
         ("dispatched", f"{_fmt_bytes(sum(sent) / max(1, len(sent)))} per step to other ranks"),
         ("expert load", f"max/mean {imbalance:.2f} over {cfg.num_experts} experts"),
+        ("memory", f"peak RSS per rank {', '.join(_fmt_bytes(p) for p in peak)} (estimate "
+                   f"{', '.join(_fmt_bytes(e) for e in estimates)})"),
     ]
+    passed: Optional[bool] = None
     if args.check:
-        verdict = "FAILED" if failed_check else "passed"
-        rows.append(("check", f"{verdict}: max rel err {stats.max_err:.3g} (tolerance {tol:g}) over "
-                              f"{stats.checked} rank-layer-steps vs float64 reference"))
+        if stats.checked == 0:
+            rows.append(("check", "FAILED: nothing was compared (every step had 0 tokens on every rank)"))
+            passed = False
+        else:
+            passed = not failed_check
+            rows.append(("check", f"{'passed' if passed else 'FAILED'}: max rel err {stats.max_err:.3g} (tolerance "
+                                  f"{tol:g}) over {stats.checked} rank-layer-steps vs float64 reference; "
+                                  f"{stats.check_s:.1f}s checking (not in the latencies)"))
     width = max(len(k) for k, _ in rows)
     print("\n" + "\n".join(f"{k.rjust(width)} | {v}" for k, v in rows))
     if args.json:
@@ -427,6 +882,9 @@ def _summary(args, cfg, ep, layer, gathered, stats: RunStats, tol: float, failed
                 "experts": layer.experts.name, "plan": layer.plan.fingerprint(),
                 "step_ms": step_ms, "tokens_per_step": tokens, "tokens_per_s": tps,
                 "dispatch_bytes_per_step": sent, "tokens_per_expert": load.tolist(),
-                "check": {"enabled": args.check, "passed": not failed_check, "max_rel_err": stats.max_err},
+                "check": {"enabled": args.check, "passed": passed,
+                          "max_rel_err": stats.max_err if args.check else None,
+                          "compared": stats.checked, "seconds": stats.check_s},
+                "memory": {"estimate_bytes_per_rank": estimates, "peak_rss_bytes_per_rank": peak},
             }, f, indent=1)
         print(f"wrote {args.json}")

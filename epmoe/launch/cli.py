@@ -188,7 +188,11 @@ def load_config(args: argparse.Namespace, device: torch.device) -> "tuple[MoECon
         hf = _read_json(args.config, "--config")
     else:
         hf = dict(PRESETS[args.preset or "tiny"])
-    where = args.checkpoint or args.config or f"preset {args.preset or 'tiny'}"
+    where = args.checkpoint or args.config
+    if where is None:
+        where = f"preset {args.preset or 'tiny'}"
+    elif os.path.isdir(where):
+        where = os.path.join(where, "config.json")
     try:
         cfg = MoEConfig.from_hf_config(hf, dtype=default_dtype(args, device))
     except (ValueError, TypeError, KeyError) as e:
@@ -285,26 +289,36 @@ def synthetic_writer_bytes(cfg: MoEConfig, num_layers: int) -> int:
 @dataclass
 class MemoryEstimate:
     """What one rank allocates, by item. `host` items live in this machine's RAM (all ranks of a node
-    share it); `device` items on the rank's device (the same RAM on CPU runs)."""
+    share it), `device` items on the rank's device (the same RAM on CPU runs, then listed under host).
+    `transient` items are host memory of one phase each (writing, loading), freed before the next:
+    the peak counts the largest of them."""
 
     host: Dict[str, int]
     device: Dict[str, int]
+    transient: Dict[str, int]
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values()) + max(self.transient.values(), default=0)
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.host.values()) + sum(self.device.values())
+        return self.host_bytes + sum(self.device.values())
 
     def format(self) -> str:
         parts = [f"{k} {_fmt_bytes(v)}" for k, v in {**self.device, **self.host}.items() if v]
+        if self.transient:
+            parts.append("max(" + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.transient.items()) + ")")
         return " + ".join(parts) + f" = {_fmt_bytes(self.total_bytes)}"
 
 
 def estimate_memory(cfg: MoEConfig, plan, ep: int, num_layers: int, max_tokens: int, max_T: int, *,
                     check: bool, writer: bool, runtime_bytes: int, device: torch.device) -> MemoryEstimate:
     """Everything the run allocates on one rank: expert weights and workspace (memory_required), the
-    loader's transient copies of one layer, rank 0's --check buffers (every rank's inputs/outputs of a
-    step and one expert in float64), the synthetic writer (on the writing process) and the process
-    itself (`runtime_bytes`: Python, torch, gloo, measured)."""
+    loader's transient copies of one layer's local slice (read per expert, then stacked), rank 0's
+    --check buffers (every rank's inputs/outputs of a step and one expert in float64), the synthetic
+    writer (on the writing process, before loading) and the process itself (`runtime_bytes`: Python,
+    torch, gloo, measured)."""
     from epmoe.quant.workspace import memory_required
 
     mem = memory_required(plan, cfg, ep, max_tokens, num_moe_layers=num_layers)
@@ -313,19 +327,18 @@ def estimate_memory(cfg: MoEConfig, plan, ep: int, num_layers: int, max_tokens: 
     H, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     per_expert = cfg.expert_param_count()
     device_items = {"expert weights": mem.weights_bytes, "workspace": mem.workspace.total_bytes}
-    host = {"runtime": runtime_bytes,
-            # read (per expert), stacked, converted to the kernel layout: three copies of one layer's slice
-            "loading": 3 * E_local * per_expert * max(elem, 2)}
+    host = {"runtime": runtime_bytes}
+    transient = {"loading": 2 * E_local * per_expert * max(elem, 2)}
     if check:
         rows = ep * max_T
         records = rows * num_layers * (2 * H * elem + E * 4)
         host["check"] = 2 * records + 2 * per_expert * 8 + rows * (3 * H + 2 * I + E) * 8
     if writer:
-        host["writer"] = synthetic_writer_bytes(cfg, num_layers)
+        transient["writer"] = synthetic_writer_bytes(cfg, num_layers)
     if device.type == "cpu":
         host = {**device_items, **host}
         device_items = {}
-    return MemoryEstimate(host=host, device=device_items)
+    return MemoryEstimate(host=host, device=device_items, transient=transient)
 
 
 def check_memory(est: MemoryEstimate, cfg: MoEConfig, args, device: torch.device, le, watch) -> Optional[str]:
@@ -334,31 +347,30 @@ def check_memory(est: MemoryEstimate, cfg: MoEConfig, args, device: torch.device
     dev_key = (node_key, str(device))
     have_host = available_memory_bytes(torch.device("cpu"))
     have_dev = available_memory_bytes(device) if device.type == "cuda" else None
-    scalable = est.host.get("expert weights", 0) + est.host.get("loading", 0) + est.host.get("writer", 0) \
-        + est.device.get("expert weights", 0)
-    mine = (node_key, dev_key, sum(est.host.values()) - est.host["runtime"], sum(est.device.values()),
-            have_host, have_dev, scalable)
+    # what grows with the expert count (the rest: the process, workspace, --check's activations)
+    host_scalable = est.host.get("expert weights", 0) + max(est.transient.values(), default=0)
+    dev_scalable = est.device.get("expert weights", 0)
+    mine = (node_key, dev_key, est.host_bytes - est.host["runtime"], sum(est.device.values()),
+            have_host, have_dev, host_scalable, dev_scalable)
     with watch.phase("memory check"):
         everyone = edist.all_gather_objects(mine, None, watch.collective_timeout)
     problems = []
     for key in sorted({e[0] for e in everyone}):
         on_node = [e for e in everyone if e[0] == key]
-        need = sum(e[2] for e in on_node)
-        have = on_node[0][4]
+        need, have = sum(e[2] for e in on_node), on_node[0][4]
         if have is not None and need > 0.9 * have:
-            grow = sum(e[6] for e in on_node if device.type == "cpu") + sum(
-                e[6] - e[3] for e in on_node if device.type != "cpu")
-            problems.append((need, have, grow, f"node {key[0]} ({len(on_node)} ranks) needs {_fmt_bytes(need)} "
-                                              f"of RAM but {_fmt_bytes(have)} is available"))
+            problems.append((need, have, sum(e[6] for e in on_node),
+                             f"node {key[0]} ({len(on_node)} rank(s)) needs {_fmt_bytes(need)} more RAM but "
+                             f"{_fmt_bytes(have)} is available"))
     for key in sorted({e[1] for e in everyone}):
         on_dev = [e for e in everyone if e[1] == key]
         need, have = sum(e[3] for e in on_dev), on_dev[0][5]
         if have is not None and need > 0.9 * have:
-            problems.append((need, have, need, f"{key[1]} on {key[0][0]} ({len(on_dev)} ranks) needs "
-                                              f"{_fmt_bytes(need)} but {_fmt_bytes(have)} is free"))
+            problems.append((need, have, sum(e[7] for e in on_dev), f"{key[1]} on {key[0][0]} ({len(on_dev)} "
+                             f"rank(s)) needs {_fmt_bytes(need)} but {_fmt_bytes(have)} is free"))
     if not problems:
         return None
-    # memory scales about linearly with the expert count, except the runtime and the workspace
+    # memory grows about linearly with the expert count, except the process, workspace and activations
     frac = min(max(0.0, 1 - (need - 0.8 * have) / max(grow, 1)) for need, have, grow, _ in problems)
     suggestion = math.floor(100 * frac * (args.scale or 1.0)) / 100
     what = "; ".join(p[3] for p in problems)
@@ -408,9 +420,10 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
         print(f"  rank {r}: experts [{r * E_local}, {(r + 1) * E_local})")
     print(_plan_text(plan, cfg))
     ws = workspace_breakdown(plan, cfg, ep, max_tokens)
-    print(f"workspace (max_tokens_per_rank={max_tokens}, K = hidden_size {cfg.hidden_size}"
-          + (f", checkpoint K {cfg.hidden_size_unpadded}" if cfg.hidden_size_unpadded else "") + "):")
     print(ws.format_table())
+    if cfg.hidden_size_unpadded:
+        print(f"  (K = hidden_size {cfg.hidden_size} as the kernels pad it; the checkpoint's is "
+              f"{cfg.hidden_size_unpadded})")
     print(memory_required(plan, cfg, ep, max_tokens, num_moe_layers=cfg.num_layers).format_table())
     return 0
 

@@ -67,12 +67,12 @@ LAUNCH_ARGS = ["--device", "cpu", "--preset", "tiny", "--check", "--steps", "3",
 @pytest.mark.parametrize("shared_weights_dir", [False, True], ids=["per-node-temp-dirs", "shared-weights-dir"])
 def test_torchrun_two_nodes_c10d_rendezvous(tmp_path, shared_weights_dir):
     """2 nodes x 2 processes, one EP group of 4 across both. Per node, local rank 0 writes the synthetic
-    checkpoint: into its own temp dir, or (shared filesystem) both into one --weights-dir at once."""
+    checkpoint: into its own temp dir, or (shared filesystem) both into one --write-synthetic dir at once."""
     port = free_port()
     out = tmp_path / "run.json"
     extra = ["--json", str(out)]
     if shared_weights_dir:
-        extra += ["--weights-dir", str(tmp_path / "weights")]
+        extra += ["--write-synthetic", str(tmp_path / "weights")]
     cmds, envs = [], []
     for node in (0, 1):
         cmds.append([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",

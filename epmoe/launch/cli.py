@@ -52,6 +52,23 @@ def _backend_names() -> "Tuple[List[str], List[str]]":
     return DISPATCHERS.names(), EXPERTS.names()
 
 
+def _dtype_arg(value: str) -> str:
+    v = value.lower().replace("torch.", "")
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+            "fp64": "float64", "double": "float64"}.get(v, v)
+
+
+class _Help(argparse.HelpFormatter):
+    """Every flag's default in its help, unless the text already says it (or it is an on/off switch)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or \
+                action.default == argparse.SUPPRESS or action.nargs == 0:
+            return text
+        return text + " (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line per job, exit 2 (argparse's own code for usage errors)
         if detect_launch_env().rank == 0:
@@ -66,11 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run expert-parallel MoE layers on an existing checkpoint (--checkpoint) or on synthetic "
                     "weights, under torchrun / mpirun / a single process. Exit codes: 0 ok, 1 fault or failed "
                     "--check, 2 usage error (nothing was run), 3 --doctor found the configuration cannot run.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                     help="model shape for synthetic weights (tiny when neither --config nor --checkpoint is given)")
+                     help="model shape for synthetic weights (default: tiny, unless --config or --checkpoint is given)")
     src.add_argument("--config", metavar="PATH", help="a HF config.json (or its directory) for synthetic weights")
     src.add_argument("--checkpoint", metavar="DIR",
                      help="load an existing HF checkpoint (config.json + *.safetensors); never written to")
@@ -87,15 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert quant mode (default: the checkpoint's, unquantized for synthetic weights)")
     p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "bf16", "nvfp4"],
                    help="how tokens travel (auto: decided by the quant plan)")
-    p.add_argument("--dtype", default=None, choices=DTYPES,
+    p.add_argument("--dtype", default=None, choices=DTYPES, type=_dtype_arg,
                    help="activation and weight dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens per rank per step (>= 0)")
+    p.add_argument("--tokens", type=int, default=64, metavar="N", help="tokens per rank per step (>= 0)")
     p.add_argument("--tokens-jitter", type=float, default=0.0, metavar="FRAC",
                    help="draw each rank's T per step uniformly in [tokens*(1-FRAC), tokens*(1+FRAC)] "
                         "(>= 0; 1.0 includes 0)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps (>= 1)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 0)")
-    p.add_argument("--layers", type=int, default=1, help="MoE layers per step, each with its own weights (>= 1)")
+    p.add_argument("--steps", type=int, default=20, metavar="N", help="timed steps (>= 1)")
+    p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps first (>= 0)")
+    p.add_argument("--layers", type=int, default=1, metavar="N", help="MoE layers per step, each with its own weights (>= 1)")
     p.add_argument("--max-tokens-per-rank", type=int, default=None, metavar="N",
                    help="dispatch round size (>= 1; default: --tokens rounded up to 64); larger batches run in rounds")
     p.add_argument("--scale", type=float, default=None, metavar="F",
@@ -110,9 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--doctor", action="store_true",
                    help="preflight report of what this host can run (GPUs, NVLink, NCCL, packages, backends); with "
                         "--dispatcher/--experts/--device/--quant/--ep, exit 3 if that configuration cannot run here")
-    p.add_argument("--ep", type=int, default=None, help="EP size for --plan / --doctor (default: the launch's world size)")
+    p.add_argument("--ep", type=int, default=None, metavar="N", help="EP size for --plan / --doctor (default: the launch's world size)")
     p.add_argument("--json", metavar="PATH", help="write per-step latency, tokens/s, per-expert load and memory here")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and of the inputs")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the synthetic weights and of the inputs")
     p.add_argument("--deterministic", action="store_true", help="bitwise-reproducible reductions")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="collective timeout in seconds: a rank that waits longer ends with a fault report")
@@ -557,6 +574,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         _die(f"epmoe: error: rank {rank}: {e}" if rank == 0 else "", 1)
     except KeyboardInterrupt:
         _die(f"epmoe: rank {rank}: interrupted", 130)
+    except BrokenPipeError:  # output piped into `head`
+        _die("", 0)
     return 1
 
 
@@ -761,6 +780,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         records = []
         if device.type == "cuda":
             torch.cuda.synchronize()
+        watch.next_call()
         with watch.phase(f"step {step} start barrier"):  # steps start together: one rank's --check is not timed
             edist.barrier(None, watch.collective_timeout)
         t0 = time.perf_counter()

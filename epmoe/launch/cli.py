@@ -294,29 +294,36 @@ def _peak_rss_bytes() -> int:
 def synthetic_writer_bytes(cfg: MoEConfig, num_layers: int) -> int:
     """Peak memory of the synthetic writer (on the one process per node that writes). The writer may
     say it itself (`synthetic.writer_peak_bytes`); otherwise: it builds every layer's tensors and
-    safetensors serialises them, about twice the whole model."""
+    safetensors serialises them, about 1.5 times the whole model."""
     own = getattr(synth, "writer_peak_bytes", None)
     if own is not None:
         return int(own(cfg, num_layers))
     elem = torch.tensor([], dtype=cfg.dtype).element_size()
     per_layer = cfg.num_experts * (cfg.expert_param_count() + cfg.hidden_size) * elem
-    return 2 * per_layer * num_layers
+    return 3 * per_layer * num_layers // 2  # measured: 1.25x (Mixtral, 5.6 GB) to 1.45x (400 MB)
 
 
 @dataclass
 class MemoryEstimate:
-    """What one rank allocates, by item. `host` items live in this machine's RAM (all ranks of a node
-    share it), `device` items on the rank's device (the same RAM on CPU runs, then listed under host).
-    `transient` items are host memory of one phase each (writing, loading), freed before the next:
-    the peak counts the largest of them."""
+    """What one rank allocates, by item, in two phases: writing the synthetic checkpoint (`writer`,
+    on the one writing process per node; freed before anyone loads) and loading + running (`expert
+    weights` when they live in host RAM, plus the loader's transient copy of one layer, `loading`).
+    `host` items live in this machine's RAM for the whole run (all ranks of a node share it);
+    `device` items on the rank's GPU (on CPU runs the weights and workspace are host items)."""
 
     host: Dict[str, int]
     device: Dict[str, int]
-    transient: Dict[str, int]
+    writer: int
+    host_weights: int
+    loading: int
+
+    @property
+    def phase_bytes(self) -> int:
+        return max(self.writer, self.host_weights + self.loading)
 
     @property
     def host_bytes(self) -> int:
-        return sum(self.host.values()) + max(self.transient.values(), default=0)
+        return sum(self.host.values()) + self.phase_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -324,18 +331,19 @@ class MemoryEstimate:
 
     def format(self) -> str:
         parts = [f"{k} {_fmt_bytes(v)}" for k, v in {**self.device, **self.host}.items() if v]
-        if self.transient:
-            parts.append("max(" + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.transient.items()) + ")")
+        run = (f"expert weights {_fmt_bytes(self.host_weights)} + " if self.host_weights else "") + \
+            f"loading {_fmt_bytes(self.loading)}"
+        parts.append(f"max(writer {_fmt_bytes(self.writer)}, {run})" if self.writer else run)
         return " + ".join(parts) + f" = {_fmt_bytes(self.total_bytes)}"
 
 
 def estimate_memory(cfg: MoEConfig, plan, ep: int, num_layers: int, max_tokens: int, max_T: int, *,
                     check: bool, writer: bool, runtime_bytes: int, device: torch.device) -> MemoryEstimate:
     """Everything the run allocates on one rank: expert weights and workspace (memory_required), the
-    loader's transient copies of one layer's local slice (read per expert, then stacked), rank 0's
-    --check buffers (every rank's inputs/outputs of a step and one expert in float64), the synthetic
-    writer (on the writing process, before loading) and the process itself (`runtime_bytes`: Python,
-    torch, gloo, measured)."""
+    loader's transient copies of one layer's local slice (read per expert, then stacked and converted:
+    at most twice the slice), rank 0's --check buffers (every rank's inputs/outputs of a step and one
+    expert in float64), the synthetic writer (on the writing process, before loading) and the process
+    itself (`runtime_bytes`: Python, torch, gloo, measured)."""
     from epmoe.quant.workspace import memory_required
 
     mem = memory_required(plan, cfg, ep, max_tokens, num_moe_layers=num_layers)
@@ -343,19 +351,19 @@ def estimate_memory(cfg: MoEConfig, plan, ep: int, num_layers: int, max_tokens: 
     E_local = cfg.num_experts // ep
     H, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     per_expert = cfg.expert_param_count()
-    device_items = {"expert weights": mem.weights_bytes, "workspace": mem.workspace.total_bytes}
-    host = {"runtime": runtime_bytes}
-    transient = {"loading": 2 * E_local * per_expert * max(elem, 2)}
+    host = {"runtime": runtime_bytes, "workspace": mem.workspace.total_bytes}
+    device_items: Dict[str, int] = {}
+    host_weights = mem.weights_bytes
+    if device.type != "cpu":
+        device_items = {"expert weights": mem.weights_bytes, "workspace": host.pop("workspace")}
+        host_weights = 0
     if check:
         rows = ep * max_T
         records = rows * num_layers * (2 * H * elem + E * 4)
         host["check"] = 2 * records + 2 * per_expert * 8 + rows * (3 * H + 2 * I + E) * 8
-    if writer:
-        transient["writer"] = synthetic_writer_bytes(cfg, num_layers)
-    if device.type == "cpu":
-        host = {**device_items, **host}
-        device_items = {}
-    return MemoryEstimate(host=host, device=device_items, transient=transient)
+    return MemoryEstimate(host=host, device=device_items,
+                          writer=synthetic_writer_bytes(cfg, num_layers) if writer else 0,
+                          host_weights=host_weights, loading=2 * E_local * per_expert * max(elem, 2))
 
 
 def check_memory(est: MemoryEstimate, cfg: MoEConfig, args, device: torch.device, le, watch) -> Optional[str]:
@@ -364,31 +372,29 @@ def check_memory(est: MemoryEstimate, cfg: MoEConfig, args, device: torch.device
     dev_key = (node_key, str(device))
     have_host = available_memory_bytes(torch.device("cpu"))
     have_dev = available_memory_bytes(device) if device.type == "cuda" else None
-    # what grows with the expert count (the rest: the process, workspace, --check's activations)
-    host_scalable = est.host.get("expert weights", 0) + max(est.transient.values(), default=0)
-    dev_scalable = est.device.get("expert weights", 0)
-    mine = (node_key, dev_key, est.host_bytes - est.host["runtime"], sum(est.device.values()),
-            have_host, have_dev, host_scalable, dev_scalable)
+    mine = (node_key, dev_key, sum(est.host.values()) - est.host["runtime"], sum(est.device.values()),
+            have_host, have_dev, est.writer, est.host_weights + est.loading, est.device.get("expert weights", 0))
     with watch.phase("memory check"):
         everyone = edist.all_gather_objects(mine, None, watch.collective_timeout)
-    problems = []
+    problems = []  # (need, have, the part that grows with the expert count, text)
     for key in sorted({e[0] for e in everyone}):
         on_node = [e for e in everyone if e[0] == key]
-        need, have = sum(e[2] for e in on_node), on_node[0][4]
+        # the writer finishes (every rank waits for it) before the ranks of the node load together
+        phase = max(sum(e[6] for e in on_node), sum(e[7] for e in on_node))
+        need, have = sum(e[2] for e in on_node) + phase, on_node[0][4]
         if have is not None and need > 0.9 * have:
-            problems.append((need, have, sum(e[6] for e in on_node),
-                             f"node {key[0]} ({len(on_node)} rank(s)) needs {_fmt_bytes(need)} more RAM but "
-                             f"{_fmt_bytes(have)} is available"))
+            problems.append((need, have, phase, f"node {key[0]} ({len(on_node)} rank(s)) needs {_fmt_bytes(need)} "
+                                                f"more RAM but {_fmt_bytes(have)} is available"))
     for key in sorted({e[1] for e in everyone}):
         on_dev = [e for e in everyone if e[1] == key]
         need, have = sum(e[3] for e in on_dev), on_dev[0][5]
         if have is not None and need > 0.9 * have:
-            problems.append((need, have, sum(e[7] for e in on_dev), f"{key[1]} on {key[0][0]} ({len(on_dev)} "
+            problems.append((need, have, sum(e[8] for e in on_dev), f"{key[1]} on {key[0][0]} ({len(on_dev)} "
                              f"rank(s)) needs {_fmt_bytes(need)} but {_fmt_bytes(have)} is free"))
     if not problems:
         return None
-    # memory grows about linearly with the expert count, except the process, workspace and activations
-    frac = min(max(0.0, 1 - (need - 0.8 * have) / max(grow, 1)) for need, have, grow, _ in problems)
+    # that part grows about linearly with the expert count; the process, workspace and activations do not
+    frac = min(max(0.0, (0.8 * have - (need - grow)) / max(grow, 1)) for need, have, grow, _ in problems)
     suggestion = math.floor(100 * frac * (args.scale or 1.0)) / 100
     what = "; ".join(p[3] for p in problems)
     fix = (f"pass --scale {suggestion} to run fewer experts" if suggestion >= 0.01 and args.checkpoint is None

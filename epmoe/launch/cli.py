@@ -97,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-dir", metavar="DIR", default=None, help="deprecated name of --write-synthetic")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda if present, else cpu with gloo")
-    p.add_argument("--dispatcher", default="torch", choices=dispatchers, help="token all-to-all backend")
-    p.add_argument("--experts", default="auto", choices=["auto", *experts],
-                   help="experts backend; auto lets the quant plan choose by arch (reference on CPU)")
+    p.add_argument("--dispatcher", default="torch", metavar="NAME",
+                   help=f"token all-to-all backend: {', '.join(dispatchers)}")
+    p.add_argument("--experts", default="auto", metavar="NAME",
+                   help=f"experts backend: auto (the quant plan chooses by arch; reference on CPU), {', '.join(experts)}")
     p.add_argument("--quant", default=None, choices=list(EXPERT_MODES),
                    help="expert quant mode (default: the checkpoint's, unquantized for synthetic weights)")
     p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "bf16", "nvfp4"],
@@ -139,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------- flags and files
 def check_flags(args: argparse.Namespace) -> None:
     """Everything that can be checked from the flags alone (identical on every rank)."""
+    if not args.doctor:  # the doctor reports unknown names itself, with what this host can run
+        dispatchers, experts = _backend_names()
+        if args.dispatcher not in dispatchers:
+            raise UsageError(f"--dispatcher {args.dispatcher!r} is not a dispatcher; choose one of {dispatchers}")
+        if args.experts != "auto" and args.experts not in experts:
+            raise UsageError(f"--experts {args.experts!r} is not an experts backend; choose 'auto' or one of {experts}")
     for name, lo in (("tokens", 0), ("steps", 1), ("layers", 1), ("warmup", 0)):
         v = getattr(args, name)
         if v < lo:

@@ -102,9 +102,9 @@ def test_synthetic_dir_is_marked_rewritable_and_loadable_read_only(tmp_path, run
 # ------------------------------------------------------------------------------------------- 5. usage errors
 @pytest.mark.parametrize("args, needle", [
     (["--config", "/nonexistent/config.json"], "--config: /nonexistent/config.json does not exist"),
-    (["--dispatcher", "nosuch"], "argument --dispatcher: invalid choice: 'nosuch'"),
-    (["--plan", "--dispatcher", "reference"], "argument --dispatcher: invalid choice: 'reference'"),
-    (["--experts", "nosuch"], "argument --experts: invalid choice"),
+    (["--dispatcher", "nosuch"], "--dispatcher 'nosuch' is not a dispatcher; choose one of ["),
+    (["--plan", "--dispatcher", "reference"], "--dispatcher 'reference' is not a dispatcher"),
+    (["--experts", "nosuch"], "--experts 'nosuch' is not an experts backend; choose 'auto' or one of"),
     (["--quant", "nvfp4_w4a16", "--dispatch-dtype", "nvfp4"], "nvfp4"),
     (["--experts", "triton"], "experts backend 'triton' cannot run"),
     (["--tokens-jitter", "-3"], "--tokens-jitter -3: must be a fraction >= 0"),

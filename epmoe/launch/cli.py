@@ -501,6 +501,31 @@ def _fmt_s(s: float) -> str:
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.1f}min"
 
 
+class _Heartbeat:
+    """While a long step runs (writing, loading a layer): a line every PROGRESS_EVERY_S seconds."""
+
+    def __init__(self, what: str, enabled: bool):
+        import threading
+
+        self.what, self.enabled, self.t0 = what, enabled, time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True) if enabled else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(PROGRESS_EVERY_S):
+            _say(f"  ... {self.what}: {time.monotonic() - self.t0:.0f}s so far")
+
+    def __enter__(self):
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def _say(text: str) -> None:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
@@ -725,7 +750,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
                      f"{_fmt_bytes(num_layers * cfg.num_experts * cfg.expert_param_count() * est_elem(cfg))}) "
                      f"to {wdir} ...")
             try:
-                write_synthetic(wdir, cfg, hf, num_layers, args.seed)
+                with _Heartbeat(f"rank {le.rank} writing synthetic weights", le.rank == 0 or le.local_rank == 0):
+                    write_synthetic(wdir, cfg, hf, num_layers, args.seed)
                 if rank0:
                     _say(f"rank 0: wrote them in {time.monotonic() - t0:.1f}s")
             except OSError as e:  # reported below through the agreement, not by leaving the others waiting
@@ -746,19 +772,30 @@ def _main(argv: Optional[List[str]] = None) -> int:
                 f"ranks {blind} cannot see the synthetic checkpoint written by local rank 0 of their node "
                 f"({'no local rank 0 on that node' if wdir is None else wdir}); pass --write-synthetic DIR on a "
                 "filesystem every node shares, or launch so each node has a LOCAL_RANK 0")
-        keys = _checkpoint_keys(wdir)
+        error = None
+        try:
+            keys = _checkpoint_keys(wdir)
+        except UsageError as e:
+            error = str(e)
+        _agree(error, watch, "reading the synthetic checkpoint")
 
     load_bar = Progress(len(layers), "loading layer", rank0)
     load_bar.update(0)
     gates = []
     for i, (L, layer) in enumerate(zip(layer_idx, layers)):
         try:
-            layer.load_weights(wdir, layer_idx=L)
+            with _Heartbeat(f"loading layer {L}", rank0):
+                layer.load_weights(wdir, layer_idx=L)
         except PeerInputError:
             raise
         except Exception as e:  # noqa: BLE001 - the layer agreed on it: every rank raises
             raise LoadError(f"loading layer {L} from {wdir}: {type(e).__name__}: {e}") from e
-        gate = read_gate(keys, L)
+        gate, error = None, None
+        try:
+            gate = read_gate(keys, L)
+        except Exception as e:  # noqa: BLE001 - agreed below, so no rank waits on another
+            error = f"reading the router weight of layer {L} from {wdir}: {type(e).__name__}: {e}"
+        _agree(error, watch, "reading the router weights")
         if gate is None:
             if i == 0:
                 say(f"note: the checkpoint has no router weight for layer {L}; using a random one (seed {args.seed})")

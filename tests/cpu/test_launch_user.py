@@ -315,3 +315,26 @@ def test_progress_without_terminal_prints_every_few_seconds(monkeypatch):
     lines = buf.getvalue().splitlines()
     assert 3 <= len(lines) <= 5, lines  # every 5 s, not every 10 % of 100000 steps
     assert "ETA" in lines[0] and "/100000  5s elapsed" in lines[0], lines
+
+
+# ------------------------------------------------------------------------------------------- 2/6. loading
+def test_nan_in_one_ranks_experts_fails_the_job_in_one_line(tmp_path, run_main):
+    """Expert 15 (rank 1 of 2) holds a NaN: every rank stops before running; rank 0 says which rank,
+    expert and tensor, once."""
+    from safetensors.torch import load_file, save_file
+
+    src, bad = tmp_path / "src", tmp_path / "bad"
+    code, out, err = run_main(["--write-synthetic", str(src), "--steps", "1", "--tokens", "4"])
+    assert code == 0, err
+    bad.mkdir()
+    (bad / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.15.down_proj.weight"
+    tensors[name][3, 4] = float("nan")
+    save_file(tensors, str(bad / "model.safetensors"))
+    r = _launch(["--checkpoint", str(bad), "--steps", "1", "--tokens", "4"], nproc=2)
+    assert r.returncode != 0, r.stdout + r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.startswith("epmoe:")]
+    assert len(lines) == 1, r.stderr
+    assert "rank 1" in lines[0] and "'w2' of expert 15" in lines[0] and "NaN/Inf" in lines[0], lines
+    assert "/epmoe/" not in r.stderr and "step 1/" not in r.stderr, r.stderr  # no traceback, nothing ran

@@ -621,6 +621,29 @@ class LoadError(Exception):
     """Loading weights failed on this rank (every rank raises: this one or PeerInputError)."""
 
 
+SIGTERM_GRACE_S = 10.0  # > the fault report's wait for the peers' states (at most 5 s); torchrun waits 30 s
+
+
+def _sigterm_grace(rank: int) -> None:
+    """torchrun SIGTERMs every rank as soon as one fails. Without a handler the survivors die silently
+    before they notice the lost peer; with this one they get SIGTERM_GRACE_S seconds to reach their
+    next collective and print the fault report (then exit 1), else they leave with one line."""
+    import signal
+    import threading
+
+    def later() -> None:
+        time.sleep(SIGTERM_GRACE_S)
+        _die(f"epmoe: rank {rank}: stopped by SIGTERM (torchrun stops every rank when one fails)", 143)
+
+    def on_sigterm(signum, frame) -> None:
+        threading.Thread(target=later, daemon=True).start()
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread (embedded use): keep the default
+        pass
+
+
 def _die(text: str, code: int) -> None:
     """Print once and leave without tearing down process groups (a peer may be gone)."""
     if os.environ.get("EPMOE_DEBUG"):
@@ -669,6 +692,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     watch = FaultWatch("launcher", None, args.timeout)  # the launcher's own collectives: same fault reports
+    if le.world_size > 1:
+        _sigterm_grace(le.rank)
     ep = le.world_size
     rank0 = le.rank == 0
     say = _say if rank0 else (lambda text: None)

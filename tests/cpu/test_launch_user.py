@@ -338,3 +338,45 @@ def test_nan_in_one_ranks_experts_fails_the_job_in_one_line(tmp_path, run_main):
     assert len(lines) == 1, r.stderr
     assert "rank 1" in lines[0] and "'w2' of expert 15" in lines[0] and "NaN/Inf" in lines[0], lines
     assert "/epmoe/" not in r.stderr and "step 1/" not in r.stderr, r.stderr  # no traceback, nothing ran
+
+
+def _children(pid: int):
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+                if int(fields[1]) == pid and b"epmoe.launch" in cmd:
+                    kids.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return sorted(kids)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
+def test_sigkill_under_torchrun_survivor_reports_before_torchrun_stops_it():
+    """torchrun SIGTERMs the survivors at once; they still print the fault report (not silence or a
+    raw gloo traceback) before leaving."""
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "epmoe.launch", "--steps", "100000", "--tokens", "8", "--timeout", "30"],
+                         env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        kids = []
+        while time.monotonic() < deadline and len(kids) < 2:
+            time.sleep(0.5)
+            kids = _children(p.pid)
+        assert len(kids) == 2, kids
+        time.sleep(8)  # into the step loop
+        os.kill(kids[1], signal.SIGKILL)
+        out, err = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode != 0
+    assert "epmoe fault report:" in err and "lost a peer" in err, err[-4000:]
+    assert "/epmoe/" not in err and "frame #" not in err, err[-4000:]

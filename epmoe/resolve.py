@@ -172,7 +172,8 @@ def resolve_plan(
         flashinfer_version=env.flashinfer_version, ep_size=ep_size, packages=env.packages,
         model_dtype=dtype_name(config.dtype), act_format=md.act_format, humming=md.humming,
         mxfp8_act_scaling=md.mxfp8_act_scaling, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=config.intermediate_size, num_experts=config.num_experts, top_k=config.top_k,
+        checkpoint=md.family,
     )
     # the dispatcher must run here at all (bf16 wire, or the explicit one)
     first_wire = "bf16" if dispatch_dtype == "auto" else dispatch_dtype

@@ -35,6 +35,8 @@ FI = "0.7.2.post1"
 EP = 2
 # DeepEP low-latency kernels exist for a few hidden sizes only (2048 is one); 128-multiples for FP8 blocks
 CFG = MoEConfig(num_experts=4, top_k=2, hidden_size=2048, intermediate_size=128, dtype=torch.bfloat16)
+# kernels' data path is checked on a smaller layer of the same kind (fast on CPU)
+SMALL = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16)
 CPU_CFG = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128, dtype=torch.float32)
 ARCH_NUMBER = {"sm90": 90, "sm100": 100, "sm120": 120}
 
@@ -175,15 +177,15 @@ def test_every_accepted_gpu_plan_builds_its_experts_against_stand_ins(stand_ins,
             continue
         built.add(key)
         monkeypatch.setattr(fc, "_device_arch", lambda device, a=ARCH_NUMBER[c.arch]: a)
-        spec = ExpertsSpec(config=CFG, ep_rank=1, ep_size=EP, device=torch.device("cpu"), plan=c.plan, max_tokens=32)
+        spec = ExpertsSpec(config=SMALL, ep_rank=1, ep_size=EP, device=torch.device("cpu"), plan=c.plan, max_tokens=32)
         ex = EXPERTS.get(c.experts)(spec)
-        ex.load_weights(_local_weights(CFG, 1))
+        ex.load_weights(_local_weights(SMALL, 1))
         assert ex.parameters() or c.experts in ("masked_reference",), key
         if c.experts == "triton":
             continue  # Triton kernels need a GPU (or the interpreter test)
-        out = ex(_tokens_for(ex, CFG, c.plan.layout, c.wire))
-        n = CFG.num_experts // EP
-        want = (n, 4, CFG.hidden_size) if c.plan.layout == "masked" else (5, CFG.hidden_size)
+        out = ex(_tokens_for(ex, SMALL, c.plan.layout, c.wire))
+        n = SMALL.num_experts // EP
+        want = (n, 4, SMALL.hidden_size) if c.plan.layout == "masked" else (5, SMALL.hidden_size)
         assert tuple(out.shape) == want, key
     archs = {k[0] for k in built}
     assert archs == {"sm90", "sm100", "sm120"} and len(built) > 20
@@ -196,25 +198,25 @@ def test_every_accepted_flashinfer_and_torch_dispatch_builds_and_moves_tokens(st
     for c in accepted():
         if c.dispatcher not in ("torch", "flashinfer"):
             continue
-        spec = ExpertsSpec(config=CFG, ep_rank=0, ep_size=1, device=torch.device("cpu"), plan=c.plan)
+        spec = ExpertsSpec(config=SMALL, ep_rank=0, ep_size=1, device=torch.device("cpu"), plan=c.plan)
         payload = EXPERTS.get(c.experts).Options  # noqa: F841 - class exists
-        wire = codec.payload_format(c.wire, CFG.dtype)
+        wire = codec.payload_format(c.wire, SMALL.dtype)
         pay = _payload_of(c, spec)
         key = (c.dispatcher, wire.name, pay.name)
         if key in seen:
             continue
         seen.add(key)
         d = DISPATCHERS.get(c.dispatcher)(DispatchSpec(
-            group=None, ep_rank=0, ep_size=1, num_experts=CFG.num_experts, top_k=CFG.top_k,
-            hidden_size=CFG.hidden_size, max_tokens_per_rank=8, payload=pay, wire=wire, combine_dtype=CFG.dtype,
+            group=None, ep_rank=0, ep_size=1, num_experts=SMALL.num_experts, top_k=SMALL.top_k,
+            hidden_size=SMALL.hidden_size, max_tokens_per_rank=8, payload=pay, wire=wire, combine_dtype=SMALL.dtype,
             device=torch.device("cpu"), options={"check_availability": False} if c.dispatcher == "flashinfer" else None,
         ))
-        x = torch.randn(6, CFG.hidden_size).to(CFG.dtype)
+        x = torch.randn(6, SMALL.hidden_size).to(SMALL.dtype)
         ids = torch.tensor([[0, 1], [2, -1], [3, 0], [-1, -1], [1, 2], [0, 3]], dtype=torch.int32)
         tokens, handle = d.dispatch(x, ids, torch.rand(6, 2))
         assert isinstance(tokens.hidden, torch.Tensor) != (pay.is_quantized and pay == wire), key
-        back = tokens.hidden if isinstance(tokens.hidden, torch.Tensor) else codec.dequantize_activation(tokens.hidden, CFG.dtype)
-        assert d.combine(back.to(CFG.dtype), handle).shape == x.shape
+        back = tokens.hidden if isinstance(tokens.hidden, torch.Tensor) else codec.dequantize_activation(tokens.hidden, SMALL.dtype)
+        assert d.combine(back.to(SMALL.dtype), handle).shape == x.shape
         d.close()
     assert ("flashinfer", "nvfp4", "nvfp4") in seen or ("flashinfer", "nvfp4", "bf16") in seen
     assert not [k for k in seen if k[0] == "flashinfer" and k[1] == "fp8_block"]

@@ -17,7 +17,8 @@ FI = "0.7.2.post1"
 
 
 def cfg(quant_method=None, **kw):
-    base = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, quant_method=quant_method)
+    # hidden 2048: a size DeepEP's low-latency kernels are compiled for
+    base = dict(num_experts=8, top_k=2, hidden_size=2048, intermediate_size=128, quant_method=quant_method)
     base.update(kw)
     return MoEConfig(**base)
 
@@ -401,7 +402,7 @@ def test_backend_classes_agree_with_what_their_kernels_implement():
     arch_num = {"sm90": 90, "sm100": 100, "sm120": 120}
     for arch, num in arch_num.items():
         for mode in EXPERT_MODES:
-            req = BackendRequest(expert_mode=mode, arch=arch, flashinfer_version=FI,
+            req = BackendRequest(expert_mode=mode, arch=arch, flashinfer_version=FI, checkpoint="nvfp4" if "nvfp4" in mode else "none",
                                  packages=frozenset({"flashinfer", "cutlass", fused_moe_package(arch)}))
             try:
                 flashinfer_layout.resolve_cutlass_variant(mode, num)

@@ -423,20 +423,14 @@ def _plan_text(plan, cfg: MoEConfig) -> str:
 
 
 def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.device) -> int:
-    from epmoe.experts import EXPERTS
-    from epmoe.quant.plan import installed_flashinfer_version, resolve_quant_plan
     from epmoe.quant.workspace import memory_required, workspace_breakdown
+    from epmoe.resolve import detect_environment, resolve_plan
 
-    arch = "cpu"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"sm{major}{minor}"
     check_placement(cfg, ep, args)
+    # the one resolver, against this host (FlashInfer version, packages, prebuilt modules), as EPMoE does
     try:
-        plan = resolve_quant_plan(cfg, requested_mode=args.quant, dispatch_dtype=args.dispatch_dtype,
-                                  dispatcher=args.dispatcher, experts_backend=args.experts, arch=arch,
-                                  flashinfer_version=installed_flashinfer_version(),
-                                  registered_backends=EXPERTS.names())
+        plan = resolve_plan(cfg, dispatcher=args.dispatcher, experts=args.experts, quant=args.quant,
+                            dispatch_dtype=args.dispatch_dtype, environment=detect_environment(device), ep_size=ep)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
     max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
@@ -880,7 +874,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             c0 = time.perf_counter()
             with watch.phase(f"step {step} check"):
-                err, n = _check_step(cfg, wdir, layer_idx, corr, records, rank0, watch)
+                err, n = _check_step(cfg, wdir, layer_idx, corr, records, rank0, watch, layers[0].plan)
             stats.check_s += time.perf_counter() - c0
             if rank0:
                 stats.max_err = max(stats.max_err, err)
@@ -915,9 +909,10 @@ def est_elem(cfg: MoEConfig) -> int:
 
 
 def _check_step(cfg: MoEConfig, wdir: str, layer_idx: List[int], corr: dict, records, rank0: bool,
-                watch) -> "Tuple[float, int]":
+                watch, plan=None) -> "Tuple[float, int]":
     """Gather every rank's (input, logits, output) per layer; rank 0 compares with the float64
-    reference, reading one expert at a time from the checkpoint (never the whole model at once).
+    reference, which models the plan's path (lossy wire, weight and activation quantization), reading
+    one expert at a time from the checkpoint (never the whole model at once).
     Returns (worst relative error, rank-layer pairs compared)."""
     from epmoe.checkpoint import load_expert_weights
     from epmoe.reference import reference_moe_streamed
@@ -934,7 +929,7 @@ def _check_step(cfg: MoEConfig, wdir: str, layer_idx: List[int], corr: dict, rec
         ys = torch.cat([r[i][2] for r in everything])
         ref = reference_moe_streamed(
             cfg, xs, lambda e: load_expert_weights(wdir, cfg, experts=(e, e + 1), layer_idx=L).experts,
-            logits, e_score_correction_bias=corr.get(L))
+            logits, e_score_correction_bias=corr.get(L), plan=plan)
         err = float((ys.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         if not torch.isfinite(ys).all():
             err = float("inf")

@@ -35,10 +35,12 @@ from epmoe.launch import synthetic as synth
 from epmoe.layer import EPMoE
 from epmoe.quant.plan import EXPERT_MODES
 
-CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+# float64 layers compute in float32 (EPMoE warns), so they are held to the float32 tolerance
+CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 MARKER = ".epmoe-synthetic"  # written first into every directory the launcher writes synthetic weights to
-PROGRESS_EVERY_S = 5.0  # without a terminal, a progress line at least this often
+PROGRESS_EVERY_S = 5.0
+RUNTIME_GROWTH = 64 * 2 ** 20  # the process grows after its RSS is measured (imports, gloo buffers, threads)  # without a terminal, a progress line at least this often
 
 
 class UsageError(Exception):
@@ -358,7 +360,7 @@ def estimate_memory(cfg: MoEConfig, plan, ep: int, num_layers: int, max_tokens: 
     E_local = cfg.num_experts // ep
     H, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     per_expert = cfg.expert_param_count()
-    host = {"runtime": runtime_bytes, "workspace": mem.workspace.total_bytes}
+    host = {"runtime": runtime_bytes + RUNTIME_GROWTH, "workspace": mem.workspace.total_bytes}
     device_items: Dict[str, int] = {}
     host_weights = mem.weights_bytes
     if device.type != "cpu":

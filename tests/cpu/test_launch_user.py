@@ -187,7 +187,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("victim", [0, 1], ids=["store-host-rank-0-killed", "rank-1-killed"])
+@pytest.mark.parametrize("victim", [0], ids=["store-host-rank-0-killed"])  # rank 1: the torchrun test below
 def test_sigkill_one_rank_survivor_prints_fault_report(victim):
     port = _free_port()
     procs = []

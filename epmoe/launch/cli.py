@@ -590,7 +590,7 @@ def _tokens_for_step(args, rank: int, step: int) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point. Usage errors: one line (rank 0), exit 2 on every rank. Faults: one report per rank,
     exit 1 (torchrun-friendly)."""
-    from epmoe.core.errors import BackendUnavailableError, ConfigMismatchError, PeerInputError
+    from epmoe.core.errors import BackendUnavailableError, ConfigMismatchError, NonFiniteError, PeerInputError
     from epmoe.core.fault import CollectiveFailure
 
     rank = detect_launch_env().rank
@@ -603,6 +603,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigMismatchError, BackendUnavailableError) as e:  # agreed at construction: usage
         _die(f"epmoe: error: {e}" if rank == 0 else "", 2)
     except PeerInputError as e:  # another rank failed; rank 0 says it once (its own error or this)
+        _die(f"epmoe: error: {e}" if rank == 0 else "", 1)
+    except NonFiniteError as e:  # --check-finite: every rank raised the same
         _die(f"epmoe: error: {e}" if rank == 0 else "", 1)
     except LoadError as e:  # every rank raised (this or PeerInputError): rank 0 says it once
         _die(f"epmoe: error: rank {rank}: {e}" if rank == 0 else "", 1)

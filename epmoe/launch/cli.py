@@ -766,24 +766,10 @@ def _main(argv: Optional[List[str]] = None) -> int:
             with watch.phase("sharing the weights directory"):
                 shared = edist.all_gather_objects((node_key, tmp.name if tmp else None), None, watch.collective_timeout)
             wdir = next((d for k, d in shared if k == node_key and d), None)
-        if writes and wdir is not None:
-            t0 = time.monotonic()
-            if le.rank == 0 or le.local_rank == 0:
-                _say(f"rank {le.rank}: writing synthetic weights ({num_layers} layer(s), {cfg.num_experts} experts, "
-                     f"{_fmt_bytes(num_layers * cfg.num_experts * cfg.expert_param_count() * est_elem(cfg))}) "
-                     f"to {wdir} ...")
-            try:
-                with _Heartbeat(f"rank {le.rank} writing synthetic weights", le.rank == 0 or le.local_rank == 0):
-                    write_synthetic(wdir, cfg, hf, num_layers, args.seed)
-                if rank0:
-                    _say(f"rank 0: wrote them in {time.monotonic() - t0:.1f}s")
-            except OSError as e:  # reported below through the agreement, not by leaving the others waiting
-                _say(f"epmoe: error: rank {le.rank} could not write the synthetic checkpoint to {wdir}: {e}; "
-                     "pass --write-synthetic DIR on a writable filesystem")
+        _write_and_wait(wdir if writes else None, cfg, hf, num_layers, args.seed, le, watch)
         # every rank says whether it sees the files, so a rank that cannot read them makes all ranks
         # stop with the reason instead of some of them waiting in a collective
-        with watch.phase("waiting for the synthetic weights"):
-            edist.barrier(None, watch.collective_timeout)  # the files exist (or their writer failed) first
+        with watch.phase("checking the synthetic weights"):
             seen = edist.all_gather_objects(
                 wdir is not None and os.path.isfile(os.path.join(wdir, "model.safetensors")), None,
                 watch.collective_timeout)
@@ -906,6 +892,50 @@ def _main(argv: Optional[List[str]] = None) -> int:
     if tmp is not None:
         tmp.cleanup()
     return 1 if failed_check or (nothing_checked and rank0) else 0
+
+
+def _write_and_wait(wdir: Optional[str], cfg: MoEConfig, hf: dict, num_layers: int, seed: int, le, watch) -> None:
+    """The writing process of each node (wdir given) writes in a thread while every rank polls, every
+    half second, whether all writers are done: a long write never runs into the collective timeout,
+    rank 0 reports progress, and a writer's error (disk full, ...) stops every rank with its message."""
+    import threading
+
+    state: Dict[str, object] = {}
+    size = _fmt_bytes(num_layers * cfg.num_experts * cfg.expert_param_count() * est_elem(cfg))
+
+    def work() -> None:
+        try:
+            write_synthetic(wdir, cfg, hf, num_layers, seed)
+        except BaseException as e:  # noqa: BLE001 - every rank learns it below
+            state["error"] = (f"rank {le.rank} could not write the synthetic checkpoint to {wdir}: "
+                              f"{type(e).__name__}: {e}; pass --write-synthetic DIR on a writable filesystem "
+                              "with room for it")
+
+    thread = None
+    if wdir is not None:
+        _say(f"rank {le.rank}: writing synthetic weights ({num_layers} layer(s), {cfg.num_experts} experts, "
+             f"{size}) to {wdir} ...")
+        thread = threading.Thread(target=work, name="epmoe-synthetic-writer", daemon=True)
+        thread.start()
+    t0 = last = time.monotonic()
+    while True:
+        if thread is not None:
+            thread.join(timeout=0.5)
+        else:
+            time.sleep(0.5)
+        done = thread is None or not thread.is_alive()
+        with watch.phase("waiting for the synthetic weights"):
+            flags = edist.all_gather_objects((done, state.get("error")), None, watch.collective_timeout)
+        errors = [e for _, e in flags if e]
+        if errors:
+            raise UsageError("; ".join(errors))
+        if all(d for d, _ in flags):
+            break
+        if le.rank == 0 and time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            _say(f"  ... writing synthetic weights ({size}): {last - t0:.0f}s so far")
+    if le.rank == 0:
+        _say(f"rank 0: synthetic weights written in {time.monotonic() - t0:.1f}s")
 
 
 def est_elem(cfg: MoEConfig) -> int:

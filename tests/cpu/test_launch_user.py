@@ -380,3 +380,15 @@ def test_sigkill_under_torchrun_survivor_reports_before_torchrun_stops_it():
     assert p.returncode != 0
     assert "epmoe fault report:" in err and "lost a peer" in err, err[-4000:]
     assert "/epmoe/" not in err and "frame #" not in err, err[-4000:]
+
+
+def test_writer_failure_is_one_line(tmp_path, run_main, monkeypatch):
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli.synth, "write_checkpoint", full)
+    code, out, err = run_main(["--write-synthetic", str(tmp_path / "w"), "--steps", "1"])
+    assert code == 2, err
+    lines = [l for l in err.splitlines() if l.startswith("epmoe:")]
+    assert len(lines) == 1 and "could not write the synthetic checkpoint" in lines[0] \
+        and "No space left on device" in lines[0], err

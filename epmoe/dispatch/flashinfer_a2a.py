@@ -187,7 +187,7 @@ class FlashInferA2ADispatcher(Dispatcher):
     layout = "flat"
 
     @classmethod
-    def availability(cls, device: torch.device, ep_size: int = 1) -> Availability:
+    def availability(cls, device: torch.device, ep_size: int = 1, shared_gpu: bool = False) -> Availability:
         if importlib.util.find_spec("flashinfer") is None:
             return Availability.no("flashinfer is not installed", INSTALL_HINT)
         device = torch.device(device)
@@ -199,13 +199,16 @@ class FlashInferA2ADispatcher(Dispatcher):
         for mod, pkg in (("cuda", "cuda-python"), ("pynvml", "nvidia-ml-py")):
             if importlib.util.find_spec(mod) is None:
                 return Availability.no(f"FlashInfer's MNNVL memory needs {pkg}", f"pip install {pkg}")
-        if ep_size > 1:
+        if ep_size > 1 and not shared_gpu:
             ok, why = _peer_access(device)
             if not ok:
                 return Availability.no(
                     f"ep_size={ep_size} needs peer (NVLink/P2P) access between the GPUs: {why}",
-                    "run EP ranks on GPUs of one NVLink domain, or use dispatcher 'torch' (NCCL)",
+                    "run EP ranks on GPUs of one NVLink domain, or use dispatcher 'torch' (NCCL); for "
+                    "several ranks on one GPU opt in with shared_gpu=True (launcher: --ranks-per-gpu N)",
                 )
+        # shared_gpu: every rank maps the others' workspaces on the same device (no link is crossed,
+        # so there is no peer access to check); measured on one H200 with 2 and 4 ranks.
         return Availability.yes()
 
     def __init__(self, spec: DispatchSpec):
@@ -239,7 +242,7 @@ class FlashInferA2ADispatcher(Dispatcher):
             _check_codec(self.wire)
         self.handle_bytes = bool(spec.option("handle_bytes", True)) and not self.static_shapes
 
-        avail = self.availability(spec.device, spec.ep_size) if spec.option("check_availability", True) else Availability.yes()
+        avail = self.availability(spec.device, spec.ep_size, spec.shared_gpu) if spec.option("check_availability", True) else Availability.yes()
         if not avail:
             raise BackendUnavailableError(self.name, avail.reason, avail.hint)
 
@@ -325,7 +328,14 @@ class FlashInferA2ADispatcher(Dispatcher):
             backend = dist.get_backend(self.spec.group)
             dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
             t = torch.tensor(values, dtype=torch.int64, device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.spec.group)
+            from epmoe.core.fault import run_collective
+
+            # through run_collective: on gloo a lost peer or the layer's timeout becomes a
+            # CollectiveFailure (the layer turns it into a FaultReport) instead of a bare RuntimeError
+            run_collective(
+                lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.spec.group, async_op=True),
+                self.spec.timeout_s if backend == "gloo" else None, "all_reduce of runtime max tokens",
+            )
             return [int(v) for v in t.tolist()]
         gathered = self._comm.allgather(list(values))
         return [max(g[i] for g in gathered) for i in range(len(values))]

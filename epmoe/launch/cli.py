@@ -22,7 +22,9 @@ import torch
 
 from epmoe.config import MoEConfig, dtype_name, parse_dtype
 from epmoe.core import dist as edist
-from epmoe.launch.env import available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown
+from epmoe.launch.env import (
+    available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown,
+)
 from epmoe.launch.presets import PRESETS
 from epmoe.launch.synthetic import SyntheticLayer, read_gate, write_checkpoint
 from epmoe.layer import EPMoE
@@ -69,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deterministic", action="store_true", help="bitwise-reproducible reductions")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--ranks-per-gpu", type=int, default=1, metavar="N",
+                   help="run N ranks on each GPU (local ranks 0..N-1 on GPU 0, ...) over a gloo group; an explicit "
+                        "opt-in for testing on fewer GPUs: results are real, timings measure no link "
+                        "(docs/shared-gpu.md)")
     return p
 
 
@@ -148,6 +154,10 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
           f"I={cfg.intermediate_size} activation={cfg.activation} routing={cfg.routing} "
           f"bias={cfg.has_bias} dtype={dtype_name(cfg.dtype)} layers={cfg.num_layers}")
     print(f"placement: ep={ep}, {E_local} experts per rank (contiguous)")
+    rpg = getattr(args, "ranks_per_gpu", 1)
+    if rpg > 1:
+        print(f"shared GPU: --ranks-per-gpu {rpg}: {ep} ranks on {-(-ep // rpg)} GPU(s), gloo control group; "
+              "real kernels and results, but timings are local cost only (no link is measured)")
     for r in range(ep):
         print(f"  rank {r}: experts [{r * E_local}, {(r + 1) * E_local})")
     from epmoe.quant.workspace import format_plan_report
@@ -237,7 +247,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
         cfg = apply_scale(cfg, args.scale, ep)
         return print_plan(cfg, args, ep, device) if le.rank == 0 else 0
 
-    le = init_distributed(device.type, args.timeout)
+    le = init_distributed(device.type, args.timeout, args.ranks_per_gpu)
+    shared_gpu = args.ranks_per_gpu > 1
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     ep = le.world_size
@@ -297,13 +308,17 @@ def _main(argv: Optional[List[str]] = None) -> int:
     for L in range(num_layers):
         layer = EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=max_tokens,
                       experts=args.experts, quant=args.quant, dispatch_dtype=args.dispatch_dtype,
-                      deterministic=args.deterministic, timeout_s=args.timeout, name=f"EPMoE[layer {L}]")
+                      deterministic=args.deterministic, timeout_s=args.timeout, shared_gpu=shared_gpu,
+                      name=f"EPMoE[layer {L}]")
         layer.load_weights(wdir, layer_idx=L)
         layers.append(layer)
         gates.append(read_gate(wdir, L).to(device))
     if rank0:
-        print(f"epmoe launch: {cfg.model_type} ep={ep} ({le.launcher}, {'nccl' if device.type == 'cuda' else 'gloo'} "
-              f"on {device}) layers={num_layers} tokens/rank={args.tokens} jitter={args.tokens_jitter} "
+        comm = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
+        where = f"{device}, {args.ranks_per_gpu} ranks per GPU: shared-GPU mode, no link measured" if shared_gpu \
+            else str(device)
+        print(f"epmoe launch: {cfg.model_type} ep={ep} ({le.launcher}, {comm} "
+              f"on {where}) layers={num_layers} tokens/rank={args.tokens} jitter={args.tokens_jitter} "
               f"max_tokens_per_rank={max_tokens} dtype={dtype_name(cfg.dtype)}")
         print(layers[0].plan.describe())
 

@@ -355,7 +355,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             stats.tokens.append(T)
             stats.bytes_sent.append(step_bytes)
         if args.check:
-            err = _check_step(cfg, synthetic, records, rank0)
+            err = _check_step(cfg, synthetic, records, rank0, layers[0])
             if rank0:
                 stats.max_err = max(stats.max_err, err)
                 stats.checked += len(layers) * ep
@@ -382,8 +382,23 @@ def _main(argv: Optional[List[str]] = None) -> int:
     return 1 if failed_check else 0
 
 
-def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool) -> float:
-    """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference."""
+def _wire_roundtrip(x: torch.Tensor, layer: EPMoE) -> torch.Tensor:
+    """What the experts saw of a rank's input when tokens travel quantized (e.g. NVFP4 dispatch): the
+    codec's round trip per dispatch round (each round quantizes with its own global scale)."""
+    from epmoe.quant.codec import dequantize_activation, payload_format, quantize_activation
+
+    wire = payload_format(layer.plan.dispatch_dtype, layer.config.dtype)
+    if not wire.is_quantized or x.shape[0] == 0:
+        return x
+    M = layer.max_num_tokens_per_rank
+    parts = [dequantize_activation(quantize_activation(x[i:i + M], wire), torch.float32)
+             for i in range(0, x.shape[0], M)]
+    return torch.cat(parts)
+
+
+def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool, moe_layer: Optional[EPMoE] = None) -> float:
+    """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference (on
+    the dispatched values: with a quantized dispatch dtype, the codec's round trip of the input)."""
     from epmoe.reference import reference_moe
 
     everything = edist.all_gather_objects(records)
@@ -391,7 +406,7 @@ def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool) -> float:
         return 0.0
     worst = 0.0
     for L, layer in synthetic.items():
-        xs = torch.cat([r[L][0] for r in everything])
+        xs = torch.cat([r[L][0] if moe_layer is None else _wire_roundtrip(r[L][0], moe_layer) for r in everything])
         if xs.shape[0] == 0:
             continue
         logits = torch.cat([r[L][1] for r in everything])

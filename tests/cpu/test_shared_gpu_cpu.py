@@ -136,3 +136,12 @@ def test_flashinfer_availability_skips_the_peer_check_only_when_asked(monkeypatc
     no = fa.FlashInferA2ADispatcher.availability(torch.device("cuda", 0), 4)
     assert not no and "--ranks-per-gpu" in no.hint and "shared_gpu=True" in no.hint
     assert fa.FlashInferA2ADispatcher.availability(torch.device("cuda", 0), 4, shared_gpu=True)
+
+
+def test_launcher_check_compares_on_the_dispatched_values_with_nvfp4():
+    """--check with an NVFP4 dispatch: the reference sees the codec's round trip of each rank's input per
+    dispatch round (each round has its own global scale), so the float32 tolerance holds."""
+    r = _launch("--device", "cpu", "--dispatch-dtype", "nvfp4", "--check", "--steps", "2", "--tokens", "40",
+                "--tokens-jitter", "1.0", "--max-tokens-per-rank", "16", nproc=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "check | passed" in r.stdout, r.stdout

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import subprocess
+import sys
 import time
 import traceback
 
@@ -264,12 +264,12 @@ def _layer_worker(rank, world, seed, dispatcher):
         x, logits = all_inputs([10] * world, seed + 7)[rank]
         x, logits = x.to(dev), logits.to(dev)
         bad_logits = logits[:, :5] if rank == world - 1 else logits  # wrong router width on the last rank
-        try:
+        try:  # PeerInputError is a ValueError: catch it first
             layer(x, bad_logits)
-        except ValueError as e:
-            assert rank == world - 1 and "router_logits has shape" in str(e), e
         except PeerInputError as e:
             assert rank != world - 1 and f"rank {world - 1}" in str(e), e
+        except ValueError as e:
+            assert rank == world - 1 and "router_logits has shape" in str(e), e
         else:
             raise AssertionError("no rank raised")
         ids = torch.full((10, cfg.top_k), 3, dtype=torch.int32, device=dev)
@@ -278,10 +278,10 @@ def _layer_worker(rank, world, seed, dispatcher):
         w = torch.full((10, cfg.top_k), 0.25, device=dev)
         try:
             layer(x, topk_ids=ids, topk_weights=w)
-        except ValueError as e:
-            assert rank == 0, e
         except PeerInputError as e:
             assert rank != 0, e
+        except ValueError as e:
+            assert rank == 0 and "topk_ids has values outside" in str(e), e
         else:
             raise AssertionError("bad expert id: no rank raised")
         check_vs_reference([10] * world, w0, seed + 7, 1)  # the next step works
@@ -343,7 +343,8 @@ def layer_results(request):
     if dispatcher == "flashinfer" and not HAS_FI:
         pytest.skip("needs flashinfer-python")
     seed = fresh_seed()
-    return seed, run_group(_layer_worker, ep, seed, dispatcher, timeout=300, pg_timeout=120)
+    # a failed check can leave the ranks in different collectives: the group is killed after 120 s
+    return seed, run_group(_layer_worker, ep, seed, dispatcher, timeout=120, pg_timeout=60)
 
 
 @pytest.mark.parametrize("check", LAYER_CHECKS + ["cuda_graph_decode"])
@@ -367,7 +368,7 @@ def _gpu_pids():
     return {int(line.split(",")[0]) for line in out.splitlines() if line.strip()}
 
 
-def run_fault(world, dispatcher, where, timeout=120):
+def run_fault(world, dispatcher, where, timeout=75):
     """Start `world` worker processes (shared_gpu, gloo); rank world-1 SIGKILLs itself at step 3 (`where`:
     "forward" = on entering the step, "kernel" = inside dispatch after the agreement). -> (per-rank lines,
     seconds the test waited, pids still on the GPU after exit)."""
@@ -381,10 +382,11 @@ def run_fault(world, dispatcher, where, timeout=120):
     procs = []
     t0 = time.monotonic()
     for r in range(world):
+        log = open(os.path.join(outdir, f"log{r}.txt"), "w")  # a file, not a pipe: a full pipe would block
         procs.append(subprocess.Popen(
-            [os.sys.executable, FAULT_SCRIPT, dispatcher, where, str(TIMEOUT_S), os.path.join(outdir, f"r{r}.txt")],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True))
+            [sys.executable, FAULT_SCRIPT, dispatcher, where, str(TIMEOUT_S), os.path.join(outdir, f"r{r}.txt")],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
     hung = []
     for r, p in enumerate(procs):
         try:
@@ -401,7 +403,7 @@ def run_fault(world, dispatcher, where, timeout=120):
     time.sleep(2.0)
     pids = _gpu_pids()
     left = sorted(pids & {p.pid for p in procs}) if pids is not None else None
-    logs = [p.stdout.read()[-2000:] for p in procs]
+    logs = [open(os.path.join(outdir, f"log{r}.txt")).read()[-2000:] for r in range(world)]
     return lines, waited, hung, left, logs
 
 
@@ -429,11 +431,14 @@ def test_rank_killed_mid_step(dispatcher, world):
 
 @pytest.mark.requires_flashinfer
 @pytest.mark.skipif(not HAS_FI, reason="needs flashinfer-python")
+@pytest.mark.xfail(reason="known gap (docs/shared-gpu.md): a rank that dies inside FlashInfer's dispatch kernel "
+                          "leaves its peers spinning in the kernel; their host blocks at the next device sync, "
+                          "so no FaultReport is raised (measured on the H200, 2026-12-01)", strict=False)
 def test_rank_killed_inside_flashinfer_dispatch():
     """The victim dies after the per-call agreement, so the others are inside FlashInfer's dispatch kernel
-    waiting for its tokens. Reports what happens; passes when nothing hangs past the harness limit."""
+    waiting for its tokens. Passes only if nothing hangs past the harness limit and the memory comes back."""
     free_before = torch.cuda.mem_get_info(0)[0]
-    lines, waited, hung, left, logs = run_fault(2, "flashinfer", "kernel", timeout=90)
+    lines, waited, hung, left, logs = run_fault(2, "flashinfer", "kernel", timeout=45)
     free_after = torch.cuda.mem_get_info(0)[0]
     print(f"[shared-gpu fault] free GPU memory before {free_before / 2**20:.0f} MiB, after {free_after / 2**20:.0f} MiB")
     print(f"[shared-gpu fault] ep=2 flashinfer kill inside dispatch: waited {waited:.1f}s, hung {hung}, "

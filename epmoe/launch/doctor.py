@@ -409,6 +409,8 @@ def dispatcher_status(name: str, device: torch.device, ep_size: int, shared_gpu:
     if failed:
         return failed
     try:
+        # the flag is passed only when set, so a backend registered with the older
+        # availability(device, ep_size) signature is still judged for the usual placement
         return _status_of(kind, name, cls.availability(device, ep_size, shared_gpu) if shared_gpu
                           else cls.availability(device, ep_size))
     except Exception as e:  # noqa: BLE001

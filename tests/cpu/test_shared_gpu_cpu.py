@@ -145,3 +145,14 @@ def test_launcher_check_compares_on_the_dispatched_values_with_nvfp4():
                 "--tokens-jitter", "1.0", "--max-tokens-per-rank", "16", nproc=2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "check | passed" in r.stdout, r.stdout
+
+
+def test_bench_dispatch_takes_ranks_per_gpu_and_labels_results():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_dispatch
+    finally:
+        sys.path.pop(0)
+    assert bench_dispatch.parse_args(["--ranks-per-gpu", "4"]).ranks_per_gpu == 4
+    assert bench_dispatch.parse_args([]).ranks_per_gpu == 1
+    assert "placement" in bench_dispatch.Result.__dataclass_fields__

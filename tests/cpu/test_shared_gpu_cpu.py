@@ -48,24 +48,36 @@ def test_bad_ranks_per_gpu(value, kind, needle):
 
 
 def test_launcher_refuses_ranks_per_gpu_on_cpu():
-    r = _launch("--device", "cpu", "--ranks-per-gpu", "2", "--steps", "1", nproc=2)
+    r = _launch("--device", "cpu", "--ranks-per-gpu", "2", "--steps", "1")
     assert r.returncode != 0
     assert "--ranks-per-gpu 2 shares GPUs between ranks, but the device is cpu" in r.stderr + r.stdout
 
 
-def test_plan_reports_shared_gpu():
-    r = _launch("--plan", "--preset", "tiny", "--ep", "4", "--ranks-per-gpu", "4")
-    assert r.returncode == 0, r.stderr
-    assert "shared GPU: --ranks-per-gpu 4: 4 ranks on 1 GPU(s)" in r.stdout and "no link is measured" in r.stdout
-    plain = _launch("--plan", "--preset", "tiny", "--ep", "4")
-    assert "shared GPU" not in plain.stdout
+def _print_plan(capsys, *argv):
+    from epmoe.launch.cli import build_parser, load_config, print_plan
+
+    args = build_parser().parse_args(["--plan", *argv])
+    cfg, _ = load_config(args, torch.device("cpu"))
+    assert print_plan(cfg, args, args.ep, torch.device("cpu")) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_reports_shared_gpu(capsys):
+    out = _print_plan(capsys, "--preset", "tiny", "--ep", "4", "--ranks-per-gpu", "4")
+    assert "shared GPU: --ranks-per-gpu 4: 4 ranks on 1 GPU(s)" in out and "no link is measured" in out
+    assert "shared GPU" not in _print_plan(capsys, "--preset", "tiny", "--ep", "4")
 
 
 def test_doctor_reports_shared_gpu_and_refuses_it_on_cpu():
-    r = _launch("--doctor", "--device", "cpu", "--ep", "2", "--ranks-per-gpu", "2")
-    assert r.returncode == 3, r.stdout + r.stderr
-    assert "ranks-per-gpu=2" in r.stdout and "shared-GPU mode (--ranks-per-gpu 2, explicit opt-in)" in r.stdout
-    assert "--ranks-per-gpu 2 shares GPUs between ranks, but the device is cpu" in r.stdout
+    from epmoe.launch import doctor
+    from epmoe.launch.cli import build_parser
+
+    args = build_parser().parse_args(["--doctor", "--device", "cpu", "--ep", "2", "--ranks-per-gpu", "2"])
+    report = doctor.collect(args)
+    text = doctor.format_report(report)
+    assert report.exit_code == 3 and report.requested.ranks_per_gpu == 2
+    assert "ranks-per-gpu=2" in text and "shared-GPU mode (--ranks-per-gpu 2, explicit opt-in)" in text
+    assert "--ranks-per-gpu 2 shares GPUs between ranks, but the device is cpu" in text
 
 
 def _build(rank, world, shared_by_rank, device):
@@ -141,7 +153,7 @@ def test_flashinfer_availability_skips_the_peer_check_only_when_asked(monkeypatc
 def test_launcher_check_compares_on_the_dispatched_values_with_nvfp4():
     """--check with an NVFP4 dispatch: the reference sees the codec's round trip of each rank's input per
     dispatch round (each round has its own global scale), so the float32 tolerance holds."""
-    r = _launch("--device", "cpu", "--dispatch-dtype", "nvfp4", "--check", "--steps", "2", "--tokens", "40",
+    r = _launch("--device", "cpu", "--dispatch-dtype", "nvfp4", "--check", "--steps", "1", "--warmup", "1", "--tokens", "40",
                 "--tokens-jitter", "1.0", "--max-tokens-per-rank", "16", nproc=2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "check | passed" in r.stdout, r.stdout

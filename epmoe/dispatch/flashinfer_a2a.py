@@ -34,6 +34,11 @@ token's first valid expert (no extra destination) or, for a token with none, thi
 FlashInfer's `moe_a2a_sanitize_expert_ids` (run inside `MoeAlltoAll.dispatch`) sets padded rows to -1,
 and we convert to LOCAL ids (-1 where the expert lives on another rank) for `DispatchedTokens`.
 
+Several ranks on one GPU (`spec.shared_gpu`, docs/shared-gpu.md): every process maps the others'
+workspaces on the same device, so there is no peer access to prove and `availability` skips that
+check; the control group is gloo. Only with the explicit flag: without it, ranks that cannot prove
+peer access are refused.
+
 Per-call agreement. All ranks must pass the same `runtime_max_tokens_per_rank`. With
 `spec.static_shapes` (CUDA-graph mode) it is always max_tokens_per_rank and nothing syncs with the
 host; otherwise option `runtime_max_tokens`:

@@ -132,22 +132,14 @@ def _fmt_bytes(n: float) -> str:
 
 
 def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.device) -> int:
-    from epmoe.quant.plan import resolve_quant_plan
+    from epmoe.resolve import detect_environment, resolve_plan
 
-    arch = "cpu"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"sm{major}{minor}"
     if cfg.num_experts % ep:
         print(f"error: num_experts={cfg.num_experts} is not divisible by ep={ep}", file=sys.stderr)
         return 2
-    from epmoe.experts import EXPERTS
-    from epmoe.quant.plan import installed_flashinfer_version
-
-    plan = resolve_quant_plan(cfg, requested_mode=args.quant, dispatch_dtype=args.dispatch_dtype,
-                              dispatcher=args.dispatcher, experts_backend=args.experts, arch=arch,
-                              flashinfer_version=installed_flashinfer_version(),
-                              registered_backends=EXPERTS.names())
+    # the one resolver, against this host (FlashInfer version, packages, prebuilt modules), as EPMoE does
+    plan = resolve_plan(cfg, dispatcher=args.dispatcher, experts=args.experts, quant=args.quant,
+                        dispatch_dtype=args.dispatch_dtype, environment=detect_environment(device), ep_size=ep)
     max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
     E_local = cfg.num_experts // ep
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "
@@ -355,7 +347,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             stats.tokens.append(T)
             stats.bytes_sent.append(step_bytes)
         if args.check:
-            err = _check_step(cfg, synthetic, records, rank0, layers[0])
+            err = _check_step(cfg, synthetic, records, rank0, layers[0].plan, layers[0].max_num_tokens_per_rank)
             if rank0:
                 stats.max_err = max(stats.max_err, err)
                 stats.checked += len(layers) * ep
@@ -382,36 +374,31 @@ def _main(argv: Optional[List[str]] = None) -> int:
     return 1 if failed_check else 0
 
 
-def _wire_roundtrip(x: torch.Tensor, layer: EPMoE) -> torch.Tensor:
-    """What the experts saw of a rank's input when tokens travel quantized (e.g. NVFP4 dispatch): the
-    codec's round trip per dispatch round (each round quantizes with its own global scale)."""
-    from epmoe.quant.codec import dequantize_activation, payload_format, quantize_activation
-
-    wire = payload_format(layer.plan.dispatch_dtype, layer.config.dtype)
-    if not wire.is_quantized or x.shape[0] == 0:
-        return x
-    M = layer.max_num_tokens_per_rank
-    parts = [dequantize_activation(quantize_activation(x[i:i + M], wire), torch.float32)
-             for i in range(0, x.shape[0], M)]
-    return torch.cat(parts)
-
-
-def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool, moe_layer: Optional[EPMoE] = None) -> float:
-    """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference (on
-    the dispatched values: with a quantized dispatch dtype, the codec's round trip of the input)."""
+def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool, plan=None,
+                round_tokens: Optional[int] = None) -> float:
+    """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference,
+    which models the plan's path (lossy wire, weight and activation quantization). With a quantized
+    wire each rank quantizes each dispatch round of `round_tokens` rows with its own dynamic scale,
+    so the reference runs per rank and round."""
     from epmoe.reference import reference_moe
 
     everything = edist.all_gather_objects(records)
     if not rank0:
         return 0.0
     worst = 0.0
+    per_round = plan is not None and plan.dispatch_dtype != "bf16" and round_tokens
     for L, layer in synthetic.items():
-        xs = torch.cat([r[L][0] if moe_layer is None else _wire_roundtrip(r[L][0], moe_layer) for r in everything])
+        xs = torch.cat([r[L][0] for r in everything])
         if xs.shape[0] == 0:
             continue
         logits = torch.cat([r[L][1] for r in everything])
         ys = torch.cat([r[L][2] for r in everything])
-        ref = reference_moe(cfg, xs, layer.experts, logits, e_score_correction_bias=layer.e_score_correction_bias)
+        chunks = [(xs, logits)]
+        if per_round:
+            chunks = [(r[L][0][i:i + round_tokens], r[L][1][i:i + round_tokens])
+                      for r in everything for i in range(0, r[L][0].shape[0], round_tokens)]
+        ref = torch.cat([reference_moe(cfg, x, layer.experts, lg, e_score_correction_bias=layer.e_score_correction_bias,
+                                       plan=plan) for x, lg in chunks])
         err = float((ys.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         if not torch.isfinite(ys).all():
             err = float("inf")

@@ -9,6 +9,8 @@ A `Figure` is one number the nightly measured. Its `kind` says how it may be com
                 absolute figures: gated only when the baseline was recorded on the same hardware
                 (same `machine.fingerprint`), reported otherwise.
     bytes       deterministic counts (bytes on the wire for a seeded routing): band 0, any growth fails.
+    count       how many cases passed (correctness steps): band 0, one fewer than the baseline fails
+                (a backend that stopped being runnable here is a regression, not a skip).
     info        reported, never gated.
 
 A baseline file (`benchmarks/baselines/<machine kind>.json`) holds the figures of one good run, the
@@ -29,16 +31,16 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional
 
-KINDS = ("ratio", "time", "throughput", "bytes", "info")
-GATED_ACROSS_MACHINES = ("ratio", "bytes")
+KINDS = ("ratio", "time", "throughput", "bytes", "count", "info")
+GATED_ACROSS_MACHINES = ("ratio", "bytes", "count")
 
 # Noise bands (allowed relative worsening) per machine kind, written into a new baseline file.
 # GPU: a same-run ratio moves by a few per cent run to run on the H200 (4 ranks sharing the GPU:
 # up to ~10 %); 25 % leaves room and still catches a backend that got a third slower.
 # CPU: the 2-core CI box is shared with other jobs; same-run ratios swing by up to ~1.6x there.
 DEFAULT_BANDS = {
-    "gpu": {"ratio": 0.25, "time": 0.5, "throughput": 0.5, "bytes": 0.0},
-    "cpu": {"ratio": 1.0, "time": 2.0, "throughput": 2.0, "bytes": 0.0},
+    "gpu": {"ratio": 0.25, "time": 0.5, "throughput": 0.5, "bytes": 0.0, "count": 0.0},
+    "cpu": {"ratio": 1.0, "time": 2.0, "throughput": 2.0, "bytes": 0.0, "count": 0.0},
 }
 
 VERDICTS = ("ok", "improved", "regressed", "missing", "new", "not gated")

@@ -229,13 +229,14 @@ class Runner:
     `[n/m mm:ss] name ...` at start and end, and a line every `heartbeat_s` for steps still running."""
 
     def __init__(self, log_dir: str, jobs: int = 1, out=None, heartbeat_s: float = 30.0, cwd: Optional[str] = None,
-                 run_one: Callable[[Step, str], StepResult] = None):
+                 run_one: Callable[[Step, str], StepResult] = None, deadline: Optional[float] = None):
         self.log_dir = log_dir
         self.jobs = max(1, jobs)
         self.out = out or sys.stdout
         self.heartbeat_s = heartbeat_s
         self.cwd = cwd
         self.t0 = time.monotonic()
+        self.deadline = deadline  # time.monotonic() after which no step starts (and none runs past it)
         self._lock = threading.Lock()
         self._run_one = run_one or (lambda step, log_dir: run_step(step, log_dir, cwd=self.cwd))
 
@@ -252,6 +253,12 @@ class Runner:
 
         def one(i: int) -> StepResult:
             st = steps[i]
+            if self.deadline is not None and not st.skip:
+                left = self.deadline - time.monotonic()
+                if left <= 1:
+                    st = replace(st, skip="not started: the suite's time budget (--max-minutes) is spent")
+                elif left < st.limit_s:
+                    st = replace(st, limit_s=left)
             if not st.skip:
                 started[i] = time.monotonic()
                 self._say(f"step {i + 1}/{total} start  {st.name} (limit {st.limit_s:g} s)")

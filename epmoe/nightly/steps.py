@@ -90,13 +90,16 @@ def extract_fault_reports(text: str) -> List[str]:
 
 
 def _error_line(text: str) -> str:
-    """The most telling one-line error in a failed step's output."""
-    for pat in (r"^epmoe: .*$", r"^error: .*$", r"^check FAILED.*$", r"^\w*(Error|Exception|Failure)\b.*$"):
-        hits = re.findall(pat, text, flags=re.M)
+    """The most telling one-line error in a failed step's output (torchrun's own summary skipped)."""
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and "ChildFailedError" not in ln and re.search(r"[A-Za-z]", ln)
+             and not ln.lstrip().startswith(("File \"", "raise ", "return ", "torch.distributed.elastic"))]
+    for pat in (r"^epmoe fault report: .*$", r"^epmoe: .*$", r"^error: .*$", r"^check FAILED.*$",
+                r"^([\w.]+)?(Error|Exception|Failure|Interrupt)\b.*$"):
+        hits = [ln for ln in lines if re.match(pat, ln)]
         if hits:
-            return hits[-1].strip()[:400]
-    tail = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return tail[-1].strip()[:400] if tail else ""
+            return hits[-1][:400]
+    return lines[-1][:400] if lines else ""
 
 
 def _children_map() -> Dict[int, List[int]]:

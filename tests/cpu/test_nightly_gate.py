@@ -254,3 +254,12 @@ def test_count_figures_per_case():
           StepResult(Step("bench/layer"), "passed")]
     assert {f.name: f.value for f in count_figures(rs)} == {"correctness.torch.bf16.passed": 1.0,
                                                             "correctness.deepep.bf16.passed": 0.0}
+
+
+def test_cpu_bands_leave_absolute_figures_ungated():
+    base = _base([B.Figure("t", 1.0, kind="time"), B.Figure("r", 1.0)], bands=B.DEFAULT_BANDS["cpu"])
+    v = _verdicts(B.compare([B.Figure("t", 9.0, kind="time"), B.Figure("r", 2.1)], base, same_machine=True))
+    assert v == {"t": "not gated", "r": "regressed"}
+    assert _verdicts(B.compare([], base, same_machine=True)) == {"t": "not gated", "r": "missing"}
+    with pytest.raises(ValueError, match="noise band"):
+        B.Baseline.from_json({"machine_kind": "x", "figures": {}, "bands": {"ratio": -1}})

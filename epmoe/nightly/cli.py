@@ -79,8 +79,7 @@ def machine_info(gpus: int, ranks_per_gpu: int) -> Dict:
     if gpus > 0:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, arch=f"sm{p.major}{p.minor}", gpu_memory_gib=round(p.total_memory / 2**30, 1),
-                    cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
-                    visible_gpus=torch.cuda.device_count())
+                    cuda=torch.version.cuda, nccl=_nccl_version(), visible_gpus=torch.cuda.device_count())
         kind = f"{_slug(p.name)}x{gpus}" + (f"-{gpus * ranks_per_gpu}ranks" if ranks_per_gpu > 1 else "")
         info["fingerprint"] = f"{p.name} x{gpus}, {ranks_per_gpu} rank(s) per GPU"
     else:
@@ -89,6 +88,16 @@ def machine_info(gpus: int, ranks_per_gpu: int) -> Dict:
         info["fingerprint"] = f"{info['cpu']} x{info['cpus']}"
     info["machine_kind"] = kind
     return info
+
+
+def _nccl_version() -> Optional[str]:
+    try:
+        import torch
+
+        v = torch.cuda.nccl.version()
+        return ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _cpu_model() -> str:
@@ -170,9 +179,10 @@ def _torchrun(nproc: int) -> List[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
-def dispatcher_availability(name: str, gpus: int) -> str:
-    """'' when the dispatcher can be tried here, else why not. ep_size = the number of distinct GPUs:
-    ranks sharing one GPU need no link between GPUs."""
+def dispatcher_availability(name: str, gpus: int, ranks_per_gpu: int = 1) -> str:
+    """'' when the dispatcher can be tried here, else why not (the backend class answers)."""
+    import inspect
+
     import torch
 
     from epmoe.dispatch import get_dispatcher_class
@@ -182,7 +192,11 @@ def dispatcher_availability(name: str, gpus: int) -> str:
     except (ValueError, ImportError, KeyError) as e:
         return f"not registered here ({e})"
     device = torch.device("cuda", 0) if gpus > 0 else torch.device("cpu")
-    avail = cls.availability(device, max(1, gpus))
+    world = max(1, gpus) * ranks_per_gpu
+    if ranks_per_gpu > 1 and "shared_gpu" in inspect.signature(cls.availability).parameters:
+        avail = cls.availability(device, world, shared_gpu=True)
+    else:  # ranks sharing a GPU cross no link: ask about the distinct GPUs only
+        avail = cls.availability(device, max(1, gpus))
     return "" if avail else avail.describe()
 
 
@@ -223,7 +237,7 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
     dispatchers = [d for d in (args.dispatchers.split(",") if args.dispatchers else (ALL_DISPATCHERS if gpu else ("torch",))) if d]
     modes = [m for m in (args.modes.split(",") if args.modes else (GPU_MODES if gpu else CPU_MODES)) if m]
     arch = machine.get("arch", "cpu")
-    avail = {d: args.availability(d, args.gpus) for d in dispatchers}
+    avail = {d: args.availability(d, args.gpus, rpg) for d in dispatchers}
     steps: List[Step] = []
 
     if "correctness" in groups:

@@ -72,6 +72,18 @@ def init_group(device_kind: str, ranks_per_gpu: int, timeout_s: float):
     return le.rank, le.world_size, device
 
 
+def layer_kwargs(ranks_per_gpu: int) -> dict:
+    """EPMoE keyword arguments for the placement: ranks sharing a GPU opt in with shared_gpu=True."""
+    if ranks_per_gpu == 1:
+        return {}
+    from epmoe import EPMoE
+
+    if "shared_gpu" not in inspect.signature(EPMoE.__init__).parameters:
+        raise SystemExit(f"--ranks-per-gpu {ranks_per_gpu}: this epmoe has no shared-GPU mode (EPMoE(shared_gpu=...)); "
+                         "update epmoe or run one rank per GPU")
+    return {"shared_gpu": True}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -122,7 +134,7 @@ def check(args) -> int:
     quant = None if args.quant in (None, "none") else args.quant
     layer = EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=args.max_tokens_per_rank,
                   experts=args.experts, quant=quant, dispatch_dtype=args.dispatch_dtype, timeout_s=args.timeout,
-                  name=f"EPMoE[check {args.dispatcher}/{args.quant}]")
+                  name=f"EPMoE[check {args.dispatcher}/{args.quant}]", **layer_kwargs(args.ranks_per_gpu))
     layer.load_weights(synthetic.experts)
     plan = layer.plan
     seen = synthetic.experts
@@ -307,7 +319,8 @@ def bench(args) -> int:
     for name in dispatchers:
         try:
             layer = EPMoE(cfg, dispatcher=name, device=device, experts=args.experts,
-                          max_num_tokens_per_rank=max(args.tokens), timeout_s=args.timeout, name=f"EPMoE[bench {name}]")
+                          max_num_tokens_per_rank=max(args.tokens), timeout_s=args.timeout, name=f"EPMoE[bench {name}]",
+                          **layer_kwargs(args.ranks_per_gpu))
             layer.load_weights(local)
         except Exception as e:  # noqa: BLE001 - report and go on with the other dispatchers
             from epmoe.core.fault import CollectiveFailure

@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -233,7 +234,7 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
     shape = (["--hidden", "1024", "--inter", "512", "--experts-per-rank", "8", "--top-k", "4"] if gpu
              else ["--hidden", "256", "--inter", "128", "--experts-per-rank", "4", "--top-k", "4"])
     common = ["--device", dev, "--ranks-per-gpu", str(rpg), "--timeout", str(args.collective_timeout)]
-    groups = set(args.only.split(",")) if args.only else {"correctness", "launch", "bench", "experts", "soak"}
+    groups = set(args.only.split(",")) if args.only else set(GROUPS)
     dispatchers = [d for d in (args.dispatchers.split(",") if args.dispatchers else (ALL_DISPATCHERS if gpu else ("torch",))) if d]
     modes = [m for m in (args.modes.split(",") if args.modes else (GPU_MODES if gpu else CPU_MODES)) if m]
     arch = machine.get("arch", "cpu")
@@ -292,8 +293,10 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
         script = REPO / "benchmarks" / "soak.py"
         soak_rpg = _source_has("benchmarks/soak.py", "--ranks-per-gpu")
         nproc = world if (not gpu or rpg == 1 or soak_rpg) else args.gpus  # without shared mode: a rank per GPU
-        argv = _torchrun(nproc) + [str(script), "--device", dev, "--steps", str(args.soak_steps or (500 if gpu else 200)),
-                                   "--warmup", "50", "--bad-every", "100", "--check-every", "100", "--sample-every", "25",
+        soak_steps = args.soak_steps or (500 if gpu else 200)
+        argv = _torchrun(nproc) + [str(script), "--device", dev, "--steps", str(soak_steps),
+                                   "--warmup", str(min(50, soak_steps // 2)), "--bad-every", "100", "--check-every", "100",
+                                   "--sample-every", "25",
                                    "--timeout", str(args.collective_timeout), "--json", path]
         if gpu and rpg > 1 and soak_rpg:
             argv += ["--ranks-per-gpu", str(rpg)]
@@ -334,7 +337,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plant-sleep-ms", default=None, metavar="MS",
                    help="planted slowdown for the gate (same as EPMOE_NIGHTLY_PLANT_SLEEP_MS)")
     p.add_argument("--plant-dispatcher", default=None, help="the dispatcher the planted sleep slows (default: the first)")
+    p.add_argument("--list", action="store_true", help="print the steps (and why some cannot run here); run nothing")
     return p
+
+
+GROUPS = ("correctness", "launch", "bench", "experts", "soak")
+
+
+def validate_selection(dispatchers: Optional[str], modes: Optional[str], only: Optional[str]) -> str:
+    """'' when --dispatchers / --modes / --only name known things, else the message (a typo must not
+    turn into a silently skipped step)."""
+    from epmoe.dispatch import DISPATCHERS
+    from epmoe.quant.plan import DISPATCH_DTYPES, EXPERT_MODES
+
+    for d in (dispatchers or "").split(","):
+        if d and d not in DISPATCHERS.names():
+            return f"--dispatchers: unknown dispatcher {d!r}; choose from {sorted(DISPATCHERS.names())}"
+    for m in (modes or "").split(","):
+        quant, _, dd = m.partition("+")
+        if m and (quant not in EXPERT_MODES or (dd and dd not in DISPATCH_DTYPES)):
+            return (f"--modes: unknown mode {m!r}; use an expert mode {list(EXPERT_MODES)}, optionally with "
+                    f"'+<dispatch dtype>' ({'/'.join(DISPATCH_DTYPES[1:])}), e.g. bf16+nvfp4")
+    for g in (only or "").split(","):
+        if g and g not in GROUPS:
+            return f"--only: unknown step group {g!r}; choose from {list(GROUPS)}"
+    return ""
+
+
+def _stop(signum, frame) -> None:
+    """The suite was told to stop (a CI job cancelled): take the running steps down with it."""
+    from epmoe.nightly.steps import stop_all
+
+    names = stop_all()
+    sys.stderr.write(f"epmoe nightly: stopped by signal {signum}; killed running steps {names}\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -350,6 +387,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if args.ranks_per_gpu < 1 or args.cpu_ranks < 1 or args.jobs < 1:
         print("error: --ranks-per-gpu, --cpu-ranks and --jobs must be >= 1", file=sys.stderr)
+        return 2
+    bad = validate_selection(args.dispatchers, args.modes, args.only)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
         return 2
     if args.plant_sleep_ms is None:
         args.plant_sleep_ms = os.environ.get("EPMOE_NIGHTLY_PLANT_SLEEP_MS") or None
@@ -371,13 +412,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"machine kind {machine['machine_kind']}; baseline {baseline_path} "
           f"({'recorded ' + baseline.created if baseline else 'none yet'}); {len(steps)} steps "
           f"({sum(bool(s.skip) for s in steps)} not runnable here); output in {out_dir}")
+    if args.list:
+        for i, st in enumerate(steps, 1):
+            print(f"{i:3d}. {st.name:36s} " + (f"skip: {st.skip}" if st.skip else f"limit {st.limit_s:g} s: {' '.join(st.argv[1:])}"))
+        return 0
     if args.plant_sleep_ms:
         print(f"PLANTED slowdown: {args.plant_sleep_ms} ms per layer call of "
               f"{args.plant_dispatcher or 'the first benchmarked dispatcher'} (the gate must fail)")
     sys.stdout.flush()
     deadline = t0 + args.max_minutes * 60 if args.max_minutes else None
     runner = Runner(os.path.join(out_dir, "logs"), jobs=args.jobs, cwd=str(REPO), deadline=deadline)
-    results = runner.run(steps)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        results = runner.run(steps)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
     figures = [f for r in results for f in r.figures] + count_figures(results)
     same_machine = bool(baseline) and baseline.machine.get("fingerprint") == machine["fingerprint"]

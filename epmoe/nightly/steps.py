@@ -23,6 +23,8 @@ from epmoe.nightly.baseline import Figure
 
 STATUSES = ("passed", "failed", "timed out", "skipped")
 KILL_GRACE_S = 5.0
+_RUNNING: Dict[int, str] = {}  # pid -> step name, for stop_all()
+_RUNNING_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,8 @@ def run_step(step: Step, log_dir: str, cwd: Optional[str] = None) -> StepResult:
                                     start_new_session=True)
         except OSError as e:
             return StepResult(step, "failed", time.monotonic() - t0, None, log_path, f"cannot start: {e}")
+        with _RUNNING_LOCK:
+            _RUNNING[proc.pid] = step.name
         try:
             rc = proc.wait(timeout=step.limit_s)
         except subprocess.TimeoutExpired:
@@ -193,6 +197,9 @@ def run_step(step: Step, log_dir: str, cwd: Optional[str] = None) -> StepResult:
                 rc = proc.wait(timeout=KILL_GRACE_S)
             except subprocess.TimeoutExpired:
                 rc = None
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.pop(proc.pid, None)
     seconds = time.monotonic() - t0
     with open(log_path, errors="replace") as f:
         text = f.read()
@@ -220,6 +227,16 @@ def run_step(step: Step, log_dir: str, cwd: Optional[str] = None) -> StepResult:
             res.status = "failed"
             res.message = f"ran, but its results could not be read: {type(e).__name__}: {e}"
     return res
+
+
+def stop_all(grace_s: float = 2.0) -> List[str]:
+    """Kill every step still running, with all it started (the suite itself was told to stop: a CI
+    job cancelled). Returns the names of the steps stopped."""
+    with _RUNNING_LOCK:
+        running = dict(_RUNNING)
+    for pid in running:
+        kill_tree(pid, grace_s)
+    return list(running.values())
 
 
 def _fmt_s(s: float) -> str:
@@ -265,7 +282,10 @@ class Runner:
             if not st.skip:
                 started[i] = time.monotonic()
                 self._say(f"step {i + 1}/{total} start  {st.name} (limit {st.limit_s:g} s)")
-            r = self._run_one(st, self.log_dir)
+            try:
+                r = self._run_one(st, self.log_dir)
+            except Exception as e:  # noqa: BLE001 - one broken step must not end the suite
+                r = StepResult(st, "failed", message=f"the nightly could not run this step: {type(e).__name__}: {e}")
             started.pop(i, None)
             with self._lock:
                 done[0] += 1
@@ -310,7 +330,3 @@ class Runner:
         running = ", ".join(f"{steps[k].name} ({now - t:.0f}/{steps[k].limit_s:g} s)" for k, t in sorted(started.items()))
         if running:
             self._say(f"running: {running}")
-
-
-def with_env(step: Step, **env: str) -> Step:
-    return replace(step, env=tuple(step.env) + tuple(env.items()))

@@ -186,8 +186,8 @@ def check(args) -> int:
                 json.dump({"dispatcher": args.dispatcher, "mode": plan.expert_mode, "dispatch_dtype": plan.dispatch_dtype,
                            "experts": plan.experts_backend, "ep_size": ep, "max_err": worst, "bound": bound,
                            "failed_steps": verdict}, f, indent=1)
-    dist.barrier() if dist.is_initialized() else None
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
     return 1 if verdict else 0
 

@@ -62,7 +62,7 @@ def test_cpu_subset_records_a_baseline_then_a_planted_slowdown_fails_the_gate(tm
 
 
 def test_a_hung_rank_is_reported_with_the_fault_report_and_the_suite_goes_on(tmp_path):
-    r = _nightly("--out", str(tmp_path), "--only", "bench,soak", "--collective-timeout", "3", "--soak-steps", "120",
+    r = _nightly("--out", str(tmp_path), "--only", "bench,soak", "--collective-timeout", "3", "--soak-steps", "60",
                  "--bench-tokens", "16", "--iters", "3", env=_env(EPMOE_NIGHTLY_PLANT_HANG_RANK="1"))
     log = r.stdout + r.stderr[-3000:]
     assert r.returncode == 1, log
@@ -74,3 +74,47 @@ def test_a_hung_rank_is_reported_with_the_fault_report_and_the_suite_goes_on(tmp
     assert steps["soak/short"]["status"] == "passed", log  # the next step ran
     fail = ET.parse(tmp_path / "junit.xml").getroot().find("testcase[@name='bench/layer']/failure")
     assert "rank 1: no report" in fail.text
+
+
+def _procs_mentioning(text: str):
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd and int(pid) != os.getpid():
+                out.append((int(pid), cmd))
+    return out
+
+
+def test_cancelling_the_suite_takes_its_running_steps_down(tmp_path):
+    """A CI job cancelled mid-step (SIGTERM to the suite): no worker of the running step survives."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "epmoe.nightly", "--gpus", "0", "--only", "bench", "--out", str(tmp_path),
+           "--collective-timeout", "300"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                         env=_env(EPMOE_NIGHTLY_PLANT_HANG_RANK="1"))
+    try:
+        marker = str(tmp_path / "results")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_procs_mentioning(marker)) < 3:  # torchrun + 2 workers
+            time.sleep(0.5)
+        assert len(_procs_mentioning(marker)) >= 3, "the bench step never started"
+        time.sleep(2)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+        assert p.returncode == 128 + signal.SIGTERM, out
+        assert "killed running steps ['bench/layer']" in out, out
+        for _ in range(50):
+            left = _procs_mentioning(marker)
+            if not left:
+                break
+            time.sleep(0.1)
+        assert not left, left
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -263,3 +263,13 @@ def test_cpu_bands_leave_absolute_figures_ungated():
     assert _verdicts(B.compare([], base, same_machine=True)) == {"t": "not gated", "r": "missing"}
     with pytest.raises(ValueError, match="noise band"):
         B.Baseline.from_json({"machine_kind": "x", "figures": {}, "bands": {"ratio": -1}})
+
+
+def test_selection_typos_are_errors_not_skips():
+    from epmoe.nightly.cli import validate_selection
+
+    assert validate_selection("torch,flashinfer", "bf16,fp8_block,bf16+nvfp4", "bench,soak") == ""
+    assert "unknown dispatcher 'nccl'" in validate_selection("nccl", None, None)
+    assert "unknown mode 'fp8'" in validate_selection(None, "fp8", None)
+    assert "unknown mode 'bf16+int4'" in validate_selection(None, "bf16+int4", None)
+    assert "unknown step group 'benchmarks'" in validate_selection(None, None, "benchmarks")

@@ -121,7 +121,7 @@ def layer_series(bench_rows: Sequence[Mapping]) -> Dict[str, List[Tuple[int, flo
     series: Dict[str, List[Tuple[int, float]]] = {}
     for r in bench_rows:
         series.setdefault(f"epmoe layer, {r['dispatcher']}", []).append((r["tokens_per_rank"], r["layer_ms"]))
-        series.setdefault(f"plain baseline (with {r['dispatcher']} run)", []).append((r["tokens_per_rank"], r["baseline_ms"]))
+        series.setdefault(f"plain baseline ({r['dispatcher']} run)", []).append((r["tokens_per_rank"], r["baseline_ms"]))
     return {k: sorted(v) for k, v in series.items()}
 
 
@@ -159,7 +159,7 @@ def plot_layer(path_stem: str, series: Mapping[str, List[Tuple[int, float]]], ti
 
 
 def _svg_plot(path: str, series: Mapping[str, List[Tuple[int, float]]], title: str) -> None:
-    W, H, L, R, T, B = 640, 400, 70, 200, 40, 50
+    W, H, L, R, T, B = 760, 420, 70, 230, 40, 50
     pts = [p for s in series.values() for p in s if p[0] > 0 and p[1] > 0]
     lx = [math.log2(p[0]) for p in pts]
     ly = [math.log10(p[1]) for p in pts]

@@ -9,7 +9,7 @@ Steps (each a subprocess with a time limit; a step past it is killed and reporte
 it printed, and the suite goes on):
   correctness/<dispatcher>/<mode>  multi-rank check against the float64 reference (epmoe.nightly.worker check)
   correctness/launch/<dispatcher>  the launcher's own `--check` (unquantized), as a user runs it
-  bench/layer                      layer vs a plain EP MoE in the same process, dispatch/combine and bytes
+  bench/layer/<dispatcher>         layer vs a plain EP MoE in the same process, dispatch/combine and bytes
   bench/experts                    expert stage vs the matmul ceiling measured in the same run (GPU)
   soak/short                       benchmarks/soak.py: random T per rank, invalid inputs, memory growth
 Outputs under --out: junit.xml, nightly.json (every figure, machine, versions, date), layer_vs_tokens.png
@@ -121,7 +121,7 @@ def _git_commit() -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------- figures from step outputs
-def bench_figures(data: Dict, step: str = "bench/layer") -> List[Figure]:
+def bench_figures(data: Dict, step: str = "bench/layer/torch") -> List[Figure]:
     out = []
     for r in data.get("rows", []):
         p = f"layer.{r['dispatcher']}.T{r['tokens_per_rank']}"
@@ -267,17 +267,22 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
             steps.append(Step(f"correctness/launch/{d}", tuple(argv), (180 if gpu else 60) * scale, env, skip=why,
                               parallel=True, skip_if_output=REFUSED))
     if "bench" in groups:
+        # one step per dispatcher: a dispatcher that hangs loses its own figures only
         runnable = [d for d in dispatchers if not avail[d]]
-        path = os.path.join(res, "bench_layer.json")
         tokens = args.bench_tokens or ("64,256,1024" if gpu else "16,64,256")
         bshape = (["--hidden", "2048", "--inter", "768", "--experts-per-rank", "16", "--top-k", "8"] if gpu else shape)
-        argv = _torchrun(world) + ["-m", "epmoe.nightly.worker", "bench", "--dispatchers", ",".join(runnable),
-                                   "--tokens", tokens, "--iters", str(args.iters or (20 if gpu else 10)),
-                                   "--warmup", "3", "--json", path] + common + bshape
-        benv = env + tuple((k, v) for k, v in (("EPMOE_NIGHTLY_PLANT_SLEEP_MS", args.plant_sleep_ms),
-                                                ("EPMOE_NIGHTLY_PLANT_DISPATCHER", args.plant_dispatcher)) if v)
-        steps.append(Step("bench/layer", tuple(argv), (300 if gpu else 90) * scale, benv, _reader(bench_figures, path, "bench/layer"),
-                          skip="" if runnable else "no dispatcher runnable here", json_path=path))
+        target = args.plant_dispatcher or (runnable[0] if runnable else "")
+        for d in dispatchers:
+            name = f"bench/layer/{d}"
+            path = os.path.join(res, name.replace("/", "__") + ".json")
+            argv = _torchrun(world) + ["-m", "epmoe.nightly.worker", "bench", "--dispatchers", d,
+                                       "--tokens", tokens, "--iters", str(args.iters or (20 if gpu else 10)),
+                                       "--warmup", "3", "--json", path] + common + bshape
+            benv = env
+            if args.plant_sleep_ms and d == target:
+                benv = env + (("EPMOE_NIGHTLY_PLANT_SLEEP_MS", str(args.plant_sleep_ms)), ("EPMOE_NIGHTLY_PLANT_DISPATCHER", d))
+            steps.append(Step(name, tuple(argv), (240 if gpu else 90) * scale, benv, _reader(bench_figures, path, name),
+                              skip=avail[d], json_path=path, skip_if_output=REFUSED))
     if "experts" in groups:
         path = os.path.join(res, "bench_experts.json")
         script = REPO / "benchmarks" / "bench_experts.py"
@@ -394,6 +399,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if args.plant_sleep_ms is None:
         args.plant_sleep_ms = os.environ.get("EPMOE_NIGHTLY_PLANT_SLEEP_MS") or None
+    if args.plant_dispatcher is None:
+        args.plant_dispatcher = os.environ.get("EPMOE_NIGHTLY_PLANT_DISPATCHER") or None
     args.availability = dispatcher_availability
     args.mode_refusal = mode_refusal
     machine = machine_info(args.gpus, args.ranks_per_gpu)
@@ -417,8 +424,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{i:3d}. {st.name:36s} " + (f"skip: {st.skip}" if st.skip else f"limit {st.limit_s:g} s: {' '.join(st.argv[1:])}"))
         return 0
     if args.plant_sleep_ms:
-        print(f"PLANTED slowdown: {args.plant_sleep_ms} ms per layer call of "
-              f"{args.plant_dispatcher or 'the first benchmarked dispatcher'} (the gate must fail)")
+        slowed = [dict(st.env).get("EPMOE_NIGHTLY_PLANT_DISPATCHER") for st in steps
+                  if "EPMOE_NIGHTLY_PLANT_SLEEP_MS" in dict(st.env)]
+        print(f"PLANTED slowdown: {args.plant_sleep_ms} ms per layer call of {slowed or 'no benchmarked dispatcher'} "
+              "(the gate must fail)")
     sys.stdout.flush()
     deadline = t0 + args.max_minutes * 60 if args.max_minutes else None
     runner = Runner(os.path.join(out_dir, "logs"), jobs=args.jobs, cwd=str(REPO), deadline=deadline)
@@ -455,10 +464,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     verdict = "passed" if steps_ok and gate_ok else "failed"
 
     bench_rows = []
-    bench_json = os.path.join(out_dir, "results", "bench_layer.json")
-    if os.path.exists(bench_json) and any(r.name == "bench/layer" and r.status == "passed" for r in results):
-        with open(bench_json) as f:
-            bench_rows = json.load(f).get("rows", [])
+    for r in results:
+        if r.name.startswith("bench/layer/") and r.status == "passed":
+            with open(r.step.json_path) as f:
+                bench_rows += json.load(f).get("rows", [])
     plot_path, plot_note = plot_layer(os.path.join(out_dir, "layer_vs_tokens"), layer_series(bench_rows),
                                       f"MoE layer vs plain EP baseline, {machine['fingerprint']}, {machine['date'][:10]}")
     props = {k: machine[k] for k in ("machine_kind", "fingerprint", "date", "torch", "epmoe_commit")}

@@ -23,6 +23,8 @@ from epmoe.nightly.baseline import Figure
 
 STATUSES = ("passed", "failed", "timed out", "skipped")
 KILL_GRACE_S = 5.0
+# planted slowdowns reach only the step the suite gives them to (Step.env), never every step
+_SET_BY_THE_SUITE = ("EPMOE_NIGHTLY_PLANT_SLEEP_MS", "EPMOE_NIGHTLY_PLANT_DISPATCHER")
 _RUNNING: Dict[int, str] = {}  # pid -> step name, for stop_all()
 _RUNNING_LOCK = threading.Lock()
 
@@ -173,7 +175,7 @@ def run_step(step: Step, log_dir: str, cwd: Optional[str] = None) -> StepResult:
         return StepResult(step, "skipped", message=step.skip)
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, step.name.replace("/", "__") + ".log")
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in _SET_BY_THE_SUITE}
     env.update(dict(step.env))
     env.setdefault("PYTHONUNBUFFERED", "1")
     t0 = time.monotonic()

@@ -68,11 +68,11 @@ def test_a_hung_rank_is_reported_with_the_fault_report_and_the_suite_goes_on(tmp
     assert r.returncode == 1, log
     data = json.loads((tmp_path / "nightly.json").read_text())
     steps = {s["name"]: s for s in data["steps"]}
-    assert steps["bench/layer"]["status"] == "failed"
-    assert "epmoe fault report: layer 'EPMoE[bench torch]" in steps["bench/layer"]["fault_report"]
-    assert "waiting on ranks [1]" in steps["bench/layer"]["fault_report"]
+    assert steps["bench/layer/torch"]["status"] == "failed"
+    assert "epmoe fault report: layer 'EPMoE[bench torch]" in steps["bench/layer/torch"]["fault_report"]
+    assert "waiting on ranks [1]" in steps["bench/layer/torch"]["fault_report"]
     assert steps["soak/short"]["status"] == "passed", log  # the next step ran
-    fail = ET.parse(tmp_path / "junit.xml").getroot().find("testcase[@name='bench/layer']/failure")
+    fail = ET.parse(tmp_path / "junit.xml").getroot().find("testcase[@name='bench/layer/torch']/failure")
     assert "rank 1: no report" in fail.text
 
 
@@ -108,7 +108,7 @@ def test_cancelling_the_suite_takes_its_running_steps_down(tmp_path):
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=30)
         assert p.returncode == 128 + signal.SIGTERM, out
-        assert "killed running steps ['bench/layer']" in out, out
+        assert "killed running steps ['bench/layer/torch']" in out, out
         for _ in range(50):
             left = _procs_mentioning(marker)
             if not left:

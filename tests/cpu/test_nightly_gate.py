@@ -229,7 +229,7 @@ def test_plan_steps_cpu_and_shared_gpu(tmp_path):
     steps = plan_steps(_args(), {"arch": "cpu"}, str(tmp_path))
     names = [s.name for s in steps]
     assert names == ["correctness/torch/bf16", "correctness/torch/fp8_block", "correctness/torch/nvfp4_w4a4",
-                     "correctness/launch/torch", "bench/layer", "bench/experts", "soak/short"]
+                     "correctness/launch/torch", "bench/layer/torch", "bench/experts", "soak/short"]
     assert "--nproc-per-node" in steps[0].argv and steps[0].argv[steps[0].argv.index("--nproc-per-node") + 1] == "2"
     assert steps[5].skip  # expert stage: GPU only
     # 4 ranks on one GPU: world 4 everywhere; unavailable dispatchers and refused modes skipped with the reason
@@ -243,9 +243,11 @@ def test_plan_steps_cpu_and_shared_gpu(tmp_path):
     assert w[w.index("--dispatch-dtype") + 1] == "nvfp4" and w[w.index("--quant") + 1] == "none"
     assert by["correctness/torch/mxfp8"].skip == "needs sm100"
     assert by["correctness/deepep/bf16"].skip.startswith("unavailable")
-    b = by["bench/layer"]
-    assert b.argv[b.argv.index("--dispatchers") + 1] == "torch,flashinfer"
-    assert ("EPMOE_NIGHTLY_PLANT_SLEEP_MS", "7") in b.env
+    b, f = by["bench/layer/torch"], by["bench/layer/flashinfer"]
+    assert b.argv[b.argv.index("--dispatchers") + 1] == "torch" and f.argv[f.argv.index("--dispatchers") + 1] == "flashinfer"
+    assert ("EPMOE_NIGHTLY_PLANT_SLEEP_MS", "7") in b.env  # the plant slows the first runnable dispatcher only
+    assert not any(k.startswith("EPMOE_NIGHTLY_PLANT") for k, _ in f.env)
+    assert by["bench/layer/deepep"].skip.startswith("unavailable")
     assert not by["bench/experts"].skip or "not found" in by["bench/experts"].skip
 
 
@@ -273,3 +275,15 @@ def test_selection_typos_are_errors_not_skips():
     assert "unknown mode 'fp8'" in validate_selection(None, "fp8", None)
     assert "unknown mode 'bf16+int4'" in validate_selection(None, "bf16+int4", None)
     assert "unknown step group 'benchmarks'" in validate_selection(None, None, "benchmarks")
+
+
+def test_committed_cpu_baseline_matches_the_cpu_plan(tmp_path):
+    """Every figure of benchmarks/baselines/cpu.json belongs to a step the CPU subset still runs (a
+    renamed step would silently drop its figures from the gate)."""
+    from epmoe.nightly.cli import REPO
+
+    base = B.load_baseline(str(REPO / "benchmarks" / "baselines" / "cpu.json"))
+    names = {s.name for s in plan_steps(_args(), {"arch": "cpu"}, str(tmp_path)) if not s.skip}
+    assert base is not None and base.machine_kind == "cpu" and base.bands == B.DEFAULT_BANDS["cpu"]
+    assert {f.step for f in base.figures.values()} == names
+    assert any(f.kind == "ratio" for f in base.figures.values())

@@ -201,18 +201,23 @@ def dispatcher_availability(name: str, gpus: int, ranks_per_gpu: int = 1) -> str
     return "" if avail else avail.describe()
 
 
-def mode_refusal(dispatcher: str, mode: str, arch: str) -> str:
-    """'' when the quant plan accepts (dispatcher, mode) on this arch, else its reason."""
-    from epmoe.config import MoEConfig
-    from epmoe.experts import EXPERTS
-    from epmoe.quant.plan import installed_flashinfer_version, resolve_quant_plan
+_ENVIRONMENTS: Dict[str, object] = {}
 
+
+def mode_refusal(dispatcher: str, mode: str, arch: str, ep_size: int, shape: Dict) -> str:
+    """'' when epmoe's resolver accepts (dispatcher, mode[+dispatch dtype]) for this machine (its arch,
+    FlashInfer version, installed packages and prebuilt modules) at the step's shape and EP size, else
+    the resolver's reason (the backend classes answer: docs/support-matrix.md)."""
+    from epmoe.config import MoEConfig
+    from epmoe.resolve import detect_environment, resolve_plan
+
+    if arch not in _ENVIRONMENTS:
+        _ENVIRONMENTS[arch] = detect_environment(arch=arch)
     quant, dd = (mode.split("+") + ["auto"])[:2]
-    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=1024, intermediate_size=512)
+    cfg = MoEConfig(**shape)
     try:
-        resolve_quant_plan(cfg, requested_mode=None if quant == "bf16" else quant, dispatch_dtype=dd,
-                           dispatcher=dispatcher, arch=arch, flashinfer_version=installed_flashinfer_version(),
-                           registered_backends=EXPERTS.names())
+        resolve_plan(cfg, dispatcher=dispatcher, quant=None if quant == "bf16" else quant, dispatch_dtype=dd,
+                     environment=_ENVIRONMENTS[arch], ep_size=ep_size)
     except ValueError as e:
         return str(e)
     return ""
@@ -231,8 +236,12 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
     if gpu:
         env += (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1"),
                 ("FLASHINFER_DISABLE_JIT", os.environ.get("FLASHINFER_DISABLE_JIT", "1")))
-    shape = (["--hidden", "1024", "--inter", "512", "--experts-per-rank", "8", "--top-k", "4"] if gpu
-             else ["--hidden", "256", "--inter", "128", "--experts-per-rank", "4", "--top-k", "4"])
+    import torch
+
+    hidden, inter, per_rank, top_k = (1024, 512, 8, 4) if gpu else (256, 128, 4, 4)
+    shape = ["--hidden", str(hidden), "--inter", str(inter), "--experts-per-rank", str(per_rank), "--top-k", str(top_k)]
+    check_shape = dict(num_experts=per_rank * world, top_k=top_k, hidden_size=hidden, intermediate_size=inter,
+                       dtype=torch.bfloat16 if gpu else torch.float32)
     common = ["--device", dev, "--ranks-per-gpu", str(rpg), "--timeout", str(args.collective_timeout)]
     groups = set(args.only.split(",")) if args.only else set(GROUPS)
     dispatchers = [d for d in (args.dispatchers.split(",") if args.dispatchers else (ALL_DISPATCHERS if gpu else ("torch",))) if d]
@@ -246,7 +255,7 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
             for m in modes:
                 name = f"correctness/{d}/{m}"
                 quant, dd = (m.split("+") + ["auto"])[:2]
-                why = avail[d] or args.mode_refusal(d, m, arch)
+                why = avail[d] or args.mode_refusal(d, m, arch, world, check_shape)
                 path = os.path.join(res, name.replace("/", "__") + ".json")
                 argv = _torchrun(world) + ["-m", "epmoe.nightly.worker", "check", "--dispatcher", d,
                                            "--quant", "none" if quant == "bf16" else quant, "--dispatch-dtype", dd,

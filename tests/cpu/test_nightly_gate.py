@@ -220,7 +220,7 @@ def test_junit_table_and_plot(tmp_path):
 def _args(**kw):
     d = dict(gpus=0, ranks_per_gpu=1, cpu_ranks=2, limit_scale=1.0, collective_timeout=60.0, only=None,
              dispatchers=None, modes=None, bench_tokens=None, iters=None, soak_steps=None, plant_sleep_ms=None,
-             plant_dispatcher=None, availability=lambda d, g, r: "", mode_refusal=lambda d, m, a: "")
+             plant_dispatcher=None, availability=lambda d, g, r: "", mode_refusal=lambda d, m, a, w, shape: "")
     d.update(kw)
     return SimpleNamespace(**d)
 
@@ -235,7 +235,7 @@ def test_plan_steps_cpu_and_shared_gpu(tmp_path):
     # 4 ranks on one GPU: world 4 everywhere; unavailable dispatchers and refused modes skipped with the reason
     avail = {"torch": "", "flashinfer": "", "deepep": "unavailable: deep_ep is not installed", "deepep_ll": "unavailable: x"}
     steps = plan_steps(_args(gpus=1, ranks_per_gpu=4, plant_sleep_ms="7", availability=lambda d, g, r: avail[d],
-                             mode_refusal=lambda d, m, a: "needs sm100" if m == "mxfp8" else ""),
+                             mode_refusal=lambda d, m, a, w, shape: "needs sm100" if m == "mxfp8" else ""),
                        {"arch": "sm90"}, str(tmp_path))
     by = {s.name: s for s in steps}
     w = by["correctness/flashinfer/bf16+nvfp4"].argv

@@ -238,7 +238,8 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
                 ("FLASHINFER_DISABLE_JIT", os.environ.get("FLASHINFER_DISABLE_JIT", "1")))
     import torch
 
-    hidden, inter, per_rank, top_k = (1024, 512, 8, 4) if gpu else (256, 128, 4, 4)
+    # GPU: a hidden size DeepEP's low-latency kernels are built for, so every dispatcher can be asked
+    hidden, inter, per_rank, top_k = (2048, 512, 8, 4) if gpu else (256, 128, 4, 4)
     shape = ["--hidden", str(hidden), "--inter", str(inter), "--experts-per-rank", str(per_rank), "--top-k", str(top_k)]
     check_shape = dict(num_experts=per_rank * world, top_k=top_k, hidden_size=hidden, intermediate_size=inter,
                        dtype=torch.bfloat16 if gpu else torch.float32)

@@ -179,6 +179,8 @@ def load_expert_weights(
         if p in per_expert:
             fmt, loaded = _load_per_expert(reader, per_expert[p], config, lo, hi, p)
         else:
+            stored = "mxfp4-gpt-oss" if any(n.endswith(("_blocks", "_scales")) for n in stacked[p]) else "bf16"
+            _check_declared_method(config, stored, f"{p}experts.{sorted(stacked[p])[0]}")
             fmt, loaded = _load_gpt_oss(reader, stacked[p], config, lo, hi, p)
         ck = correction.get(p)
         if ck is None:  # the router gate usually sits beside `experts.` under the same prefix
@@ -198,8 +200,6 @@ def load_expert_weights(
             "'...experts.gate_up_proj' / '...experts.gate_up_proj_blocks', or canonical keys w1/w2/w3 (got keys "
             f"{sorted(keys)[:8]}{' ...' if len(keys) > 8 else ''})"
         )
-    if fmt != "canonical":
-        _check_declared_method(config, fmt)
     if corr is not None:
         if tuple(corr.shape) != (E,):
             raise ValueError(f"e_score_correction_bias has shape {list(corr.shape)}; expected [{E}]")
@@ -211,7 +211,7 @@ def load_expert_weights(
                          tensors_read=tuple(reader.reads))
 
 
-def _check_declared_method(config: MoEConfig, fmt: str) -> None:
+def _check_declared_method(config: MoEConfig, fmt: str, example: str) -> None:
     """The tensors' format must be the one config.json declares (when it declares one)."""
     if config.quant_method is None:
         return  # undeclared: the stored format is used as found (the plan check at load decides)
@@ -223,7 +223,7 @@ def _check_declared_method(config: MoEConfig, fmt: str) -> None:
         what = "unquantized (no scale tensors)" if found == "none" else f"{fmt}"
         raise ValueError(
             f"config.json declares quant_method={config.quant_method!r} ({declared} checkpoint), but the "
-            f"expert tensors are {what}; "
+            f"expert tensors are {what} (e.g. {example}); "
             + {"fp8": "FP8 block checkpoints store '<proj>.weight' (float8_e4m3fn) with '<proj>.weight_scale_inv'",
                "nvfp4": "NVFP4 checkpoints store '<proj>.weight' + 'weight_scale' + 'weight_scale_2' (ModelOpt) "
                         "or '<proj>.weight_packed' + 'weight_scale' + 'weight_global_scale' (compressed-tensors)",
@@ -275,12 +275,24 @@ def _load_per_expert(
     if len(by_format) > 1:
         detail = "; ".join(f"{f}: {v[0]}{f' (+{len(v) - 1} more)' if len(v) > 1 else ''}"
                            for f, v in sorted(by_format.items()))
+        quantized = [f for f in by_format if f in ckf.PER_EXPERT_FORMATS and f != "bf16"]
+        if "bf16" in by_format and len(quantized) == 1:
+            # most likely scale tensors are missing: name the first one
+            f = quantized[0]
+            base = by_format["bf16"][0]
+            need = [sp for sp in ckf.PER_EXPERT_FORMATS[f][1:] if not sp.optional]
+            raise ValueError(
+                f"{f} checkpoint lacks {base}.{need[0].suffix} (every {f} projection stores "
+                f"{[sp.suffix for sp in ckf.PER_EXPERT_FORMATS[f]]}); experts under {prefix!r} mix formats ({detail})"
+            )
         raise ValueError(
             f"experts under {prefix!r} mix checkpoint formats ({detail}); every expert of a layer must be "
             "stored in one format"
         )
     fmt = next(iter(by_format), "bf16")
     ckf.check_supported(fmt)
+    example = next(iter(by_format.get(fmt, [])), f"{prefix}experts.0.gate_proj")
+    _check_declared_method(config, fmt, example)
     specs = ckf.PER_EXPERT_FORMATS[fmt]
 
     def proj_of(e: int, role: str) -> Optional[str]:

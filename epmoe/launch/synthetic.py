@@ -47,6 +47,27 @@ def layer_prefix(layer_idx: int) -> str:
     return f"model.layers.{layer_idx}.mlp."
 
 
+def make_layer(config: MoEConfig, seed: int, layer_idx: int) -> SyntheticLayer:
+    """A whole layer of random global weights in memory (for in-memory runs such as benchmarks/soak.py;
+    checkpoints on disk are written expert by expert by `write_checkpoint`)."""
+    g = torch.Generator().manual_seed(seed * 1000 + layer_idx)
+    E, H, I = config.num_experts, config.hidden_size, config.intermediate_size
+
+    def rnd(*shape, scale):
+        return (torch.randn(*shape, generator=g) * scale).to(config.dtype)
+
+    experts = ExpertWeights(
+        w1=rnd(E, I, H, scale=H ** -0.5),
+        w3=rnd(E, I, H, scale=H ** -0.5) if config.is_gated else None,
+        w2=rnd(E, H, I, scale=I ** -0.5),
+        b13=rnd(E, config.w13_rows, scale=0.05) if config.has_bias else None,
+        b2=rnd(E, H, scale=0.05) if config.has_bias else None,
+    )
+    gate = rnd(E, H, scale=H ** -0.5)
+    corr = torch.randn(E, generator=g) * 0.05 if config.routing == "sigmoid_grouped" else None
+    return SyntheticLayer(experts=experts, gate=gate, e_score_correction_bias=corr)
+
+
 # ----------------------------------------------------------------------------- streaming safetensors
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -306,7 +306,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
     synthetic: dict = {}
     if le.local_rank == 0 and wdir is not None:
         try:
-            write_checkpoint(wdir, cfg, hf, num_layers, args.seed, args.checkpoint_format or "bf16")
+            write_checkpoint(wdir, cfg, hf, num_layers, args.seed, args.checkpoint_format or "bf16", device=device)
         except (OSError, ValueError) as e:  # reported below through the agreement, not by leaving the others waiting
             print(f"error: rank {le.rank} could not write the synthetic checkpoint to {wdir}: {e}; "
                   "pass --weights-dir DIR on a writable filesystem", file=sys.stderr)

@@ -162,10 +162,10 @@ def _quantized_projection(fmt: str, w: torch.Tensor, role: str, e: int) -> Dict[
         amax = (4.0 if role != "w2" else 2.0) * (1.0 + 0.125 * (e % 4))
         if fmt == "nvfp4-modelopt":  # dequantization factors amax / (448 * 6)
             return ckf.canonical_to_projection(fmt, t.packed, t.scales, 1.0 / gs,
-                                               torch.tensor(amax / nvfp4.GLOBAL_AMAX, dtype=torch.float32))
+                                               torch.tensor(amax / nvfp4.GLOBAL_AMAX, dtype=torch.float32, device=w.device))
         # llm-compressor: quantization multipliers 448 * 6 / amax, stored as [1]
         return {"weight_packed": t.packed, "weight_scale": t.scales, "weight_global_scale": gs.reshape(1).float(),
-                "input_global_scale": torch.tensor([nvfp4.GLOBAL_AMAX / amax], dtype=torch.float32)}
+                "input_global_scale": torch.tensor([nvfp4.GLOBAL_AMAX / amax], dtype=torch.float32, device=w.device)}
     raise ValueError(fmt)
 
 
@@ -178,7 +178,7 @@ def _expert_tensors(config: MoEConfig, fmt: str, style: str, prefix: str, w: Exp
     if fmt == "mxfp4-gpt-oss":
         from epmoe.quant import mxfp4
 
-        gu = torch.empty(2 * I, config.hidden_size, dtype=torch.float32)
+        gu = torch.empty(2 * I, config.hidden_size, dtype=torch.float32, device=w.w1.device)
         gu[0::2], gu[1::2] = w.w1[0].float(), w.w3[0].float()  # interleaved rows: 2j gate, 2j+1 up
         for name, mat in (("gate_up_proj", gu), ("down_proj", w.w2[0].float())):
             t = mxfp4.quantize(mat)
@@ -186,19 +186,19 @@ def _expert_tensors(config: MoEConfig, fmt: str, style: str, prefix: str, w: Exp
             rows[f"{prefix}experts.{name}_scales"] = t.scales
         if config.has_bias:
             bg, bu = w.b13[0].chunk(2)
-            gub = torch.empty(2 * I, dtype=config.dtype)
+            gub = torch.empty(2 * I, dtype=config.dtype, device=w.w1.device)
             gub[0::2], gub[1::2] = bg, bu
             rows[f"{prefix}experts.gate_up_proj_bias"] = gub
             rows[f"{prefix}experts.down_proj_bias"] = w.b2[0]
         return per, rows
     if fmt == "bf16" and style == "gpt_oss":
-        gu = torch.empty(config.hidden_size, 2 * I, dtype=config.dtype)
+        gu = torch.empty(config.hidden_size, 2 * I, dtype=config.dtype, device=w.w1.device)
         gu[:, 0::2], gu[:, 1::2] = w.w1[0].t(), w.w3[0].t()
         rows[f"{prefix}experts.gate_up_proj"] = gu
         rows[f"{prefix}experts.down_proj"] = w.w2[0].t().contiguous()
         if config.has_bias:
             bg, bu = w.b13[0].chunk(2)
-            gub = torch.empty(2 * I, dtype=config.dtype)
+            gub = torch.empty(2 * I, dtype=config.dtype, device=w.w1.device)
             gub[0::2], gub[1::2] = bg, bu
             rows[f"{prefix}experts.gate_up_proj_bias"] = gub
             rows[f"{prefix}experts.down_proj_bias"] = w.b2[0]
@@ -242,9 +242,12 @@ def check_format_fits(config: MoEConfig, checkpoint_format: str) -> None:
 
 
 def write_checkpoint(directory: str, config: MoEConfig, hf_config: dict, num_layers: int, seed: int,
-                     checkpoint_format: str = "bf16") -> str:
+                     checkpoint_format: str = "bf16", device: Optional[torch.device] = None) -> str:
     """Write config.json (with the format's quantization_config) and model.safetensors for `num_layers`
-    layers, streaming one expert at a time. Returns the safetensors path."""
+    layers, streaming one expert at a time. Returns the safetensors path.
+
+    device: where each expert is quantized (the reference codecs give the same bytes on CPU and GPU;
+    a GPU is much faster for NVFP4 / MXFP4). Weights are drawn on the CPU either way."""
     check_format_fits(config, checkpoint_format)
     os.makedirs(directory, exist_ok=True)
     style = CHECKPOINT_STYLE.get(config.model_type, "hf")
@@ -272,11 +275,14 @@ def write_checkpoint(directory: str, config: MoEConfig, hf_config: dict, num_lay
         for L in range(num_layers):
             p = layer_prefix(L)
             for e in range(E):
-                per, rows = _expert_tensors(config, checkpoint_format, style, p, _expert_float(config, seed, L, e), e)
+                w = _expert_float(config, seed, L, e)
+                if device is not None:
+                    w = w.to(device)
+                per, rows = _expert_tensors(config, checkpoint_format, style, p, w, e)
                 for name, t in per.items():
-                    writer.write(name, t)
+                    writer.write(name, t.cpu())
                 for name, t in rows.items():
-                    writer.write(name, t, row=e)
+                    writer.write(name, t.cpu(), row=e)
             g = torch.Generator().manual_seed(seed * 1000 + L)
             writer.write(f"{p}gate.weight", (torch.randn(E, config.hidden_size, generator=g)
                                               * config.hidden_size ** -0.5).to(config.dtype))

@@ -66,6 +66,7 @@ class _Reader:
         self._dict: Optional[Mapping[str, torch.Tensor]] = None
         self._files: Dict[str, str] = {}
         self.reads: List[str] = []
+        self._open: Dict[str, object] = {}
         if isinstance(source, Mapping):
             self._dict = source
             return
@@ -92,10 +93,7 @@ class _Reader:
         """The stored shape (safetensors header only, no data read)."""
         if self._dict is not None:
             return tuple(self._dict[key].shape)
-        from safetensors import safe_open
-
-        with safe_open(self._files[key], framework="pt") as h:
-            return tuple(h.get_slice(key).get_shape())
+        return tuple(self._handle(key).get_slice(key).get_shape())
 
     def get(self, key: str, rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         self.reads.append(key if rows is None else f"{key}[{rows[0]}:{rows[1]}]")
@@ -104,12 +102,22 @@ class _Reader:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"weights[{key!r}] is a {type(t).__name__}; expected a torch.Tensor")
             return t if rows is None else t[rows[0] : rows[1]]
-        from safetensors import safe_open
+        h = self._handle(key)
+        if rows is None:
+            return h.get_tensor(key)
+        return h.get_slice(key)[rows[0] : rows[1]]
 
-        with safe_open(self._files[key], framework="pt") as h:
-            if rows is None:
-                return h.get_tensor(key)
-            return h.get_slice(key)[rows[0] : rows[1]]
+    def _handle(self, key: str):
+        """One open safetensors handle per file for the whole load (the header is parsed once)."""
+        f = self._files[key]
+        if f not in self._open:
+            from safetensors import safe_open
+
+            self._open[f] = safe_open(f, framework="pt")
+        return self._open[f]
+
+    def close(self) -> None:
+        self._open.clear()
 
 
 def _choose_prefix(prefixes: List[str], prefix: Optional[str], layer_idx: Optional[int]) -> str:
@@ -146,6 +154,15 @@ def load_expert_weights(
     if not (0 <= lo < hi <= E):
         raise ValueError(f"expert range [{lo}, {hi}) is outside [0, {E})")
     reader = _Reader(source)
+    try:
+        return _load(reader, config, lo, hi, prefix, layer_idx)
+    finally:
+        reader.close()
+
+
+def _load(reader: "_Reader", config: MoEConfig, lo: int, hi: int, prefix: Optional[str],
+          layer_idx: Optional[int]) -> LoadedExperts:
+    E = config.num_experts
     keys = list(reader.keys())
 
     canonical = [k for k in keys if k in _CANONICAL]

@@ -302,15 +302,15 @@ def hf_routing(cfg: Mapping[str, Any]) -> RoutingDecision:
         cfg = {**cfg, **cfg["text_config"]}
     model_type = str(cfg.get("model_type", "custom"))
     scoring = cfg.get("scoring_func")
+    if str(cfg.get("topk_method", "")).lower() == "group_limited_greedy" and str(scoring or "softmax").lower() == "softmax":
+        raise ValueError(
+            "config.json topk_method='group_limited_greedy' (DeepSeek-V2 grouped softmax routing) is not "
+            "supported: epmoe groups experts only for sigmoid routing (noaux_tc)"
+        )
     if scoring is not None:
         key = str(scoring).lower()
         if key not in ("sigmoid", "softmax"):
             raise ValueError(f"config.json scoring_func={scoring!r} is not supported; epmoe routes 'softmax' or 'sigmoid'")
-        if key == "softmax" and str(cfg.get("topk_method", "")).lower() == "group_limited_greedy":
-            raise ValueError(
-                "config.json topk_method='group_limited_greedy' (DeepSeek-V2 grouped softmax routing) is not "
-                "supported: epmoe groups experts only for sigmoid routing (noaux_tc)"
-            )
         return RoutingDecision("sigmoid_grouped" if key == "sigmoid" else "softmax", f"scoring_func={key!r} in config.json")
     if str(cfg.get("topk_method", "")).lower() == "noaux_tc":
         return RoutingDecision("sigmoid_grouped", "topk_method='noaux_tc' in config.json (DeepSeek-V3 router)")

@@ -95,6 +95,14 @@ def test_router_from_config_json(name):
         assert cfg.quant_method == "mxfp4" and cfg.has_bias and cfg.swiglu_limit == 7.0
 
 
+def test_grouped_softmax_router_is_refused():
+    v2 = {"model_type": "deepseek_v2", "n_routed_experts": 160, "num_experts_per_tok": 6, "hidden_size": 64,
+          "moe_intermediate_size": 32, "n_group": 8, "topk_group": 3, "topk_method": "group_limited_greedy"}
+    with pytest.raises(ValueError, match="group_limited_greedy.*not supported"):
+        MoEConfig.from_hf_config(v2)
+    assert MoEConfig.from_hf_config({**v2, "topk_method": "greedy"}).routing == "softmax"
+
+
 def test_unknown_model_with_correction_bias_is_refused():
     hf = ROUTER_CASES["unknown"][0]
     cfg = MoEConfig.from_hf_config({**hf, "moe_intermediate_size": 8, "hidden_size": 16}, dtype=torch.float32)

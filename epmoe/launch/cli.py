@@ -30,13 +30,6 @@ from epmoe.quant.checkpoint_formats import CHECKPOINT_FORMATS, QUANT_METHOD_OF_F
 from epmoe.quant.plan import EXPERT_MODES
 
 CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-# --check compares with a float64 reference of the dequantized checkpoint weights and unquantized
-# activations; modes that quantize activations add that error (docs/quant-plan.md, "Loading checkpoints")
-CHECK_TOL_MODE = {"fp8_block": 0.1, "nvfp4_w4a4": 0.3, "mxfp4_w4a8": 0.3, "mxfp8": 0.1}
-
-
-def check_tolerance(dtype: torch.dtype, expert_mode: str) -> float:
-    return max(CHECK_TOL[dtype], CHECK_TOL_MODE.get(expert_mode, 0.0))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,22 +138,14 @@ def _fmt_bytes(n: float) -> str:
 
 
 def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.device) -> int:
-    from epmoe.quant.plan import resolve_quant_plan
+    from epmoe.resolve import detect_environment, resolve_plan
 
-    arch = "cpu"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"sm{major}{minor}"
     if cfg.num_experts % ep:
         print(f"error: num_experts={cfg.num_experts} is not divisible by ep={ep}", file=sys.stderr)
         return 2
-    from epmoe.experts import EXPERTS
-    from epmoe.quant.plan import installed_flashinfer_version
-
-    plan = resolve_quant_plan(cfg, requested_mode=args.quant, dispatch_dtype=args.dispatch_dtype,
-                              dispatcher=args.dispatcher, experts_backend=args.experts, arch=arch,
-                              flashinfer_version=installed_flashinfer_version(),
-                              registered_backends=EXPERTS.names())
+    # the one resolver, against this host (FlashInfer version, packages, prebuilt modules), as EPMoE does
+    plan = resolve_plan(cfg, dispatcher=args.dispatcher, experts=args.experts, quant=args.quant,
+                        dispatch_dtype=args.dispatch_dtype, environment=detect_environment(device), ep_size=ep)
     max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
     E_local = cfg.num_experts // ep
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "
@@ -343,7 +328,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
     stats = RunStats()
     per_expert = torch.zeros(num_layers, cfg.num_experts // ep, dtype=torch.int64)
-    tol = check_tolerance(cfg.dtype, layers[0].plan.expert_mode)
+    tol = CHECK_TOL[cfg.dtype]
     failed_check = False
     total = args.warmup + args.steps
     for step in range(total):
@@ -374,7 +359,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             stats.tokens.append(T)
             stats.bytes_sent.append(step_bytes)
         if args.check:
-            err = _check_step(cfg, synthetic, records, rank0)
+            err = _check_step(cfg, synthetic, records, rank0, layers[0].plan)
             if rank0:
                 stats.max_err = max(stats.max_err, err)
                 stats.checked += len(layers) * ep
@@ -401,8 +386,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
     return 1 if failed_check else 0
 
 
-def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool) -> float:
-    """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference."""
+def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool, plan=None) -> float:
+    """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference,
+    which models the plan's path (lossy wire, weight and activation quantization)."""
     from epmoe.reference import reference_moe
 
     everything = edist.all_gather_objects(records)
@@ -415,7 +401,8 @@ def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool) -> float:
             continue
         logits = torch.cat([r[L][1] for r in everything])
         ys = torch.cat([r[L][2] for r in everything])
-        ref = reference_moe(cfg, xs, layer.experts, logits, e_score_correction_bias=layer.e_score_correction_bias)
+        ref = reference_moe(cfg, xs, layer.experts, logits, e_score_correction_bias=layer.e_score_correction_bias,
+                            plan=plan)
         err = float((ys.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         if not torch.isfinite(ys).all():
             err = float("inf")

@@ -11,8 +11,8 @@ Formats (`--checkpoint-format`, `epmoe.quant.checkpoint_formats.CHECKPOINT_FORMA
 
 The writer streams: one expert of one layer is generated, quantized and written at its offset in the
 file (the safetensors header is computed first), so memory stays at one expert whatever the model size.
-The float64 reference for `--check` is built by reading the checkpoint back and dequantizing it
-(`reference_layers`), so it checks the same bytes the layers loaded.
+The float64 reference for `--check` is built by reading the checkpoint back (`reference_layers`);
+`reference_moe` dequantizes it, so it checks the same bytes the layers loaded.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ from epmoe.checkpoint import load_expert_weights
 from epmoe.config import MoEConfig, dtype_name
 from epmoe.launch.presets import CHECKPOINT_STYLE
 from epmoe.quant import checkpoint_formats as ckf
-from epmoe.quant.weights import ExpertWeights, dequantize_expert_weights
+from epmoe.quant.weights import ExpertWeights
 
 CHECKPOINT_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True)
 class SyntheticLayer:
-    """Global tensors of one layer (the reference for --check: dequantized checkpoint values)."""
+    """Global tensors of one layer (the reference for --check: the checkpoint's experts as loaded,
+    quantized ones included; `reference_moe` dequantizes them)."""
 
     experts: ExpertWeights
     gate: torch.Tensor  # [E, H] router weight
@@ -315,13 +316,14 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def reference_layers(directory: str, config: MoEConfig, num_layers: int) -> Dict[int, SyntheticLayer]:
-    """Every layer's global experts read back through the loader and dequantized to float64, with the
-    router: the reference `--check` compares with (the same bytes the layers loaded)."""
+    """Every layer's global experts read back through the loader (quantized ones as stored), with the
+    router: what `--check` compares with. `reference_moe` dequantizes quantized experts to float64, so
+    the reference uses the same bytes the layers loaded (with `plan=`, it also models the plan's
+    activation and wire quantization on top of those exact weights)."""
     out = {}
     for L in range(num_layers):
         loaded = load_expert_weights(directory, config, layer_idx=L)
-        experts = dequantize_expert_weights(loaded.experts, torch.float64)
-        out[L] = SyntheticLayer(experts=experts, gate=read_gate(directory, L),
+        out[L] = SyntheticLayer(experts=loaded.experts, gate=read_gate(directory, L),
                                 e_score_correction_bias=loaded.e_score_correction_bias)
     return out
 

@@ -14,10 +14,9 @@ import torch
 
 from epmoe import EPMoE, MoEConfig, load_expert_weights, reference_moe
 from epmoe.config import hf_routing
-from epmoe.launch.cli import check_tolerance
 from epmoe.launch.synthetic import StreamingSafetensorsWriter, reference_layers, write_checkpoint
 from epmoe.quant.checkpoint_formats import CHECKPOINT_FORMATS, shared_gate_up_global_scale
-from epmoe.quant.plan import resolve_quant_plan
+from epmoe.resolve import resolve_quant_plan
 from epmoe.quant.weights import dequantize_expert_weights
 from tests.cpu.helpers import max_rel_err
 from tests.cpu.mp import run_group
@@ -258,6 +257,12 @@ def test_each_rank_holds_the_checkpoint_bytes_of_its_experts_only(checkpoints, f
 
 
 # ----------------------------------------------------------------------------- layer vs float64 reference
+# The layer against float64 math on the dequantized checkpoint with UNquantized activations: modes
+# that quantize activations add that error (measured: fp8_block ~0.04, nvfp4_w4a4 ~0.14); W4A16 and
+# bf16 runs have exact weights, so only float32 arithmetic remains.
+MODE_TOL = {"bf16": 1e-5, "nvfp4_w4a16": 1e-5, "mxfp4_w4a16": 1e-5, "fp8_block": 0.1, "nvfp4_w4a4": 0.3}
+
+
 def _layer_on_rank(rank, world, directory, mode):
     cfg = _cfg(directory)
     layer = EPMoE(cfg, quant=mode)
@@ -268,7 +273,10 @@ def _layer_on_rank(rank, world, directory, mode):
     logits = x @ gate.gate.float().t()
     y = layer(x, logits)
     ref = reference_moe(cfg, x, gate.experts, logits, e_score_correction_bias=gate.e_score_correction_bias)
-    return {"err": max_rel_err(y, ref), "mode": layer.plan.expert_mode, "tol": check_tolerance(cfg.dtype, layer.plan.expert_mode)}
+    # and with the plan modelled (activation / wire quantization on the checkpoint's exact weights)
+    ref_plan = reference_moe(cfg, x, gate.experts, logits, e_score_correction_bias=gate.e_score_correction_bias,
+                             plan=layer.plan)
+    return {"err": max_rel_err(y, ref), "err_plan": max_rel_err(y, ref_plan), "mode": layer.plan.expert_mode}
 
 
 LAYER_CASES = [("bf16", None), ("fp8", None), ("fp8", "bf16"), ("nvfp4-modelopt", None),
@@ -279,9 +287,7 @@ LAYER_CASES = [("bf16", None), ("fp8", None), ("fp8", "bf16"), ("nvfp4-modelopt"
 def test_layer_matches_dequantized_checkpoint_reference(checkpoints, fmt, mode):
     results = run_group(_layer_on_rank, 2, checkpoints[fmt], mode)
     for r in results:
-        assert r["err"] <= r["tol"], r
-        if r["mode"] in ("bf16", "nvfp4_w4a16", "mxfp4_w4a16"):  # weights exact: only float32 arithmetic
-            assert r["err"] < 1e-5, r
+        assert r["err"] <= MODE_TOL[r["mode"]] and r["err_plan"] < 1e-4, r
 
 
 # ----------------------------------------------------------------------------- wrong inputs

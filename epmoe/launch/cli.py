@@ -33,6 +33,7 @@ from epmoe.launch.env import available_memory_bytes, detect_launch_env, init_dis
 from epmoe.launch.presets import PRESETS
 from epmoe.launch import synthetic as synth
 from epmoe.layer import EPMoE
+from epmoe.quant.checkpoint_formats import CHECKPOINT_FORMATS, QUANT_METHOD_OF_FORMAT
 from epmoe.quant.plan import EXPERT_MODES
 
 # float64 layers compute in float32 (EPMoE warns), so they are held to the float32 tolerance
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert quant mode (default: the checkpoint's, unquantized for synthetic weights)")
     p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "bf16", "nvfp4"],
                    help="how tokens travel (auto: decided by the quant plan)")
+    p.add_argument("--checkpoint-format", default=None, choices=list(CHECKPOINT_FORMATS),
+                   help="layout of the synthetic checkpoint written and loaded back (default: bf16); with --plan: "
+                        "the checkpoint's quantization (default: config.json's quantization_config)")
     p.add_argument("--dtype", default=None, choices=DTYPES, type=_dtype_arg,
                    help="activation and weight dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--tokens", type=int, default=64, metavar="N", help="tokens per rank per step (>= 0)")
@@ -136,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true", help="bitwise-reproducible reductions")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="collective timeout in seconds: a rank that waits longer ends with a fault report")
+    p.add_argument("--ranks-per-gpu", type=int, default=1, metavar="N",
+                   help="run N ranks on each GPU (local ranks 0..N-1 on GPU 0, ...) over a gloo group; an explicit "
+                        "opt-in for testing on fewer GPUs: results are real, timings measure no link "
+                        "(docs/shared-gpu.md)")
     return p
 
 
@@ -169,6 +177,10 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.checkpoint is not None and args.write_synthetic is not None:
         raise UsageError("--checkpoint loads an existing checkpoint and --write-synthetic writes synthetic weights; "
                          "pass one of them")
+    if args.ranks_per_gpu < 1:
+        raise UsageError(f"--ranks-per-gpu {args.ranks_per_gpu}: must be an integer >= 1")
+    if args.checkpoint is not None and args.checkpoint_format is not None and not args.plan:
+        raise UsageError("--checkpoint-format is the layout of synthetic weights; --checkpoint DIR is loaded as it is")
     if args.check and args.tokens == 0:
         raise UsageError("--check with --tokens 0 compares nothing; pass --tokens N >= 1")
     if args.json and not args.doctor:
@@ -220,12 +232,14 @@ def load_config(args: argparse.Namespace, device: torch.device) -> "tuple[MoECon
     elif os.path.isdir(where):
         where = os.path.join(where, "config.json")
     try:
-        cfg = MoEConfig.from_hf_config(hf, dtype=default_dtype(args, device))
+        # a path lets the config detection read what sits beside config.json (e.g. hf_quant_config.json)
+        cfg = MoEConfig.from_hf_config(args.checkpoint or args.config or hf, dtype=default_dtype(args, device))
     except (ValueError, TypeError, KeyError) as e:
         raise UsageError(f"{where}: not a MoE config epmoe can run ({type(e).__name__}: {e})") from None
-    if args.checkpoint is None and args.quant is None and cfg.quant_method is not None:
-        cfg = cfg.replace(quant_method=None)  # synthetic weights are unquantized unless --quant asks
-    return cfg, hf
+    if args.checkpoint is not None or (args.plan and args.checkpoint_format is None):
+        return cfg, hf  # the checkpoint as it is (or, for --plan, as config.json describes it)
+    # the synthetic checkpoint is written in --checkpoint-format: its quantization is the model's
+    return cfg.replace(quant_method=QUANT_METHOD_OF_FORMAT[args.checkpoint_format or "bf16"]), hf
 
 
 def apply_scale(cfg: MoEConfig, scale: Optional[float], ep: int) -> MoEConfig:
@@ -302,14 +316,12 @@ def _peak_rss_bytes() -> int:
 
 def synthetic_writer_bytes(cfg: MoEConfig, num_layers: int) -> int:
     """Peak memory of the synthetic writer (on the one process per node that writes). The writer may
-    say it itself (`synthetic.writer_peak_bytes`); otherwise: it builds every layer's tensors and
-    safetensors serialises them, about 1.5 times the whole model."""
+    say it itself (`synthetic.writer_peak_bytes`); otherwise: what it holds while streaming one expert."""
     own = getattr(synth, "writer_peak_bytes", None)
     if own is not None:
         return int(own(cfg, num_layers))
-    elem = torch.tensor([], dtype=cfg.dtype).element_size()
-    per_layer = cfg.num_experts * (cfg.expert_param_count() + cfg.hidden_size) * elem
-    return 3 * per_layer * num_layers // 2  # measured: 1.25x (Mixtral, 5.6 GB) to 1.45x (400 MB)
+    # it streams one expert at a time: drawn in float32, cast, quantized, serialised (+ one router)
+    return 4 * cfg.expert_param_count() * 4 + 2 * cfg.num_experts * cfg.hidden_size * 4
 
 
 @dataclass
@@ -441,7 +453,17 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
           f"I={cfg.intermediate_size} activation={cfg.activation} routing={cfg.routing} "
           f"bias={cfg.has_bias} dtype={dtype_name(cfg.dtype)} layers={cfg.num_layers}"
           + ("" if args.dtype else f" (the run's default dtype on {device.type}; --dtype changes it)"))
+    from epmoe.config import hf_routing
+
+    if args.config or args.checkpoint:
+        print(f"routing: {hf_routing(_read_json(args.config or args.checkpoint, '--config')).reason}")
+    print(f"checkpoint: quant_method={cfg.quant_method} ({plan.checkpoint_quant} family)"
+          + (f", --checkpoint-format {args.checkpoint_format}" if args.checkpoint_format else ""))
     print(f"placement: ep={ep}, {E_local} experts per rank (contiguous)")
+    rpg = getattr(args, "ranks_per_gpu", 1)
+    if rpg > 1:
+        print(f"shared GPU: --ranks-per-gpu {rpg}: {ep} ranks on {-(-ep // rpg)} GPU(s), gloo control group; "
+              "real kernels and results, but timings are local cost only (no link is measured)")
     for r in range(ep):
         print(f"  rank {r}: experts [{r * E_local}, {(r + 1) * E_local})")
     print(_plan_text(plan, cfg))
@@ -560,11 +582,12 @@ def read_gate(keys: Dict[str, str], layer_idx: int) -> Optional[torch.Tensor]:
         return h.get_tensor(hits[0])
 
 
-def write_synthetic(directory: str, cfg: MoEConfig, hf: dict, num_layers: int, seed: int) -> None:
+def write_synthetic(directory: str, cfg: MoEConfig, hf: dict, num_layers: int, seed: int,
+                    checkpoint_format: str = "bf16", device: Optional[torch.device] = None) -> None:
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, MARKER), "w") as f:  # ours: a later run may overwrite it
         f.write("synthetic weights written by python -m epmoe.launch; safe to delete\n")
-    synth.write_checkpoint(directory, cfg, hf, num_layers, seed)  # its return value is not kept
+    synth.write_checkpoint(directory, cfg, hf, num_layers, seed, checkpoint_format, device=device)
 
 
 # ---------------------------------------------------------------------------- run
@@ -686,7 +709,11 @@ def _main(argv: Optional[List[str]] = None) -> int:
     from epmoe.core.errors import PeerInputError
     from epmoe.core.fault import FaultWatch
 
-    le = init_distributed(device.type, args.timeout)
+    try:
+        le = init_distributed(device.type, args.timeout, args.ranks_per_gpu)
+    except SystemExit as e:  # --ranks-per-gpu that does not fit: the same on every rank of a node
+        raise UsageError(str(e.code)) from None
+    shared_gpu = args.ranks_per_gpu > 1
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     watch = FaultWatch("launcher", None, args.timeout)  # the launcher's own collectives: same fault reports
@@ -704,6 +731,11 @@ def _main(argv: Optional[List[str]] = None) -> int:
         unscaled = cfg
         cfg = apply_scale(cfg, args.scale, ep)
         check_placement(cfg, ep, args)
+        if args.checkpoint is None:
+            try:
+                synth.check_format_fits(cfg, args.checkpoint_format or "bf16")
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         if le.local_rank == 0 and args.write_synthetic is not None:
             check_write_dir(args.write_synthetic)
     except UsageError as e:
@@ -736,7 +768,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             layers.append(EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=max_tokens,
                                 experts=args.experts, quant=args.quant, dispatch_dtype=args.dispatch_dtype,
                                 deterministic=args.deterministic, timeout_s=args.timeout,
-                                check_finite=args.check_finite, name=f"EPMoE[layer {L}]"))
+                                check_finite=args.check_finite, shared_gpu=shared_gpu, name=f"EPMoE[layer {L}]"))
     except (ValueError, TypeError) as e:  # agreed by the layer: every rank raises the same
         raise UsageError(str(e)) from None
     plan = layers[0].plan
@@ -766,7 +798,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
             with watch.phase("sharing the weights directory"):
                 shared = edist.all_gather_objects((node_key, tmp.name if tmp else None), None, watch.collective_timeout)
             wdir = next((d for k, d in shared if k == node_key and d), None)
-        _write_and_wait(wdir if writes else None, cfg, hf, num_layers, args.seed, le, watch)
+        _write_and_wait(wdir if writes else None, cfg, hf, num_layers, args.seed, le, watch,
+                        args.checkpoint_format or "bf16", device)
         # every rank says whether it sees the files, so a rank that cannot read them makes all ranks
         # stop with the reason instead of some of them waiting in a collective
         with watch.phase("checking the synthetic weights"):
@@ -819,8 +852,11 @@ def _main(argv: Optional[List[str]] = None) -> int:
         for L in layer_idx:
             corr[L] = load_expert_weights(wdir, cfg, experts=(0, 1), layer_idx=L).e_score_correction_bias
     if rank0:
-        print(f"epmoe launch: {cfg.model_type} ep={ep} ({le.launcher}, {'nccl' if device.type == 'cuda' else 'gloo'} "
-              f"on {device}) layers={num_layers} tokens/rank={args.tokens} jitter={args.tokens_jitter} "
+        comm = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
+        where = f"{device}, {args.ranks_per_gpu} ranks per GPU: shared-GPU mode, no link measured" if shared_gpu \
+            else str(device)
+        print(f"epmoe launch: {cfg.model_type} ep={ep} ({le.launcher}, {comm} "
+              f"on {where}) layers={num_layers} tokens/rank={args.tokens} jitter={args.tokens_jitter} "
               f"max_tokens_per_rank={max_tokens} dtype={dtype_name(cfg.dtype)}")
         print(_plan_text(layers[0].plan, cfg))
         sys.stdout.flush()
@@ -864,7 +900,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             c0 = time.perf_counter()
             with watch.phase(f"step {step} check"):
-                err, n = _check_step(cfg, wdir, layer_idx, corr, records, rank0, watch, layers[0].plan)
+                err, n = _check_step(cfg, wdir, layer_idx, corr, records, rank0, watch, layers[0].plan,
+                                     layers[0].max_num_tokens_per_rank)
             stats.check_s += time.perf_counter() - c0
             if rank0:
                 stats.max_err = max(stats.max_err, err)
@@ -894,7 +931,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
     return 1 if failed_check or (nothing_checked and rank0) else 0
 
 
-def _write_and_wait(wdir: Optional[str], cfg: MoEConfig, hf: dict, num_layers: int, seed: int, le, watch) -> None:
+def _write_and_wait(wdir: Optional[str], cfg: MoEConfig, hf: dict, num_layers: int, seed: int, le, watch,
+                    checkpoint_format: str = "bf16", device: Optional[torch.device] = None) -> None:
     """The writing process of each node (wdir given) writes in a thread while every rank polls, every
     half second, whether all writers are done: a long write never runs into the collective timeout,
     rank 0 reports progress, and a writer's error (disk full, ...) stops every rank with its message."""
@@ -905,7 +943,7 @@ def _write_and_wait(wdir: Optional[str], cfg: MoEConfig, hf: dict, num_layers: i
 
     def work() -> None:
         try:
-            write_synthetic(wdir, cfg, hf, num_layers, seed)
+            write_synthetic(wdir, cfg, hf, num_layers, seed, checkpoint_format, device)
         except BaseException as e:  # noqa: BLE001 - every rank learns it below
             state["error"] = (f"rank {le.rank} could not write the synthetic checkpoint to {wdir}: "
                               f"{type(e).__name__}: {e}; pass --write-synthetic DIR on a writable filesystem "
@@ -943,10 +981,12 @@ def est_elem(cfg: MoEConfig) -> int:
 
 
 def _check_step(cfg: MoEConfig, wdir: str, layer_idx: List[int], corr: dict, records, rank0: bool,
-                watch, plan=None) -> "Tuple[float, int]":
+                watch, plan=None, round_tokens: Optional[int] = None) -> "Tuple[float, int]":
     """Gather every rank's (input, logits, output) per layer; rank 0 compares with the float64
     reference, which models the plan's path (lossy wire, weight and activation quantization), reading
     one expert at a time from the checkpoint (never the whole model at once).
+    With a quantized wire each rank quantizes each dispatch round of `round_tokens` rows with its own
+    dynamic scale, so the reference runs per rank and round.
     Returns (worst relative error, rank-layer pairs compared)."""
     from epmoe.checkpoint import load_expert_weights
     from epmoe.reference import reference_moe_streamed
@@ -955,15 +995,20 @@ def _check_step(cfg: MoEConfig, wdir: str, layer_idx: List[int], corr: dict, rec
     if not rank0:
         return 0.0, 0
     worst, compared = 0.0, 0
+    per_round = plan is not None and plan.dispatch_dtype != "bf16" and round_tokens
     for i, L in enumerate(layer_idx):
         xs = torch.cat([r[i][0] for r in everything])
         if xs.shape[0] == 0:
             continue
         logits = torch.cat([r[i][1] for r in everything])
         ys = torch.cat([r[i][2] for r in everything])
-        ref = reference_moe_streamed(
-            cfg, xs, lambda e: load_expert_weights(wdir, cfg, experts=(e, e + 1), layer_idx=L).experts,
-            logits, e_score_correction_bias=corr.get(L), plan=plan)
+        chunks = [(xs, logits)]
+        if per_round:
+            chunks = [(r[i][0][a:a + round_tokens], r[i][1][a:a + round_tokens])
+                      for r in everything for a in range(0, r[i][0].shape[0], round_tokens)]
+        ref = torch.cat([reference_moe_streamed(
+            cfg, x, lambda e: load_expert_weights(wdir, cfg, experts=(e, e + 1), layer_idx=L).experts,
+            lg, e_score_correction_bias=corr.get(L), plan=plan) for x, lg in chunks])
         err = float((ys.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         if not torch.isfinite(ys).all():
             err = float("inf")

@@ -374,9 +374,14 @@ def estimate_memory(cfg: MoEConfig, plan, ep: int, num_layers: int, max_tokens: 
     per_expert = cfg.expert_param_count()
     host = {"runtime": runtime_bytes + RUNTIME_GROWTH, "workspace": mem.workspace.total_bytes}
     device_items: Dict[str, int] = {}
-    host_weights = mem.weights_bytes
+    weights = mem.weights_bytes
+    if getattr(plan, "experts_backend", None) in ("reference", "masked_reference") and \
+            getattr(plan, "weight_format", "bf16") not in ("bf16", None):
+        # the emulating backends keep quantized experts dequantized to float32 (what they compute with)
+        weights = num_layers * E_local * per_expert * 4
+    host_weights = weights
     if device.type != "cpu":
-        device_items = {"expert weights": mem.weights_bytes, "workspace": host.pop("workspace")}
+        device_items = {"expert weights": weights, "workspace": host.pop("workspace")}
         host_weights = 0
     if check:
         rows = ep * max_T

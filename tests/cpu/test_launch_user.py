@@ -28,7 +28,13 @@ def _env(**extra) -> dict:
     return env
 
 
+def _cpu(args):
+    """These are CPU tests: on a GPU machine `--device auto` would pick CUDA (and NCCL on one GPU)."""
+    return list(args) if "--device" in args else [*args, "--device", "cpu"]
+
+
 def _launch(args, nproc=None, timeout=180):
+    args = _cpu(args)
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "epmoe.launch", *args]
@@ -55,6 +61,7 @@ def run_main(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_die", die)
 
     def run(argv):
+        argv = _cpu(argv)
         try:
             code = cli.main(argv)
             text = ""
@@ -198,7 +205,7 @@ def test_sigkill_one_rank_survivor_prints_fault_report(victim):
         # --check: rank 0 computes the reference while rank 1 waits in the launcher's step barrier
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "epmoe.launch", "--steps", "100000", "--tokens", "64", "--check", "--timeout",
-             "30"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+             "30", "--device", "cpu"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:  # wait for the step loop (rank 0 prints the plan then)
@@ -361,7 +368,8 @@ def test_sigkill_under_torchrun_survivor_reports_before_torchrun_stops_it():
     """torchrun SIGTERMs the survivors at once; they still print the fault report (not silence or a
     raw gloo traceback) before leaving."""
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "epmoe.launch", "--steps", "100000", "--tokens", "8", "--timeout", "30"],
+                          "-m", "epmoe.launch", "--steps", "100000", "--tokens", "8", "--timeout", "30",
+                          "--device", "cpu"],
                          env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:

@@ -87,8 +87,12 @@ def test_generate_matches_unsharded_transformers(tmp_path, world_size):
 
 
 # ------------------------------------------------------------------------------- memory, updates, errors
-def _peak_cpu_bytes(fn):
-    """Peak of live CPU tensor bytes allocated while fn runs (torch profiler's memory events)."""
+def _peak_cpu_bytes(fn, mapped_file_bytes):
+    """Peak of live CPU tensor bytes allocated while fn runs, from torch profiler's memory events.
+
+    safetensors exposes each opened checkpoint file as one storage over its read-only mapping (the
+    profiler sees an "allocation" of the file's size; only the pages of tensors read are touched):
+    those events, exactly the file's size, are not allocations and are left out."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -96,6 +100,8 @@ def _peak_cpu_bytes(fn):
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
     live = peak = 0
     for e in events:
+        if e.name == "[memory]" and abs(e.self_cpu_memory_usage) == mapped_file_bytes:
+            continue
         live += e.self_cpu_memory_usage
         peak = max(peak, live)
     return result, peak
@@ -107,9 +113,9 @@ def _memory_and_update_worker(rank, world_size, mem_path, upd_path):
     from epmoe.integrations.transformers import expert_memory, load_model, update_weights
 
     # peak memory while loading: everything but the experts is the same on every rank
-    model, peak = _peak_cpu_bytes(lambda: load_model(mem_path, dtype=torch.float32))
+    file_bytes = os.path.getsize(os.path.join(mem_path, "model.safetensors"))
+    model, peak = _peak_cpu_bytes(lambda: load_model(mem_path, dtype=torch.float32), file_bytes)
     mem = expert_memory(model)
-    dense = sum(t.numel() * t.element_size() for n, t in model.state_dict().items())
     del model
 
     # update_weights: a "trainer" (the unsharded transformers model) changes its weights; the EP model
@@ -124,7 +130,8 @@ def _memory_and_update_worker(rank, world_size, mem_path, upd_path):
     update_weights(ep, trainer.state_dict())
     storage_after = [t.data_ptr() for layer in ep.model.layers for t in layer.mlp.experts.ep_moe.experts.parameters().values()]
     ids = torch.randint(4, 96, (1 + rank, 6), generator=torch.Generator().manual_seed(rank))
-    diff = float((ep(ids).logits - trainer(ids).logits).abs().max())
+    with torch.no_grad():
+        diff = float((ep(ids).logits - trainer(ids).logits).abs().max())
     # a bad name fails on every rank before anything changes
     sd = dict(trainer.state_dict())
     if rank == 0:
@@ -134,7 +141,7 @@ def _memory_and_update_worker(rank, world_size, mem_path, upd_path):
         bad = "no error"
     except Exception as e:  # noqa: BLE001
         bad = f"{type(e).__name__}: {e}"
-    return dict(peak=peak, mem=mem, dense=dense, diff=diff, in_place=storage == storage_after, bad=bad)
+    return dict(peak=peak, mem=mem, diff=diff, in_place=storage == storage_after, bad=bad)
 
 
 def test_memory_per_rank_and_update_weights(tmp_path):
@@ -146,11 +153,11 @@ def test_memory_per_rank_and_update_weights(tmp_path):
         mem = r["mem"]
         per_layer_local = mem.local_bytes // mem.num_layers
         assert mem.local_bytes * world_size == mem.model_bytes
-        # measured: the whole load never held more than this rank's experts plus a few layers' worth of
-        # transient copies of them, well under the model's experts (what unsharded loading holds)
-        expert_peak = r["peak"] - (r["dense"] - mem.local_bytes)
-        assert expert_peak <= mem.local_bytes + 3 * per_layer_local, (rank, r)
-        assert expert_peak < mem.model_bytes, (rank, r)
+        # measured: everything the load allocated (non-expert weights too, all counted against the
+        # experts) never exceeded this rank's experts plus one layer's transient copy of them, and
+        # stayed well under the model's experts (what an unsharded load holds)
+        assert mem.local_bytes <= r["peak"] <= mem.local_bytes + per_layer_local, (rank, r)
+        assert r["peak"] < 0.7 * mem.model_bytes, (rank, r)
         assert r["diff"] < 1e-5, r
         assert r["in_place"]
         assert ("ValueError" if rank == 0 else "PeerInputError") in r["bad"], r["bad"]
@@ -199,9 +206,9 @@ def test_errors_before_anything_is_loaded(tmp_path):
 
 def test_example_runs_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "examples", "hf_generate.py"), "--dir", str(tmp_path / "model")]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0: 2 prompts" in proc.stdout and "rank 1: no prompts" in proc.stdout, proc.stdout
     assert "same tokens as the unsharded model: True" in proc.stdout, proc.stdout

@@ -428,8 +428,8 @@ def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
     Other tensors: copied in place into the parameters / buffers of the same name; a name the model
     does not have is a ValueError, raised on every rank before anything changes."""
     st = _state(model)
-    own = dict(model.named_parameters())
-    own.update(dict(model.named_buffers()))
+    own = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
+    own.update(dict(model.named_buffers(remove_duplicate=False)))
     prefixes = [s.name + "." for s in st.sites]
     error: Optional[BaseException] = None
     dense: Dict[str, torch.Tensor] = {}

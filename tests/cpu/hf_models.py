@@ -12,11 +12,12 @@ import torch
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
-def tiny_config(family: str, num_experts: int = 8, layers: int = 2, hidden: int = 32, inter: int = 16):
+def tiny_config(family: str, num_experts: int = 8, layers: int = 2, hidden: int = 32, inter: int = 16,
+                init_std: float = 0.2):
     import transformers as tf
 
     common = dict(vocab_size=96, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
+                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=init_std,
                   num_experts_per_tok=2, eos_token_id=3, pad_token_id=0, bos_token_id=1, tie_word_embeddings=False)
     if family == "mixtral":
         return tf.MixtralConfig(**common, intermediate_size=inter, num_local_experts=num_experts)

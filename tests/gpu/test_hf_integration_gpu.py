@@ -1,0 +1,60 @@
+"""epmoe.integrations.transformers on a GPU, bf16: tiny random models of every supported family, loaded
+through the integration (experts="auto": Triton on SM90) and compared with transformers' own model.
+
+The bound (docs/hf.md): with the float32 transformers model as the truth, the bf16 epmoe model's
+logits are at most twice as far from it as transformers' own bf16 model is, plus one bf16 step
+(2^-8) of the logit scale:
+
+    max|logits_epmoe_bf16 - logits_fp32| <= 2 * max|logits_hf_bf16 - logits_fp32| + 2^-8 * max|logits_fp32|
+
+Run on the device (one GPU, one rank; the 2-GPU case runs examples/hf_generate.py under torchrun)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.cpu.hf_models import FAMILIES, write_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def bf16_errors(path: str, device: str, experts: str = "auto") -> dict:
+    """Logits of one padded batch: fp32 transformers (truth), bf16 transformers, bf16 epmoe."""
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.integrations.transformers import load_model
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 96, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding on one row
+    mask[2, :7] = 0
+    ids, mask = ids.to(device), mask.to(device)
+    with torch.no_grad():
+        truth = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)(ids, attention_mask=mask).logits
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
+        hf_logits = hf(ids, attention_mask=mask).logits.float()
+        ep = load_model(path, dtype=torch.bfloat16, device=device, experts=experts)
+        ep_logits = ep(ids, attention_mask=mask).logits.float()
+        gen = ep.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        gen_hf = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    valid = mask.bool()
+    err = lambda a: float((a - truth)[valid].abs().max())  # noqa: E731
+    return dict(
+        ep=err(ep_logits), hf=err(hf_logits), scale=float(truth[valid].abs().max()),
+        experts_backend=ep.model.layers[-1].mlp.experts.ep_moe.experts.name,
+        same_tokens_as_hf_bf16=bool(torch.equal(gen, gen_hf)), new_tokens=gen.shape[1] - ids.shape[1],
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_logits_within_bound_of_unsharded(tmp_path, family):
+    path = write_tiny_model(family, str(tmp_path), hidden=128, inter=64, init_std=0.05)
+    r = bf16_errors(path, "cuda")
+    bound = 2 * r["hf"] + 2 ** -8 * r["scale"]
+    print(f"{family}: {r} bound={bound:.4g}")
+    assert r["new_tokens"] == 16
+    assert r["ep"] <= bound, (family, r, bound)

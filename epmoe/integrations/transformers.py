@@ -121,14 +121,19 @@ class _Lockstep:
     def __init__(self, group: Any, layers: List[EPMoE], timeout_s: Optional[float]):
         self.group, self.layers, self.timeout_s = group, layers, timeout_s
         self.distributed = edist.is_distributed(group) and edist.group_size(group) > 1
+        self.in_step = False  # between the pre-hook and the end of a model forward
 
     def any_running(self, running: bool) -> bool:
         if not self.distributed:
             return running
         return bool(edist.gather_ints([int(running)], self.group, self.timeout_s).any())
 
-    def before_forward(self, module, args, kwargs=None):  # forward pre-hook
+    def before_forward(self, module, args):  # forward pre-hook
         self.any_running(True)
+        self.in_step = True
+
+    def after_forward(self, module, args, output):  # forward hook
+        self.in_step = False
 
     def serve_until_all_done(self) -> int:
         """Run 0-token steps while another rank still runs steps; returns how many were served."""
@@ -340,6 +345,7 @@ def load_model(
     lockstep = _Lockstep(group, layers, timeout_s)
     if lockstep.distributed:
         model.register_forward_pre_hook(lockstep.before_forward)
+        model.register_forward_hook(lockstep.after_forward)
     setattr(model, _STATE_ATTR, _State(sites, layers, lockstep, moe_cfg, path))
     # The instance's generate keeps the ranks in step; transformers' own is type(model).generate.
     model.generate = types.MethodType(generate, model)
@@ -364,23 +370,31 @@ def generate(model: Any, inputs: Optional[torch.Tensor] = None, **kwargs: Any):
     group. Every rank calls it; a rank without prompts passes `None` (or 0 rows) and gets a [0, 0]
     tensor (its input back when it passed 0 rows). Other arguments are transformers' own."""
     st = _state(model)
-    if kwargs.get("synced_gpus"):
-        raise ValueError(
-            "synced_gpus=True all-reduces over the whole world each step; epmoe keeps the EP group in step "
-            "itself: leave synced_gpus unset"
-        )
     if inputs is None:
         inputs = kwargs.pop("input_ids", None)
     has_rows = inputs is not None and inputs.shape[0] > 0
+    st.lockstep.in_step = False
     try:
+        if kwargs.get("synced_gpus"):
+            raise ValueError(
+                "synced_gpus=True all-reduces over the whole world each step; epmoe keeps the EP group in "
+                "step itself: leave synced_gpus unset"
+            )
         if has_rows:
             out = type(model).generate(model, inputs, **kwargs)
         elif inputs is not None:
             out = inputs
         else:
             out = torch.empty(0, 0, dtype=torch.long, device=st.layers[0].device)
-    finally:
-        st.lockstep.serve_until_all_done()
+    except BaseException:
+        # Failed between steps (e.g. bad arguments before the first one): the other ranks still
+        # need this rank's experts, so serve them, then re-raise. Failed inside a step: the other
+        # ranks are inside that step's collectives (EPMoE raises on every rank for bad layer input;
+        # anything else ends at the collective timeout), so serving would only mismatch collectives.
+        if not st.lockstep.in_step:
+            st.lockstep.serve_until_all_done()
+        raise
+    st.lockstep.serve_until_all_done()
     return out
 
 

@@ -141,7 +141,14 @@ def _memory_and_update_worker(rank, world_size, mem_path, upd_path):
         bad = "no error"
     except Exception as e:  # noqa: BLE001
         bad = f"{type(e).__name__}: {e}"
-    return dict(peak=peak, mem=mem, diff=diff, in_place=storage == storage_after, bad=bad)
+    # a rank whose generate fails before its first step still serves the others, then raises
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    try:
+        gen = ep.generate(ids, synced_gpus=True, **kw) if rank == 0 else ep.generate(ids, **kw)
+        gen = tuple(gen.shape)
+    except ValueError as e:
+        gen = f"ValueError: {e}"
+    return dict(peak=peak, mem=mem, diff=diff, gen=gen, in_place=storage == storage_after, bad=bad)
 
 
 def test_memory_per_rank_and_update_weights(tmp_path):
@@ -162,6 +169,10 @@ def test_memory_per_rank_and_update_weights(tmp_path):
         assert r["in_place"]
         assert ("ValueError" if rank == 0 else "PeerInputError") in r["bad"], r["bad"]
         assert "not_a_weight" in results[0]["bad"]
+        if rank == 0:
+            assert "synced_gpus" in r["gen"], r["gen"]
+        else:
+            assert r["gen"] == (1 + rank, 6 + 4), r["gen"]
 
 
 def _error_worker(rank, world_size, paths):

@@ -6,6 +6,7 @@ errors raised before anything is loaded. Skipped without transformers."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -68,10 +69,7 @@ def _generate_worker(rank, world_size, paths):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_generate_matches_unsharded_transformers(tmp_path, world_size):
-    paths = write_all(str(tmp_path))
-    results = run_group(_generate_worker, world_size, paths, timeout=420, pg_timeout=120)
+def _check_generate(results, world_size):
     for rank, per_family in enumerate(results):
         for family in FAMILIES:
             r = per_family[family]
@@ -86,6 +84,15 @@ def test_generate_matches_unsharded_transformers(tmp_path, world_size):
             assert r["new"] >= 1
 
 
+def test_generate_matches_unsharded_transformers_2_ranks(two_ranks):
+    _check_generate([r["generate"] for r in two_ranks], 2)
+
+
+def test_generate_matches_unsharded_transformers_4_ranks(tmp_path):
+    paths = write_all(str(tmp_path))
+    _check_generate(run_group(_generate_worker, 4, paths, timeout=420, pg_timeout=120), 4)
+
+
 # ------------------------------------------------------------------------------- memory, updates, errors
 def _peak_cpu_bytes(fn, mapped_file_bytes):
     """Peak of live CPU tensor bytes allocated while fn runs, from torch profiler's memory events.
@@ -95,6 +102,7 @@ def _peak_cpu_bytes(fn, mapped_file_bytes):
     those events, exactly the file's size, are not allocations and are left out."""
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()  # frees of earlier tensors during fn would count against it
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
@@ -151,15 +159,12 @@ def _memory_and_update_worker(rank, world_size, mem_path, upd_path):
     return dict(peak=peak, mem=mem, diff=diff, gen=gen, in_place=storage == storage_after, bad=bad)
 
 
-def test_memory_per_rank_and_update_weights(tmp_path):
-    world_size = 2
-    mem_path = write_tiny_model("mixtral", str(tmp_path / "mem"), num_experts=8, layers=4, hidden=64, inter=256)
-    upd_path = write_tiny_model("qwen3_moe", str(tmp_path / "upd"))
-    results = run_group(_memory_and_update_worker, world_size, mem_path, upd_path, timeout=300)
+def test_memory_per_rank_and_update_weights(two_ranks):
+    results = [r["memory"] for r in two_ranks]
     for rank, r in enumerate(results):
         mem = r["mem"]
         per_layer_local = mem.local_bytes // mem.num_layers
-        assert mem.local_bytes * world_size == mem.model_bytes
+        assert mem.local_bytes * 2 == mem.model_bytes
         # measured: everything the load allocated (non-expert weights too, all counted against the
         # experts) never exceeded this rank's experts plus one layer's transient copy of them, and
         # stayed well under the model's experts (what an unsharded load holds)
@@ -188,7 +193,7 @@ def _error_worker(rank, world_size, paths):
     return out
 
 
-def test_errors_before_anything_is_loaded(tmp_path):
+def _write_error_cases(tmp_path) -> dict:
     import transformers as tf
 
     torch.manual_seed(0)
@@ -201,18 +206,38 @@ def test_errors_before_anything_is_loaded(tmp_path):
     olmoe.save_pretrained(str(tmp_path / "olmoe"))
     odd = write_tiny_model("mixtral", str(tmp_path / "odd"), num_experts=3)
     # the weights are unreadable: an error raised after reading would say so instead
-    for d in ("llama", "olmoe"):
-        with open(tmp_path / d / "model.safetensors", "wb") as f:
+    for path in (tmp_path / "llama", tmp_path / "olmoe", odd):
+        with open(os.path.join(path, "model.safetensors"), "wb") as f:
             f.write(b"not safetensors")
-    with open(os.path.join(odd, "model.safetensors"), "wb") as f:
-        f.write(b"not safetensors")
-    paths = {"dense": str(tmp_path / "llama"), "family": str(tmp_path / "olmoe"), "ep": odd,
-             "missing": str(tmp_path / "nothing")}
-    for results in run_group(_error_worker, 2, paths, timeout=120):
+    return {"dense": str(tmp_path / "llama"), "family": str(tmp_path / "olmoe"), "ep": odd,
+            "missing": str(tmp_path / "nothing")}
+
+
+def test_errors_before_anything_is_loaded(two_ranks):
+    for r in two_ranks:
+        results = r["errors"]
         assert "not a Mixture-of-Experts model" in results["dense"], results["dense"]
         assert "model_type='olmoe' is not supported" in results["family"], results["family"]
         assert "does not divide the model's 3 experts" in results["ep"], results["ep"]
         assert "not a checkpoint directory" in results["missing"], results["missing"]
+
+
+# ------------------------------------------------------------------------------- one 2-rank job
+def _two_rank_worker(rank, world_size, paths, mem_path, upd_path, error_paths):
+    memory = _memory_and_update_worker(rank, world_size, mem_path, upd_path)  # first: nothing else freed meanwhile
+    return dict(memory=memory, generate=_generate_worker(rank, world_size, paths),
+                errors=_error_worker(rank, world_size, error_paths))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every 2-rank check in one spawned job (the workers import transformers once)."""
+    tmp = tmp_path_factory.mktemp("hf2")
+    paths = write_all(str(tmp / "families"))
+    mem_path = write_tiny_model("mixtral", str(tmp / "mem"), num_experts=8, layers=4, hidden=64, inter=256)
+    upd_path = write_tiny_model("qwen3_moe", str(tmp / "upd"))
+    return run_group(_two_rank_worker, 2, paths, mem_path, upd_path, _write_error_cases(tmp), timeout=420,
+                     pg_timeout=120)
 
 
 def test_example_runs_on_cpu(tmp_path):

@@ -32,6 +32,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/tmp/epmoe-hf-example", help="checkpoint directory (written if empty)")
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per prompt (greedy)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="model dtype (bfloat16 on GPUs runs the fast experts kernels; greedy tokens may "
+                             "then differ from transformers' own bf16 experts where two logits nearly tie)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -45,7 +48,10 @@ def main() -> None:
 
     from epmoe.integrations.transformers import load_model
 
-    model = load_model(args.dir)  # this rank's experts only; everything else as transformers loads it
+    dtype = getattr(torch, args.dtype)
+    # float32 on a GPU: the plain-torch experts (the fast kernels take bf16)
+    options = {"experts": "reference"} if (cuda and dtype == torch.float32) else {}
+    model = load_model(args.dir, dtype=dtype, **options)  # this rank's experts only; the rest as transformers loads it
 
     g = torch.Generator().manual_seed(rank)
     n_prompts = 2 if rank == 0 else (0 if rank == 1 else 1)

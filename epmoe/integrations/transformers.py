@@ -69,15 +69,22 @@ from epmoe.quant.weights import ExpertWeights
 
 IMPLEMENTATION = "epmoe"
 
-# model_type -> what was checked (CPU float32 generate == unsharded, 2 and 4 ranks).
+# model_type -> what runs. Checked: CPU float32 generate == unsharded transformers (the first five on 2
+# and 4 ranks, the rest on 2), tests/cpu/test_hf_integration.py.
 SUPPORTED_FAMILIES: Dict[str, str] = {
     "mixtral": "Mixtral (MixtralSparseMoeBlock)",
     "qwen2_moe": "Qwen2-MoE (routed experts; shared expert and its gate stay transformers')",
     "qwen3_moe": "Qwen3-MoE",
     "deepseek_v3": "DeepSeek-V3 (routed experts; grouped sigmoid router and shared experts stay transformers')",
     "gpt_oss": "GPT-OSS (unquantized checkpoints; clamped SwiGLU with biases)",
+    "olmoe": "OLMoE",
+    "phimoe": "PhiMoE (its sparsemixer router stays transformers')",
+    "glm4_moe": "GLM-4.5 MoE (grouped sigmoid router and shared experts stay transformers')",
+    "dots1": "dots.llm1 (grouped sigmoid router and shared experts stay transformers')",
 }
 
+# families whose transformers router is DeepSeek-V3's (sigmoid, groups, e_score_correction_bias)
+_GROUPED_SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe", "dots1")
 _STATE_ATTR = "_epmoe_state"
 _LAYER_ATTR = "ep_moe"  # the EPMoE of an experts module (a registered child module)
 
@@ -198,8 +205,9 @@ def moe_config_for(hf_config: Any, ep_size: int, dtype: Optional[torch.dtype] = 
             f"the EP group has {ep_size} ranks, which does not divide the model's {cfg.num_experts} experts; "
             f"use an EP group size in {divisors}"
         )
-    if model_type == "deepseek_v3" and cfg.routing != "sigmoid_grouped":
-        # transformers 5 DeepSeek-V3 configs omit `scoring_func`; the router is the grouped sigmoid one.
+    if model_type in _GROUPED_SIGMOID_ROUTERS and cfg.routing != "sigmoid_grouped":
+        # transformers 5 configs of these families omit `scoring_func`; their router is DeepSeek-V3's
+        # grouped sigmoid one.
         # (The routing is transformers' anyway: EPMoE replays the router's choice. This keeps the
         # layer's config true to the model and lets it take the checkpoint's correction bias.)
         cfg = cfg.replace(routing="sigmoid_grouped", n_group=int(raw.get("n_group") or 1),

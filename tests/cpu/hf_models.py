@@ -10,6 +10,7 @@ from typing import Dict
 import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+MORE_FAMILIES = ("olmoe", "phimoe", "glm4_moe", "dots1")  # same experts layout; checked on 2 ranks
 
 
 def tiny_config(family: str, num_experts: int = 8, layers: int = 2, hidden: int = 32, inter: int = 16,
@@ -38,6 +39,15 @@ def tiny_config(family: str, num_experts: int = 8, layers: int = 2, hidden: int 
     if family == "gpt_oss":
         return tf.GptOssConfig(**common, head_dim=hidden // 4, intermediate_size=inter,
                                num_local_experts=num_experts, sliding_window=8)
+    if family == "olmoe":
+        return tf.OlmoeConfig(**common, intermediate_size=inter, num_experts=num_experts)
+    if family == "phimoe":
+        return tf.PhimoeConfig(**common, intermediate_size=inter, num_local_experts=num_experts)
+    if family in ("glm4_moe", "dots1"):
+        cls = tf.Glm4MoeConfig if family == "glm4_moe" else tf.Dots1Config
+        return cls(**common, head_dim=hidden // 4, intermediate_size=2 * inter, moe_intermediate_size=inter,
+                   n_routed_experts=num_experts, n_shared_experts=1, n_group=2, topk_group=1,
+                   first_k_dense_replace=1, routed_scaling_factor=2.5)
     raise ValueError(family)
 
 
@@ -59,5 +69,5 @@ def write_tiny_model(family: str, directory: str, seed: int = 0, dtype=torch.flo
     return path
 
 
-def write_all(directory: str, **shape) -> Dict[str, str]:
-    return {f: write_tiny_model(f, directory, **shape) for f in FAMILIES}
+def write_all(directory: str, families=FAMILIES, **shape) -> Dict[str, str]:
+    return {f: write_tiny_model(f, directory, **shape) for f in families}

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.cpu.hf_models import FAMILIES, write_all, write_tiny_model  # noqa: E402
+from tests.cpu.hf_models import FAMILIES, MORE_FAMILIES, write_all, write_tiny_model  # noqa: E402
 from tests.cpu.mp import run_group  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,9 +69,10 @@ def _generate_worker(rank, world_size, paths):
     return out
 
 
-def _check_generate(results, world_size):
+def _check_generate(results, world_size, families=FAMILIES):
     for rank, per_family in enumerate(results):
-        for family in FAMILIES:
+        assert sorted(per_family) == sorted(families)
+        for family in families:
             r = per_family[family]
             mem = r["mem"]
             assert mem.local_bytes * world_size == mem.model_bytes, (family, rank, mem)
@@ -85,7 +86,8 @@ def _check_generate(results, world_size):
 
 
 def test_generate_matches_unsharded_transformers_2_ranks(two_ranks):
-    _check_generate([r["generate"] for r in two_ranks], 2)
+    """The five families plus MORE_FAMILIES."""
+    _check_generate([r["generate"] for r in two_ranks], 2, FAMILIES + MORE_FAMILIES)
 
 
 def test_generate_matches_unsharded_transformers_4_ranks(tmp_path):
@@ -200,16 +202,16 @@ def _write_error_cases(tmp_path) -> dict:
     dense = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
     dense.save_pretrained(str(tmp_path / "llama"))
-    olmoe = tf.AutoModelForCausalLM.from_config(tf.OlmoeConfig(
+    granite = tf.AutoModelForCausalLM.from_config(tf.GraniteMoeConfig(  # MoE, other experts layout
         vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-        num_experts=4, num_experts_per_tok=2))
-    olmoe.save_pretrained(str(tmp_path / "olmoe"))
+        num_local_experts=4, num_experts_per_tok=2))
+    granite.save_pretrained(str(tmp_path / "granitemoe"))
     odd = write_tiny_model("mixtral", str(tmp_path / "odd"), num_experts=3)
     # the weights are unreadable: an error raised after reading would say so instead
-    for path in (tmp_path / "llama", tmp_path / "olmoe", odd):
+    for path in (tmp_path / "llama", tmp_path / "granitemoe", odd):
         with open(os.path.join(path, "model.safetensors"), "wb") as f:
             f.write(b"not safetensors")
-    return {"dense": str(tmp_path / "llama"), "family": str(tmp_path / "olmoe"), "ep": odd,
+    return {"dense": str(tmp_path / "llama"), "family": str(tmp_path / "granitemoe"), "ep": odd,
             "missing": str(tmp_path / "nothing")}
 
 
@@ -217,7 +219,7 @@ def test_errors_before_anything_is_loaded(two_ranks):
     for r in two_ranks:
         results = r["errors"]
         assert "not a Mixture-of-Experts model" in results["dense"], results["dense"]
-        assert "model_type='olmoe' is not supported" in results["family"], results["family"]
+        assert "model_type='granitemoe' is not supported" in results["family"], results["family"]
         assert "does not divide the model's 3 experts" in results["ep"], results["ep"]
         assert "not a checkpoint directory" in results["missing"], results["missing"]
 
@@ -233,7 +235,7 @@ def _two_rank_worker(rank, world_size, paths, mem_path, upd_path, error_paths):
 def two_ranks(tmp_path_factory):
     """Every 2-rank check in one spawned job (the workers import transformers once)."""
     tmp = tmp_path_factory.mktemp("hf2")
-    paths = write_all(str(tmp / "families"))
+    paths = write_all(str(tmp / "families"), FAMILIES + MORE_FAMILIES)
     mem_path = write_tiny_model("mixtral", str(tmp / "mem"), num_experts=8, layers=4, hidden=64, inter=256)
     upd_path = write_tiny_model("qwen3_moe", str(tmp / "upd"))
     return run_group(_two_rank_worker, 2, paths, mem_path, upd_path, _write_error_cases(tmp), timeout=420,

@@ -260,10 +260,12 @@ def _check_site_shapes(model: torch.nn.Module, site: ExpertsSite, cfg: MoEConfig
 
 
 def _default_device(group: Any) -> torch.device:
-    if edist.is_distributed(group) and edist.collective_device(group).type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cuda", torch.cuda.current_device()) if (
-        not edist.is_distributed(group) and torch.cuda.is_available()) else torch.device("cpu")
+    """The current CUDA device for an NCCL group (or no group on a GPU machine), else the CPU."""
+    if edist.is_distributed(group):
+        use_cuda = edist.collective_device(group).type == "cuda"
+    else:
+        use_cuda = torch.cuda.is_available()
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -437,6 +439,7 @@ def _local_from_fused(site: ExpertsSite, tensors: Mapping[str, torch.Tensor], cf
     return ExpertWeights(w1=c(w1), w2=c(w2), w3=c(w3), b13=c(b13), b2=c(b2), first_expert=lo)
 
 
+_FUSED_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 _LEGACY_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\..*experts\.\d+\.")
 
 
@@ -477,7 +480,7 @@ def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
     edist.raise_if_any_failed(error, [r for r in range(flags.shape[0]) if flags[r, 0]], st.layers[0].group)
     for site, layer in zip(st.sites, st.layers):
         p = site.name + "."
-        fused = {k[len(p):]: v for k, v in state_dict.items() if k.startswith(p)}
+        fused = {k[len(p):]: v for k, v in state_dict.items() if k.startswith(p) and k[len(p):] in _FUSED_NAMES}
         if fused:
             lo = layer.first_local_expert
             try:

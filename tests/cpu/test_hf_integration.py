@@ -142,6 +142,16 @@ def _memory_and_update_worker(rank, world_size, mem_path, upd_path):
     ids = torch.randint(4, 96, (1 + rank, 6), generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         diff = float((ep(ids).logits - trainer(ids).logits).abs().max())
+    # per-expert checkpoint names (the original weights, as save_pretrained wrote them) go back in too
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(upd_path, "model.safetensors"))
+    update_weights(ep, {k: v for k, v in original.items() if ".experts." in k})
+    reference = AutoModelForCausalLM.from_pretrained(upd_path, dtype=torch.float32)
+    with torch.no_grad():
+        reference.load_state_dict(  # the trainer's non-expert weights, the checkpoint's experts
+            {k: v for k, v in trainer.state_dict().items() if ".experts." not in k}, strict=False)
+        diff_per_expert_names = float((ep(ids).logits - reference(ids).logits).abs().max())
     # a bad name fails on every rank before anything changes
     sd = dict(trainer.state_dict())
     if rank == 0:
@@ -158,7 +168,7 @@ def _memory_and_update_worker(rank, world_size, mem_path, upd_path):
         gen = tuple(gen.shape)
     except ValueError as e:
         gen = f"ValueError: {e}"
-    return dict(peak=peak, mem=mem, diff=diff, gen=gen, in_place=storage == storage_after, bad=bad)
+    return dict(peak=peak, mem=mem, diff=diff, diff_per_expert_names=diff_per_expert_names, gen=gen, in_place=storage == storage_after, bad=bad)
 
 
 def test_memory_per_rank_and_update_weights(two_ranks):
@@ -173,6 +183,7 @@ def test_memory_per_rank_and_update_weights(two_ranks):
         assert mem.local_bytes <= r["peak"] <= mem.local_bytes + per_layer_local, (rank, r)
         assert r["peak"] < 0.7 * mem.model_bytes, (rank, r)
         assert r["diff"] < 1e-5, r
+        assert r["diff_per_expert_names"] < 1e-5, r
         assert r["in_place"]
         assert ("ValueError" if rank == 0 else "PeerInputError") in r["bad"], r["bad"]
         assert "not_a_weight" in results[0]["bad"]

@@ -21,6 +21,7 @@ from typing import Dict
 import torch
 
 from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts.align import sort_by_expert
 from epmoe.experts.base import Experts, ExpertsSpec
@@ -30,8 +31,27 @@ from epmoe.quant.weights import ExpertWeights
 
 
 class GroupedMMExperts(Experts):
+    """bf16 experts on torch._grouped_mm (its CUTLASS path: sm90 / sm100), flat layout."""
+
     name = "grouped_mm"
     accepted_layouts = ("flat",)
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        base = super().supports(request)
+        if not base:
+            return base
+        if request.expert_mode != "bf16":
+            return Availability.no(f"it runs bf16 only, not {request.expert_mode!r}", "use experts 'triton'")
+        if request.arch not in ("sm90", "sm100"):
+            return Availability.no(f"torch._grouped_mm has its CUTLASS path on sm90/sm100 only, not {request.arch}")
+        if request.model_dtype != "bfloat16":
+            return Availability.no(f"it needs a bfloat16 model, not {request.model_dtype}")
+        if request.hidden_size % 8 or request.intermediate_size % 8:
+            return Availability.no("it needs hidden and intermediate sizes divisible by 8")
+        if not hasattr(torch, "_grouped_mm"):
+            return Availability.no(f"torch {torch.__version__} has no torch._grouped_mm", "install torch >= 2.8")
+        return Availability.yes()
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:

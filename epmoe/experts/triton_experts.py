@@ -36,10 +36,11 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts import kernel_formats as kf
 from epmoe.experts.align import align_blocks, sort_by_expert
-from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 from epmoe.quant.codec import FP8_BLOCK
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
@@ -205,9 +206,46 @@ def _activation_args(config):
     )
 
 
+@dataclass(frozen=True)
+class TritonOptions(ExpertsOptions):
+    """triton_config: a preset name from `presets_for(mode)` (None: picked per call by rows per
+    expert); triton_gate_up: "interleaved" or "blocked" w13 rows (bf16, gated activations)."""
+
+    triton_config: Optional[str] = None
+    triton_gate_up: str = GATE_UP_LAYOUT
+
+
 class TritonExperts(Experts):
+    """Our Triton kernels: bf16, fp8_block (consumes FP8 1x128 tokens), nvfp4_w4a16, mxfp4_w4a16 on
+    sm90 / sm100 / sm120, flat layout."""
+
     name = "triton"
     accepted_layouts = ("flat",)
+    Options = TritonOptions
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        base = super().supports(request)
+        if not base:
+            return base
+        if request.arch not in ("sm90", "sm100", "sm120"):
+            return Availability.no(
+                f"the triton kernels run on sm90/sm100/sm120 GPUs, not {request.arch}",
+                "use experts 'reference' (CPU) or another backend",
+            )
+        if request.expert_mode not in SUPPORTED_MODES:
+            return Availability.no(f"it runs {list(SUPPORTED_MODES)}, not {request.expert_mode!r}")
+        if request.model_dtype not in ("bfloat16", "float16"):
+            return Availability.no(f"it needs a bf16/fp16 model, not {request.model_dtype}")
+        if request.expert_mode in ("nvfp4_w4a16", "mxfp4_w4a16") and (request.hidden_size % 64 or request.intermediate_size % 64):
+            return Availability.no(f"{request.expert_mode} needs hidden and intermediate sizes divisible by 64")
+        if not request.has("triton"):
+            return Availability.no("triton is not installed", "pip install triton")
+        return Availability.yes()
+
+    @classmethod
+    def consumes(cls, request: BackendRequest) -> str:
+        return "fp8" if request.expert_mode == "fp8_block" else "bf16"
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:

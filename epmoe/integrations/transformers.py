@@ -53,14 +53,22 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 
+from packaging.version import Version
+
 try:
     import transformers
-    from transformers import AutoConfig, GenerationConfig
-    from transformers.integrations.moe import ExpertsInterface
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "epmoe.integrations.transformers needs Hugging Face transformers 5: pip install 'epmoe[hf]'"
     ) from e
+_TF_VERSION = Version(transformers.__version__)
+if not (Version("5.17") <= _TF_VERSION < Version("6")):
+    raise ImportError(
+        f"epmoe.integrations.transformers needs transformers >= 5.17, < 6 (found {transformers.__version__}): "
+        "pip install 'epmoe[hf]'"
+    )
+from transformers import AutoConfig, GenerationConfig  # noqa: E402
+from transformers.integrations.moe import ExpertsInterface  # noqa: E402
 
 from epmoe.config import MoEConfig, parse_dtype
 from epmoe.core import dist as edist
@@ -189,6 +197,12 @@ def moe_config_for(hf_config: Any, ep_size: int, dtype: Optional[torch.dtype] = 
             f"model_type={model_type!r} is not a Mixture-of-Experts model ({e}); epmoe shards the routed "
             "experts of MoE models only, load dense models with transformers directly"
         ) from None
+    if cfg.quant_method is not None:
+        raise ValueError(
+            f"the checkpoint is quantized (quant_method={cfg.quant_method!r}); this integration loads unquantized "
+            "checkpoints only (EPMoE.load_weights reads quantized experts, but the rest of the model would need "
+            "transformers' quantizer): use an unquantized (bf16) checkpoint"
+        )
     if model_type not in SUPPORTED_FAMILIES:
         raise ValueError(
             f"model_type={model_type!r} is not supported by epmoe.integrations.transformers; supported: "

@@ -7,6 +7,7 @@ errors raised before anything is loaded. Skipped without transformers."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5.17")
 
 from tests.cpu.hf_models import FAMILIES, MORE_FAMILIES, write_all, write_tiny_model  # noqa: E402
 from tests.cpu.mp import run_group  # noqa: E402
@@ -218,11 +219,17 @@ def _write_error_cases(tmp_path) -> dict:
         num_local_experts=4, num_experts_per_tok=2))
     granite.save_pretrained(str(tmp_path / "granitemoe"))
     odd = write_tiny_model("mixtral", str(tmp_path / "odd"), num_experts=3)
+    quantized = write_tiny_model("qwen3_moe", str(tmp_path / "fp8"))
+    with open(os.path.join(quantized, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with open(os.path.join(quantized, "config.json"), "w") as f:
+        json.dump(config, f)
     # the weights are unreadable: an error raised after reading would say so instead
-    for path in (tmp_path / "llama", tmp_path / "granitemoe", odd):
+    for path in (tmp_path / "llama", tmp_path / "granitemoe", odd, quantized):
         with open(os.path.join(path, "model.safetensors"), "wb") as f:
             f.write(b"not safetensors")
-    return {"dense": str(tmp_path / "llama"), "family": str(tmp_path / "granitemoe"), "ep": odd,
+    return {"dense": str(tmp_path / "llama"), "family": str(tmp_path / "granitemoe"), "ep": odd, "quantized": quantized,
             "missing": str(tmp_path / "nothing")}
 
 
@@ -233,6 +240,7 @@ def test_errors_before_anything_is_loaded(two_ranks):
         assert "model_type='granitemoe' is not supported" in results["family"], results["family"]
         assert "does not divide the model's 3 experts" in results["ep"], results["ep"]
         assert "not a checkpoint directory" in results["missing"], results["missing"]
+        assert "quant_method='fp8'" in results["quantized"], results["quantized"]
 
 
 # ------------------------------------------------------------------------------- one 2-rank job

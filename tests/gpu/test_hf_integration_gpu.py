@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", minversion="5.17")
 
 from tests.cpu.hf_models import FAMILIES, write_tiny_model  # noqa: E402
 

@@ -269,3 +269,10 @@ def test_example_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0: 2 prompts" in proc.stdout and "rank 1: no prompts" in proc.stdout, proc.stdout
     assert "same tokens as the unsharded model: True" in proc.stdout, proc.stdout
+
+
+def test_epmoe_import_does_not_import_transformers():
+    code = "import sys, epmoe, epmoe.integrations; assert 'transformers' not in sys.modules, 'imported'"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -91,8 +91,6 @@ SUPPORTED_FAMILIES: Dict[str, str] = {
     "dots1": "dots.llm1 (grouped sigmoid router and shared experts stay transformers')",
 }
 
-# families whose transformers router is DeepSeek-V3's (sigmoid, groups, e_score_correction_bias)
-_GROUPED_SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe", "dots1")
 _STATE_ATTR = "_epmoe_state"
 _LAYER_ATTR = "ep_moe"  # the EPMoE of an experts module (a registered child module)
 
@@ -219,15 +217,6 @@ def moe_config_for(hf_config: Any, ep_size: int, dtype: Optional[torch.dtype] = 
             f"the EP group has {ep_size} ranks, which does not divide the model's {cfg.num_experts} experts; "
             f"use an EP group size in {divisors}"
         )
-    if model_type in _GROUPED_SIGMOID_ROUTERS and cfg.routing != "sigmoid_grouped":
-        # transformers 5 configs of these families omit `scoring_func`; their router is DeepSeek-V3's
-        # grouped sigmoid one.
-        # (The routing is transformers' anyway: EPMoE replays the router's choice. This keeps the
-        # layer's config true to the model and lets it take the checkpoint's correction bias.)
-        cfg = cfg.replace(routing="sigmoid_grouped", n_group=int(raw.get("n_group") or 1),
-                          topk_group=int(raw.get("topk_group") or raw.get("n_group") or 1),
-                          routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
-                          renormalize=bool(raw.get("norm_topk_prob", True)))
     if model_type == "gpt_oss":  # GptOssExperts hard-codes alpha=1.702, limit=7.0 and (up + 1)
         cfg = cfg.replace(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=float(raw.get("swiglu_limit") or 7.0))
     return cfg

@@ -141,6 +141,13 @@ AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
 # K step) or "blocked" ([gate; up]: two dots). Quantized modes are always blocked. Fixed at load;
 # spec option `triton_gate_up` overrides.
 GATE_UP_LAYOUT = "interleaved"
+# Per-phase backend preference, bf16 only: from this many mean rows per local expert (N*K/E) on, the
+# forward runs torch._grouped_mm (CUTLASS grouped GEMMs) with the fused gather / activation / combine
+# kernels (`epmoe.experts.grouped_mm.fused_grouped_mm_forward`) on this backend's own weights, instead
+# of the Triton GEMMs; None = never. Spec option `triton_grouped_mm`: auto (this threshold) | on | off.
+# A forced tile preset (`config_override` / `triton_config`) keeps the Triton GEMMs under auto.
+GROUPED_MM_MIN_ROWS: Optional[float] = 128.0
+GROUPED_MM_CHOICES = ("auto", "on", "off")
 
 
 def presets_for(mode: str) -> Dict[str, TritonConfig]:
@@ -276,6 +283,39 @@ class TritonExperts(Experts):
             raise ValueError(f"triton_gate_up={layout!r}; use 'interleaved' or 'blocked'")
         # Kernel-facing w13 rows alternate gate j / up j (bf16 mode, gated activations only).
         self.gate_up_interleaved = layout == "interleaved" and self.mode == "bf16" and self.gated
+        self.grouped_mm = spec.option("triton_grouped_mm", "auto")
+        if self.grouped_mm not in GROUPED_MM_CHOICES:
+            raise ValueError(f"triton_grouped_mm={self.grouped_mm!r}; use one of {GROUPED_MM_CHOICES}")
+        why_not = self._grouped_mm_unavailable()
+        self._grouped_mm_ok = why_not is None
+        if self.grouped_mm == "on" and why_not:
+            raise ValueError(f"triton_grouped_mm=on: {why_not}; use triton_grouped_mm=auto or off")
+
+    def _grouped_mm_unavailable(self) -> Optional[str]:
+        """Why the bf16 torch._grouped_mm path cannot run here (None: it can)."""
+        cfg = self.config
+        if self.mode != "bf16":
+            return f"mode {self.mode!r} (the grouped_mm path is bf16 only)"
+        if cfg.dtype != torch.bfloat16 or cfg.hidden_size % 8 or cfg.intermediate_size % 8:
+            return f"needs bfloat16 and H, I divisible by 8 (dtype {cfg.dtype}, H {cfg.hidden_size}, I {cfg.intermediate_size})"
+        if not hasattr(torch, "_grouped_mm"):
+            return f"torch {torch.__version__} has no torch._grouped_mm"
+        if self.device.type == "cpu":
+            return None if interpreter_enabled() else "no CUDA device"
+        cap = torch.cuda.get_device_capability(self.device)
+        if cap not in ((9, 0), (10, 0)):
+            return f"torch._grouped_mm has its CUTLASS path on sm90 / sm100 only, this GPU is sm{cap[0]}{cap[1]}"
+        return None
+
+    def uses_grouped_mm(self, num_entries: int) -> bool:
+        """Does a forward of `num_entries` routed (row, slot) entries run the grouped_mm path?"""
+        if not self._grouped_mm_ok or self.grouped_mm == "off":
+            return False
+        if self.grouped_mm == "on":
+            return True
+        if self.config_override is not None or GROUPED_MM_MIN_ROWS is None:
+            return False
+        return num_entries / max(self.num_experts, 1) >= GROUPED_MM_MIN_ROWS
 
     # ------------------------------------------------------------------ format
     @property
@@ -407,6 +447,12 @@ class TritonExperts(Experts):
             return torch.empty(0, H, dtype=out_dtype, device=self.device)
 
         x, x_scale = self._input_activations(hidden)
+        if self.uses_grouped_mm(N * K):
+            from epmoe.experts.grouped_mm import fused_grouped_mm_forward
+
+            return fused_grouped_mm_forward(
+                x, topk_ids, topk_weights, self._params, self.config, E, self.gate_up_interleaved, self._launch
+            )
         cfg = self.config_override or pick_config(self.mode, N * K, E)
         self._check_tile_config(cfg)
         ids32 = topk_ids.to(torch.int32).contiguous()

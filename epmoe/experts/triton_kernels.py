@@ -493,3 +493,117 @@ def quant_fp8_rows_kernel(
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + r * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + r * stride_sm + g, scale)
+
+
+# --------------------------------------------------------------------------- grouped_mm epilogues
+# Around torch._grouped_mm (CUTLASS grouped GEMMs on contiguous expert-sorted rows): one pass each,
+# bf16 in / bf16 out with fp32 math, no atomics. Rows are the sorted positions p of
+# `epmoe.experts.align.sort_by_expert` (entries by expert; invalid entries last, skipped).
+
+
+@triton.jit
+def gather_rows_kernel(
+    x_ptr,  # [N, H] tokens (model dtype)
+    order_ptr,  # [N*K] int64 entry j of each sorted position p
+    sorted_expert_ptr,  # [N*K] int32 expert of each sorted position (>= num_experts: invalid)
+    xs_ptr,  # [N*K, H] out: x[order[p] // K] for valid p (invalid rows are not written)
+    inv_ptr,  # [N*K] int32 out: sorted position of each entry j (inv[order[p]] = p)
+    H,
+    num_experts,
+    stride_xm,
+    stride_sm,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    p = tl.program_id(0)
+    j = tl.load(order_ptr + p)
+    tl.store(inv_ptr + j, p)
+    e = tl.load(sorted_expert_ptr + p)
+    if e < num_experts:
+        src = x_ptr + (j // TOP_K).to(tl.int64) * stride_xm
+        dst = xs_ptr + p.to(tl.int64) * stride_sm
+        for h0 in range(0, H, BLOCK_H):
+            offs = h0 + tl.arange(0, BLOCK_H)
+            ok = offs < H
+            tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def grouped_act_kernel(
+    h_ptr,  # [N*K, R] gemm1 output by sorted position (model dtype); R = 2I (gated) or I
+    b_ptr,  # [>=E, R] fp32 bias (gate, then up: never interleaved)
+    a_ptr,  # [N*K, I] out: activation (model dtype); invalid rows not written
+    sorted_expert_ptr,
+    num_experts,
+    I,
+    stride_hm,
+    stride_be,
+    stride_am,
+    alpha,
+    beta,
+    limit,
+    ACT: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    GATE_UP_IL: tl.constexpr,  # h columns 2j / 2j+1 = gate j / up j
+    BLOCK_I: tl.constexpr,
+):
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(sorted_expert_ptr + p)
+    if e < num_experts:
+        offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        ok = offs < I
+        row = h_ptr + p * stride_hm
+        if GATED and GATE_UP_IL:
+            offs2 = tl.program_id(1) * (2 * BLOCK_I) + tl.arange(0, 2 * BLOCK_I)
+            hv = tl.load(row + offs2, mask=offs2 < 2 * I, other=0.0).to(tl.float32)
+            g, u = tl.split(tl.reshape(hv, (BLOCK_I, 2)))
+        else:
+            g = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
+            u = g
+            if GATED:
+                u = tl.load(row + I + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bias = b_ptr + e.to(tl.int64) * stride_be
+            g += tl.load(bias + offs, mask=ok, other=0.0)
+            if GATED:
+                u += tl.load(bias + I + offs, mask=ok, other=0.0)
+        act = _activation(g, u, alpha, beta, limit, ACT, HAS_LIMIT)
+        tl.store(a_ptr + p * stride_am + offs, act.to(a_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def grouped_combine_kernel(
+    y_ptr,  # [N*K, H] gemm2 output by sorted position (model dtype; invalid rows never read)
+    inv_ptr,  # [N*K] int32 sorted position of entry j
+    ids_ptr,  # [N, K] int32 local expert ids (invalid: < 0 or >= num_experts)
+    w_ptr,  # [N, K] fp32 routing weights
+    b_ptr,  # [>=E, H] fp32 bias
+    out_ptr,  # [N, H] out
+    H,
+    num_experts,
+    stride_ym,
+    stride_be,
+    stride_om,
+    TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[n] = sum_k w[n,k] * (y[inv[n*K+k]] + b2[e]) over valid k, in k order, fp32."""
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + n * TOP_K + k)
+        valid = (e >= 0) & (e < num_experts)
+        lim = tl.where(valid, H, 0)
+        p = tl.load(inv_ptr + n * TOP_K + k).to(tl.int64)
+        p = tl.where(valid, p, 0)
+        v = tl.load(y_ptr + p * stride_ym + offs, mask=offs < lim, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            e64 = tl.where(valid, e, 0).to(tl.int64)
+            v += tl.load(b_ptr + e64 * stride_be + offs, mask=offs < lim, other=0.0)
+        wk = tl.where(valid, tl.load(w_ptr + n * TOP_K + k), 0.0)
+        acc += wk * v
+    tl.store(out_ptr + n * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < H)

@@ -24,7 +24,7 @@ only row-wise (and MX) scaling on sm90, not DeepSeek's 128x128 blocks, so fp8_bl
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -54,6 +54,17 @@ def fused_grouped_mm_forward(
     (`epmoe.experts.triton_kernels`). params: w13 [E, R, H] (rows gate-then-up, or gate j / up j
     interleaved), w2 [E, H, I], optional fp32 biases b13 [>=E, R] (gate then up), b2 [>=E, H].
     `launch(kernel_name, grid, args, kwargs)` runs one kernel. No host sync, fixed shapes."""
+    state: Dict[str, torch.Tensor] = {}
+    for _, step in grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts,
+                                    gate_up_interleaved, launch, state):  # fmt: skip
+        step()
+    return state["out"]
+
+
+def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts, gate_up_interleaved, launch,
+                     state: Dict[str, torch.Tensor]) -> List[Tuple[str, Callable[[], None]]]:  # fmt: skip
+    """The forward as named steps run in order (each reads and writes `state`); benchmarks time them
+    one by one: align (torch sort), gather, gemm1, act, gemm2, combine."""
     from epmoe.experts.triton_experts import _activation_args
 
     N, H = hidden.shape
@@ -61,32 +72,53 @@ def fused_grouped_mm_forward(
     I, E = config.intermediate_size, num_experts
     R = params["w13"].shape[1]
     dev, dt = hidden.device, hidden.dtype
-    ids32 = topk_ids.to(torch.int32).contiguous()
-    sort = sort_by_expert(ids32, E)
-    offs = sort.expert_ends.to(torch.int32)
-    x = hidden.contiguous()
-    xs = torch.empty(N * K, H, dtype=dt, device=dev)
-    inv = torch.empty(N * K, dtype=torch.int32, device=dev)
-    launch("gather_rows_kernel", (N * K,), (x, sort.order, sort.sorted_expert, xs, inv, H, E, x.stride(0),
-                                              xs.stride(0)), dict(TOP_K=K, BLOCK_H=1024, num_warps=4))  # fmt: skip
-    h = torch._grouped_mm(xs, params["w13"].transpose(1, 2), offs=offs)
-    a = torch.empty(N * K, I, dtype=dt, device=dev)
     ACT, HAS_LIMIT, alpha, beta, limit = _activation_args(config)
-    b13 = params.get("b13", h)
+    gated = config.is_gated and R == 2 * I
     BLOCK_I = min(1024, triton_next_pow2(I))
-    launch("grouped_act_kernel", (N * K, -(-I // BLOCK_I)), (
-        h, b13, a, sort.sorted_expert, E, I, h.stride(0), b13.stride(0), a.stride(0), alpha, beta, limit,
-    ), dict(ACT=ACT, HAS_LIMIT=HAS_LIMIT, HAS_BIAS="b13" in params, GATED=R == 2 * I and config.is_gated,
-            GATE_UP_IL=gate_up_interleaved, BLOCK_I=BLOCK_I, num_warps=4))  # fmt: skip
-    y = torch._grouped_mm(a, params["w2"].transpose(1, 2), offs=offs)
-    out = torch.empty(N, H, dtype=dt, device=dev)
-    w = topk_weights.to(torch.float32).contiguous()
-    b2 = params.get("b2", w)
     BLOCK_H = 1024
-    launch("grouped_combine_kernel", (N, -(-H // BLOCK_H)), (
-        y, inv, ids32, w, b2, out, H, E, y.stride(0), b2.stride(0), out.stride(0),
-    ), dict(TOP_K=K, HAS_BIAS="b2" in params, BLOCK_H=BLOCK_H, num_warps=4))  # fmt: skip
-    return out
+
+    def align():
+        ids32 = topk_ids.to(torch.int32).contiguous()
+        sort = sort_by_expert(ids32, E)
+        state.update(ids32=ids32, order=sort.order, sorted_expert=sort.sorted_expert,
+                     offs=sort.expert_ends.to(torch.int32))  # fmt: skip
+
+    def gather():
+        x = hidden.contiguous()
+        xs = torch.empty(N * K, H, dtype=dt, device=dev)
+        inv = torch.empty(N * K, dtype=torch.int32, device=dev)
+        launch("gather_rows_kernel", (N * K,), (x, state["order"], state["sorted_expert"], xs, inv, H, E,
+                                                  x.stride(0), xs.stride(0)), dict(TOP_K=K, BLOCK_H=2 * BLOCK_H, num_warps=4))  # fmt: skip
+        state.update(xs=xs, inv=inv)
+
+    def gemm1():
+        state["h"] = torch._grouped_mm(state["xs"], params["w13"].transpose(1, 2), offs=state["offs"])
+
+    def act():
+        h = state["h"]
+        a = torch.empty(N * K, I, dtype=dt, device=dev)
+        b13 = params.get("b13", h)
+        launch("grouped_act_kernel", (N * K, -(-I // BLOCK_I)), (
+            h, b13, a, state["sorted_expert"], E, I, h.stride(0), b13.stride(0), a.stride(0), alpha, beta, limit,
+        ), dict(ACT=ACT, HAS_LIMIT=HAS_LIMIT, HAS_BIAS="b13" in params, GATED=gated,
+                GATE_UP_IL=gate_up_interleaved, BLOCK_I=BLOCK_I, num_warps=4))  # fmt: skip
+        state["a"] = a
+
+    def gemm2():
+        state["y"] = torch._grouped_mm(state["a"], params["w2"].transpose(1, 2), offs=state["offs"])
+
+    def combine():
+        y = state["y"]
+        out = torch.empty(N, H, dtype=dt, device=dev)
+        w = topk_weights.to(torch.float32).contiguous()
+        b2 = params.get("b2", w)
+        launch("grouped_combine_kernel", (N, -(-H // BLOCK_H)), (
+            y, state["inv"], state["ids32"], w, b2, out, H, E, y.stride(0), b2.stride(0), out.stride(0),
+        ), dict(TOP_K=K, HAS_BIAS="b2" in params, BLOCK_H=BLOCK_H, num_warps=4))  # fmt: skip
+        state["out"] = out
+
+    return [("align", align), ("gather", gather), ("gemm1", gemm1), ("act", act), ("gemm2", gemm2),
+            ("combine", combine)]  # fmt: skip
 
 
 def _triton_can_run(device: torch.device) -> bool:

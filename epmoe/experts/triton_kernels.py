@@ -556,9 +556,13 @@ def grouped_act_kernel(
         ok = offs < I
         row = h_ptr + p * stride_hm
         if GATED and GATE_UP_IL:
-            offs2 = tl.program_id(1) * (2 * BLOCK_I) + tl.arange(0, 2 * BLOCK_I)
+            # [BLOCK_I, 2] tile: each thread holds its (gate j, up j) pairs, so the split is free
+            offs2 = offs[:, None] * 2 + tl.arange(0, 2)[None, :]
             hv = tl.load(row + offs2, mask=offs2 < 2 * I, other=0.0).to(tl.float32)
-            g, u = tl.split(tl.reshape(hv, (BLOCK_I, 2)))
+            g, u = tl.split(hv)
+            # the column index in g's own layout (bias loads and the store need no layout change)
+            offs = tl.split(offs2)[0] // 2
+            ok = offs < I
         else:
             g = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
             u = g

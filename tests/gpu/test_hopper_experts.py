@@ -75,14 +75,15 @@ _CACHE = {}
 _REF_CACHE = {}
 
 
-def _backend(name: str, mode: str, cfg_kwargs: dict, ep_size: int, seed: int):
-    """(experts, canonical weights); cached per (backend, mode, shape) to save load time."""
-    key = (name, mode, tuple(sorted(cfg_kwargs.items())), ep_size)
+def _backend(name: str, mode: str, cfg_kwargs: dict, ep_size: int, seed: int, options: tuple = ()):
+    """(experts, canonical weights); cached per (backend, mode, shape, options) to save load time."""
+    key = (name, mode, tuple(sorted(cfg_kwargs.items())), ep_size, options)
     if key not in _CACHE:
         from epmoe.experts import EXPERTS
 
         cfg = MoEConfig(**cfg_kwargs)
-        spec = ExpertsSpec(cfg, ep_size - 1, ep_size, torch.device("cuda"), plan=QuantPlan(expert_mode=mode))
+        spec = ExpertsSpec(cfg, ep_size - 1, ep_size, torch.device("cuda"), plan=QuantPlan(expert_mode=mode),
+                           options=options)  # fmt: skip
         cls = EXPERTS.get(name)
         avail = cls.availability(spec)
         if not avail:
@@ -101,7 +102,8 @@ def _backend(name: str, mode: str, cfg_kwargs: dict, ep_size: int, seed: int):
 def _reference(ex, w, x, ids, tw):
     cfg, mode = ex.config, ex.spec.plan.expert_mode
     if mode == "bf16":
-        rt = (lambda a: a.bfloat16().double()) if ex.name == "grouped_mm" else None
+        grouped = ex.name == "grouped_mm" or getattr(ex, "uses_grouped_mm", lambda n: False)(x.shape[0] * ids.shape[1])
+        rt = (lambda a: a.bfloat16().double()) if grouped else None
         return T.experts_reference(cfg, w, x, ids, tw, act_roundtrip=rt)
     key = ("dequantized", id(w), mode)
     if key not in _REF_CACHE:  # the backend quantized the same float weights the same way at load
@@ -120,9 +122,9 @@ def _reference(ex, w, x, ids, tw):
     return T.experts_reference(cfg, w, kf.dequantize_fp8_tokens(xq, xs), ids, tw, w13=w13, w2=w2, act_roundtrip=rt)
 
 
-def _run_case(name, mode, cfg_kwargs, ep_size, N, invalid_frac=0.25):
+def _run_case(name, mode, cfg_kwargs, ep_size, N, invalid_frac=0.25, options=()):
     seed = _seed()
-    ex, w = _backend(name, mode, cfg_kwargs, ep_size, seed)
+    ex, w = _backend(name, mode, cfg_kwargs, ep_size, seed, options)
     cfg = ex.config
     E = ex.spec.num_local_experts
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
@@ -132,7 +134,7 @@ def _run_case(name, mode, cfg_kwargs, ep_size, N, invalid_frac=0.25):
     _poison_allocator()
     out = ex(DispatchedTokens(x, ids, tw))
     torch.cuda.synchronize()
-    msg = f"{name}/{mode} N={N} seed={seed}"
+    msg = f"{name}/{mode}{list(options) if options else ''} N={N} seed={seed}"
     assert out.shape == (N, cfg.hidden_size) and out.dtype == torch.bfloat16, msg
     assert bool(torch.isfinite(out).all()), f"{msg}: NaN/inf (unwritten output or unwritten row read)"
     if empty:
@@ -157,15 +159,36 @@ DS_CASES = [
 ]  # fmt: skip
 
 
+# bf16 forwards with >= GROUPED_MM_MIN_ROWS rows per local expert run the grouped_mm path by default;
+# "off" keeps these cases on the Triton GEMMs (both stay covered).
+TRITON_GEMMS = (("triton_grouped_mm", "off"),)
+GMM_ON = (("triton_grouped_mm", "on"),)
+
+
 @pytest.mark.parametrize("mode,N", DS_CASES)
 def test_triton_deepseek_shape(mode, N):
-    _run_case("triton", mode, DS, DS_EP, N)
+    _run_case("triton", mode, DS, DS_EP, N, options=TRITON_GEMMS if mode == "bf16" else ())
 
 
 @pytest.mark.parametrize("N", [1, 512])
 @pytest.mark.parametrize("mode", TRITON_MODES)
 def test_triton_gptoss_shape(mode, N):
-    _run_case("triton", mode, GPTOSS, GPTOSS_EP, N)
+    _run_case("triton", mode, GPTOSS, GPTOSS_EP, N, options=TRITON_GEMMS if mode == "bf16" else ())
+
+
+@pytest.mark.parametrize("N", [1, 256, 4096])
+def test_triton_bf16_grouped_mm_path(N):
+    """The triton backend's bf16 prefill path (torch._grouped_mm + fused gather / activation /
+    combine, gate/up interleaved weights); N = 4096 is what `auto` picks at this shape."""
+    ex, *_ = _run_case("triton", "bf16", DS, DS_EP, N, options=GMM_ON)
+    assert ex.uses_grouped_mm(N * DS["top_k"])
+    auto, _ = _backend("triton", "bf16", DS, DS_EP, _seed())
+    assert auto.uses_grouped_mm(4096 * DS["top_k"]), "auto: T=4096 over 32 local experts takes grouped_mm"
+
+
+def test_triton_bf16_grouped_mm_path_gptoss():
+    """Biases and the clamped swiglu on the grouped_mm path (gate/up interleaved)."""
+    _run_case("triton", "bf16", GPTOSS, GPTOSS_EP, 512, options=GMM_ON)
 
 
 def test_triton_relu2():
@@ -179,6 +202,13 @@ def test_grouped_mm_deepseek_shape(N):
 
 def test_grouped_mm_gptoss_shape():
     _run_case("grouped_mm", "bf16", GPTOSS, GPTOSS_EP, 512)
+
+
+@pytest.mark.parametrize("cfg_kwargs,ep", [(DS, DS_EP), (GPTOSS, GPTOSS_EP)], ids=["ds", "gptoss"])
+def test_grouped_mm_torch_epilogue_still_selectable(cfg_kwargs, ep):
+    """The plain-torch composite (grouped_mm_epilogue=torch), kept to revert by configuration."""
+    ex, *_ = _run_case("grouped_mm", "bf16", cfg_kwargs, ep, 512, options=(("grouped_mm_epilogue", "torch"),))
+    assert ex.epilogue == "torch"
 
 
 def test_triton_fp8_payload_matches_bf16_input():
@@ -252,7 +282,7 @@ def test_triton_bf16_blocked_gate_up_layout():
 
     cfg = MoEConfig(**GPTOSS)
     spec = ExpertsSpec(cfg, 0, GPTOSS_EP, torch.device("cuda"), plan=QuantPlan(expert_mode="bf16"),
-                       options=(("triton_gate_up", "blocked"),))  # fmt: skip
+                       options=(("triton_gate_up", "blocked"),) + TRITON_GEMMS)  # fmt: skip
     ex = EXPERTS.get("triton")(spec)
     assert not ex.gate_up_interleaved
     E = spec.num_local_experts
@@ -279,13 +309,15 @@ def test_reload_in_place_on_gpu(name):
 
 
 @pytest.mark.parametrize(
-    "name,mode", [("triton", "bf16"), ("triton", "fp8_block"), ("triton", "mxfp4_w4a16"), ("grouped_mm", "bf16")]
-)
-def test_cuda_graph_replay_equals_eager(name, mode):
+    "name,mode,options",
+    [("triton", "bf16", ()), ("triton", "fp8_block", ()), ("triton", "mxfp4_w4a16", ()),
+     ("triton", "nvfp4_w4a16", ()), ("grouped_mm", "bf16", ()), ("triton", "bf16", GMM_ON)],
+)  # fmt: skip
+def test_cuda_graph_replay_equals_eager(name, mode, options):
     from epmoe.experts.graphs import CapturedExperts
 
     seed = _seed()
-    ex, w = _backend(name, mode, DS, DS_EP, seed)
+    ex, w = _backend(name, mode, DS, DS_EP, seed, options)
     E, K, H = ex.spec.num_local_experts, ex.config.top_k, ex.config.hidden_size
     # 32 rows x top-8 over 32 experts: the decode tile preset (kernels already built by the N=1 tests)
     graph = CapturedExperts(ex, max_rows=32, top_k=K)

@@ -148,6 +148,11 @@ GATE_UP_LAYOUT = "interleaved"
 # A forced tile preset (`config_override` / `triton_config`) keeps the Triton GEMMs under auto.
 GROUPED_MM_MIN_ROWS: Optional[float] = 128.0
 GROUPED_MM_CHOICES = ("auto", "on", "off")
+# fp4 W4A16 weights -> bf16 in the GEMM loops: "packed" (bf16 bits built two values per integer op,
+# one bf16 multiply by the scale; `_fp4_dequant_packed`) or "legacy" (fp16 bits, fp32 multiply;
+# `_fp4_dequant`). Same weights bit for bit. Spec option `triton_fp4_convert` overrides; packed
+# needs a bf16 model (and, for mxfp4, scale exponents <= 128, checked at load).
+FP4_CONVERT = "packed"
 
 
 def presets_for(mode: str) -> Dict[str, TritonConfig]:
@@ -283,6 +288,10 @@ class TritonExperts(Experts):
             raise ValueError(f"triton_gate_up={layout!r}; use 'interleaved' or 'blocked'")
         # Kernel-facing w13 rows alternate gate j / up j (bf16 mode, gated activations only).
         self.gate_up_interleaved = layout == "interleaved" and self.mode == "bf16" and self.gated
+        self.fp4_convert = spec.option("triton_fp4_convert", FP4_CONVERT)
+        if self.fp4_convert not in ("packed", "legacy"):
+            raise ValueError(f"triton_fp4_convert={self.fp4_convert!r}; use 'packed' or 'legacy'")
+        self._fp4_scales_ok = True  # mxfp4: every scale exponent <= 128 (set at load)
         self.grouped_mm = spec.option("triton_grouped_mm", "auto")
         if self.grouped_mm not in GROUPED_MM_CHOICES:
             raise ValueError(f"triton_grouped_mm={self.grouped_mm!r}; use one of {GROUPED_MM_CHOICES}")
@@ -306,6 +315,16 @@ class TritonExperts(Experts):
         if cap not in ((9, 0), (10, 0)):
             return f"torch._grouped_mm has its CUTLASS path on sm90 / sm100 only, this GPU is sm{cap[0]}{cap[1]}"
         return None
+
+    @property
+    def fp4_packed(self) -> bool:
+        """Do the fp4 GEMM loops use the packed bf16 conversion (`_fp4_dequant_packed`)?"""
+        return (
+            self.mode in ("nvfp4_w4a16", "mxfp4_w4a16")
+            and self.fp4_convert == "packed"
+            and self.config.dtype == torch.bfloat16
+            and self._fp4_scales_ok
+        )
 
     def uses_grouped_mm(self, num_entries: int) -> bool:
         """Does a forward of `num_entries` routed (row, slot) entries run the grouped_mm path?"""
@@ -382,6 +401,10 @@ class TritonExperts(Experts):
         return new
 
     def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
+        if self.mode == "mxfp4_w4a16":
+            # the packed conversion folds 2^126 into a bf16 scale 2^(e-1): exact for e <= 128
+            # (weights up to 6 * 2); larger exponents take the legacy conversion (a reload re-checks)
+            self._fp4_scales_ok = all(int(prepared[k].max()) <= 128 for k in ("w13_scale", "w2_scale"))
         if not self._params:
             self._params = prepared
             return
@@ -541,7 +564,7 @@ class TritonExperts(Experts):
             HAS_BIAS=self.config.has_bias, OUT_FP8=fp8,
             GATE_UP_IL=self.gate_up_interleaved, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-            EVEN_K=H % g.block_k == 0,
+            EVEN_K=H % g.block_k == 0, FP4_PACKED=self.fp4_packed,
             num_warps=g.num_warps, num_stages=g.num_stages,
         ))  # fmt: skip
         return out, (out_s if fp8 else None)
@@ -568,7 +591,7 @@ class TritonExperts(Experts):
         ), dict(
             W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-            EVEN_K=I % g.block_k == 0,
+            EVEN_K=I % g.block_k == 0, FP4_PACKED=self.fp4_packed,
             num_warps=g.num_warps, num_stages=g.num_stages,
         ))  # fmt: skip
 

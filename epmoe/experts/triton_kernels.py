@@ -34,6 +34,7 @@ ACT_SWIGLU_CLAMP = 1  # g' * sigmoid(alpha g') * (u' + beta), optional limit cla
 ACT_RELU2 = 2  # relu(g)^2 (non-gated)
 
 FP8_MAX = tl.constexpr(448.0)  # globals used inside kernels must be constexpr
+TWO_119 = tl.constexpr(2.0**119)
 
 
 @triton.jit
@@ -65,6 +66,43 @@ def _fp4_dequant(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT_DTY
         w_lo = lo * ((e_lo + 14) << 23).to(tl.float32, bitcast=True)[None, :]
         w_hi = hi * ((e_hi + 14) << 23).to(tl.float32, bitcast=True)[None, :]
     return w_lo.to(OUT_DTYPE), w_hi.to(OUT_DTYPE)
+
+
+@triton.jit
+def _fp4_dequant_packed(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr):
+    """`_fp4_dequant` with bf16 built from the bits, two values per integer op (bf16 models only).
+
+    For each byte b (low nibble = K element j, high nibble = j + HALF), one 32-bit word holds both
+    values as bf16 bit patterns: magnitudes (b * 0x40040) & 0x01C001C0 put the 3 exponent|mantissa
+    bits of the low nibble at bf16 bits 8..6 and those of the high nibble at 24..22; signs
+    (b * 0x1001000) & 0x80008000 put bit 3 at 15 and bit 7 at 31 (the two shifted copies of b never
+    overlap: no carries). Read as bf16 with a zero exponent bias, each half is exactly
+    value * 2^-126 (0.5 -> the subnormal 2^-127); one bf16 multiply by the block scale folded with
+    2^126 gives the exact product (<= 6 significant bits: no rounding):
+      mxfp4  scale bits (e + 126) << 7 = 2^(e-1): weights = value * 2^(e-127), exactly those of
+             `_fp4_dequant`, for scale exponents e <= 128 (the loader checks; else `_fp4_dequant`)
+      nvfp4  s * 2^119 (e4m3 s <= 448: finite): weights = value * s * 2^-7 exactly; the 2^7 goes
+             into the per-expert global scale on the fp32 accumulator (power-of-two scaling
+             commutes with fp32 rounding: the same result bit for bit)
+    bf16 multiplies keep subnormal operands (PTX mul/fma .bf16 have no flush-to-zero)."""
+    b = p.to(tl.uint32)
+    w = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)
+    lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    if W_FMT == 2:
+        s0 = (tl.load(s_ptrs + 4 * kk).to(tl.float32) * TWO_119).to(tl.bfloat16)
+        s1 = (tl.load(s_ptrs + 4 * kk + 1).to(tl.float32) * TWO_119).to(tl.bfloat16)
+        s2 = (tl.load(s_ptrs + 4 * kk + 2).to(tl.float32) * TWO_119).to(tl.bfloat16)
+        s3 = (tl.load(s_ptrs + 4 * kk + 3).to(tl.float32) * TWO_119).to(tl.bfloat16)
+        first = (tl.arange(0, HALF) < 16)[:, None]
+        w_lo = lo * tl.where(first, s0[None, :], s1[None, :])
+        w_hi = hi * tl.where(first, s2[None, :], s3[None, :])
+    else:
+        e_lo = tl.load(s_ptrs + 2 * kk).to(tl.uint16)
+        e_hi = tl.load(s_ptrs + 2 * kk + 1).to(tl.uint16)
+        w_lo = lo * ((e_lo + 126) << 7).to(tl.bfloat16, bitcast=True)[None, :]
+        w_hi = hi * ((e_hi + 126) << 7).to(tl.bfloat16, bitcast=True)[None, :]
+    return w_lo, w_hi
 
 
 @triton.jit
@@ -107,7 +145,7 @@ def _gemm1_tile(
     TOP_K: tl.constexpr, W_FMT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_IL: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr,
 ):
     """One gemm1 output tile: rows [pid_m*BLOCK_M, +TILE_M) of the padded routing (TILE_M is BLOCK_M,
     or BLOCK_M/2 for a tail tile whose real rows fit in the first half), intermediate columns
@@ -201,20 +239,28 @@ def _gemm1_tile(
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
+            if FP4_PACKED:
+                w_lo, w_hi = _fp4_dequant_packed(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT)
+            else:
+                w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
             acc_g = tl.dot(a_lo, w_lo, acc_g)
             acc_g = tl.dot(a_hi, w_hi, acc_g)
             if GATED:
-                v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
+                if FP4_PACKED:
+                    v_lo, v_hi = _fp4_dequant_packed(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT)
+                else:
+                    v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
                 acc_u = tl.dot(a_lo, v_lo, acc_u)
                 acc_u = tl.dot(a_hi, v_hi, acc_u)
             a_lo_ptrs += BLOCK_K
             g_ptrs += HALF
             u_ptrs += HALF
         if W_FMT == 2:
-            acc_g = acc_g * tl.load(wg_ptr + e64 * stride_wge)
+            # the packed conversion leaves 2^-7 in the weights (see _fp4_dequant_packed)
+            gs = 128.0 if FP4_PACKED else 1.0
+            acc_g = acc_g * (tl.load(wg_ptr + e64 * stride_wge) * gs)
             if GATED:
-                acc_u = acc_u * tl.load(wg_ptr + e64 * stride_wge + 1)
+                acc_u = acc_u * (tl.load(wg_ptr + e64 * stride_wge + 1) * gs)
 
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e64 * stride_be + n_c)[None, :]
@@ -282,6 +328,7 @@ def moe_gemm1_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP4_PACKED: tl.constexpr = False,  # fp4 weights: _fp4_dequant_packed instead of _fp4_dequant
 ):
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -300,7 +347,7 @@ def moe_gemm1_kernel(
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
-            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
         )  # fmt: skip
     else:
         _gemm1_tile(
@@ -308,7 +355,7 @@ def moe_gemm1_kernel(
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
-            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
         )  # fmt: skip
 
 
@@ -320,7 +367,7 @@ def _gemm2_tile(
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_ym,
     W_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr,
 ):
     """One gemm2 output tile: padded rows [pid_m*BLOCK_M, +TILE_M), hidden columns [pid_n*BLOCK_N, +BLOCK_N)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
@@ -366,13 +413,17 @@ def _gemm2_tile(
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT, a_ptr.dtype.element_ty)
+            if FP4_PACKED:
+                w_lo, w_hi = _fp4_dequant_packed(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT)
+            else:
+                w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT, a_ptr.dtype.element_ty)
             acc = tl.dot(a_lo, w_lo, acc)
             acc = tl.dot(a_hi, w_hi, acc)
             a_lo_ptrs += BLOCK_K
             b_ptrs += HALF
         if W_FMT == 2:
-            acc = acc * tl.load(wg_ptr + e64 * stride_wge)
+            gs = 128.0 if FP4_PACKED else 1.0
+            acc = acc * (tl.load(wg_ptr + e64 * stride_wge) * gs)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + e64 * stride_be + n_c)[None, :]
@@ -419,6 +470,7 @@ def moe_gemm2_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP4_PACKED: tl.constexpr = False,  # fp4 weights: _fp4_dequant_packed instead of _fp4_dequant
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -434,14 +486,14 @@ def moe_gemm2_kernel(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_ym,
-            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
         )  # fmt: skip
     else:
         _gemm2_tile(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_ym,
-            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
         )  # fmt: skip
 
 

@@ -224,7 +224,7 @@ def grouped_stage_ms(ex, tokens) -> dict:
         params, il, launch = ex.parameters(), ex.gate_up_interleaved, ex._launch
     state = {}
     steps = grouped_mm_steps(tokens.hidden, tokens.topk_ids, tokens.topk_weights, params, ex.config,
-                             ex.num_experts, il, launch, state)  # fmt: skip
+                             ex.num_experts, il, launch, state, keep=True)  # fmt: skip
     for _, f in steps:
         f()
     torch.cuda.synchronize()

@@ -62,9 +62,12 @@ def fused_grouped_mm_forward(
 
 
 def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts, gate_up_interleaved, launch,
-                     state: Dict[str, torch.Tensor]) -> List[Tuple[str, Callable[[], None]]]:  # fmt: skip
+                     state: Dict[str, torch.Tensor], keep: bool = False) -> List[Tuple[str, Callable[[], None]]]:  # fmt: skip
     """The forward as named steps run in order (each reads and writes `state`); benchmarks time them
-    one by one: align (torch sort), gather, gemm1, act, gemm2, combine."""
+    one by one (keep=True: inputs stay in `state`; else each step drops what no later step reads, so
+    at most two of the [N*K, .] intermediates are alive): align (torch sort), gather, gemm1, act,
+    gemm2, combine."""
+    take = state.get if keep else state.pop
     from epmoe.experts.triton_experts import _activation_args
 
     N, H = hidden.shape
@@ -92,10 +95,10 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
         state.update(xs=xs, inv=inv)
 
     def gemm1():
-        state["h"] = torch._grouped_mm(state["xs"], params["w13"].transpose(1, 2), offs=state["offs"])
+        state["h"] = torch._grouped_mm(take("xs"), params["w13"].transpose(1, 2), offs=state["offs"])
 
     def act():
-        h = state["h"]
+        h = take("h")
         a = torch.empty(N * K, I, dtype=dt, device=dev)
         b13 = params.get("b13", h)
         launch("grouped_act_kernel", (N * K, -(-I // BLOCK_I)), (
@@ -105,10 +108,10 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
         state["a"] = a
 
     def gemm2():
-        state["y"] = torch._grouped_mm(state["a"], params["w2"].transpose(1, 2), offs=state["offs"])
+        state["y"] = torch._grouped_mm(take("a"), params["w2"].transpose(1, 2), offs=state["offs"])
 
     def combine():
-        y = state["y"]
+        y = take("y")
         out = torch.empty(N, H, dtype=dt, device=dev)
         w = topk_weights.to(torch.float32).contiguous()
         b2 = params.get("b2", w)

@@ -40,10 +40,18 @@ SWEEP = {
     ("bf16", "prefill"): ["auto", "prefill", "prefill_nosplit", "prefill_m64", "medium"],
     ("fp8_block", "decode"): ["auto"],
     ("fp8_block", "prefill"): ["auto", "prefill"],
-    ("nvfp4_w4a16", "decode"): ["auto"],
-    ("nvfp4_w4a16", "prefill"): ["auto"],
-    ("mxfp4_w4a16", "decode"): ["auto"],
-    ("mxfp4_w4a16", "prefill"): ["auto"],
+    ("nvfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
+    ("nvfp4_w4a16", "prefill"): ["auto", "legacy_fp4"],
+    ("mxfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
+    ("mxfp4_w4a16", "prefill"): ["auto", "legacy_fp4"],
+}
+# Pseudo presets (configuration switches, not tile presets): "legacy_fp4" = triton with
+# triton_fp4_convert=legacy; "torch_epilogue" = grouped_mm with grouped_mm_epilogue=torch.
+QUICK_SWEEP = {
+    ("triton", "bf16", "prefill"): ["auto", "prefill"],  # the grouped_mm path and the Triton GEMMs
+    ("triton", "nvfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
+    ("triton", "mxfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
+    ("grouped_mm", "bf16", "prefill"): ["auto", "torch_epilogue"],
 }
 
 
@@ -100,10 +108,10 @@ def build_plan(args) -> List[Run]:
             for phase, T in phases:
                 if T <= 0:
                     continue
-                if backend != "triton":
-                    presets = ["auto"]
-                elif args.quick:  # bf16 prefill: auto (the grouped_mm path) and the Triton GEMMs
-                    presets = ["auto", "prefill"] if (mode, phase) == ("bf16", "prefill") else ["auto"]
+                if args.quick or backend != "triton":
+                    presets = QUICK_SWEEP.get((backend, mode, phase), ["auto"])
+                    if not args.quick and backend == "grouped_mm":
+                        presets = ["auto", "torch_epilogue"] if phase == "prefill" else ["auto"]
                 else:
                     presets = SWEEP[(mode, phase)]
                 for p in presets:
@@ -270,7 +278,14 @@ def compute_ratios(report) -> List[dict]:
         if r is not None and r.pct_hbm is not None:
             out.append(dict(what=f"triton {mode} decode: fraction of the HBM weight-read limit", value=r.pct_hbm / 100,
                             target=target, met=r.pct_hbm / 100 >= target))  # fmt: skip
+    add("grouped_mm backend prefill, torch epilogue (before) / its GEMMs", t("grouped_mm", "bf16", "prefill", "torch_epilogue"),
+        bf16_gemms, 1.25)  # fmt: skip
     for mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
+        for phase in ("decode", "prefill"):
+            new, old = t("triton", mode, phase), t("triton", mode, phase, "legacy_fp4")
+            if new is not None and old is not None:
+                out.append(dict(what=f"triton {mode} {phase}: legacy fp4 conversion / packed (speed-up)", value=old / new,
+                                target=1.0, met=old / new >= 1.0))  # fmt: skip
         add(f"triton bf16 decode / triton {mode} decode (speed-up)", t("triton", "bf16", "decode"),
             t("triton", mode, "decode"), 2.5, le=False)  # fmt: skip
         add(f"triton {mode} prefill / triton bf16 prefill", t("triton", mode, "prefill"), t("triton", "bf16", "prefill"), 1.0)
@@ -369,11 +384,19 @@ def run_plan(args, plan: List[Run]) -> int:
         ids, w = T.random_local_routing(T_, K, E, dev, seed + 1)  # all K entries local, distinct
         return DispatchedTokens(x, ids, w)
 
+    path = args.json or os.path.join(os.environ.get("OUT", "bench_results"), "bench_experts.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+    def save():  # after every row: a run cut short by a time limit keeps what it measured
+        with open(path, "w") as f:
+            json.dump(asdict(report), f, indent=1, default=str)
+
     t_start = time.time()
     phases = [(p, n) for p, n in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)) if n > 0]
     if not args.no_peers and hasattr(torch, "_grouped_mm"):
         report.peers = measure_peers(dev, E, H, I, K, phases, flops_per_entry,
                                      lambda T_: inputs(T_, 100).topk_ids)  # fmt: skip
+    save()
     current = {}  # (backend, mode) -> experts object (weights resident for its runs only)
     for run in plan:
         key = (run.backend, run.mode)
@@ -396,8 +419,15 @@ def run_plan(args, plan: List[Run]) -> int:
         entries = run.num_tokens * K
         preset_used = ""
         if run.backend == "triton":
-            ex.config_override = None if run.preset == "auto" else presets_for(run.mode)[run.preset]
+            tile = run.preset not in ("auto", "legacy_fp4")
+            ex.config_override = presets_for(run.mode)[run.preset] if tile else None
+            ex.fp4_convert = "legacy" if run.preset == "legacy_fp4" else "packed"
             preset_used = (ex.config_override or pick_config(run.mode, entries, E)).describe()
+            if run.mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
+                preset_used += f" fp4 convert {'packed' if ex.fp4_packed else 'legacy'}"
+        elif run.backend == "grouped_mm":
+            ex.epilogue = "torch" if run.preset == "torch_epilogue" else "triton"
+            preset_used = f"epilogue {ex.epilogue}"
         sets = [inputs(run.num_tokens, 100 + i) for i in range(3)]
         note = ""
         try:
@@ -436,6 +466,8 @@ def run_plan(args, plan: List[Run]) -> int:
             res.weight_gbps = wbytes / (ms * 1e-3) / 1e9
             res.pct_hbm = 100 * res.weight_gbps / report.copy_gbps
         report.results.append(res)
+        report.ratios = compute_ratios(report)
+        save()
         extra = f" weights {res.weight_gbps:6.0f} GB/s = {res.pct_hbm:5.1f}% of HBM" if res.weight_gbps else ""
         print(f"  {run.backend:10} {run.mode:12} {run.phase:7} T={run.num_tokens:5d} {run.preset:13} "
               f"{ms:8.3f} ms {tflops:6.1f} TFLOP/s ({res.pct_matmul:5.1f}% of matmul){extra}", flush=True)  # fmt: skip
@@ -443,10 +475,7 @@ def run_plan(args, plan: List[Run]) -> int:
     print(f"benchmark time {time.time() - t_start:.0f} s")
     report.ratios = compute_ratios(report)
     print_table(report)
-    path = args.json or os.path.join(os.environ.get("OUT", "bench_results"), "bench_experts.json")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(asdict(report), f, indent=1, default=str)
+    save()
     print(f"wrote {path}")
     return 0
 

@@ -30,7 +30,7 @@ import torch
 
 from epmoe.core.availability import Availability
 from epmoe.core.errors import BackendUnavailableError
-from epmoe.experts.align import sort_by_expert
+from epmoe.experts.align import sort_by_expert, sort_by_expert_triton
 from epmoe.experts.base import Experts, ExpertsSpec
 from epmoe.experts.activation import apply_activation
 from epmoe.quant.payload import QuantizedActivation
@@ -49,6 +49,7 @@ def fused_grouped_mm_forward(
     num_experts: int,
     gate_up_interleaved: bool,
     launch: Callable,
+    align: str = "triton",
 ) -> torch.Tensor:
     """bf16 experts forward: torch._grouped_mm GEMMs + the fused Triton gather / activation / combine
     (`epmoe.experts.triton_kernels`). params: w13 [E, R, H] (rows gate-then-up, or gate j / up j
@@ -56,13 +57,14 @@ def fused_grouped_mm_forward(
     `launch(kernel_name, grid, args, kwargs)` runs one kernel. No host sync, fixed shapes."""
     state: Dict[str, torch.Tensor] = {}
     for _, step in grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts,
-                                    gate_up_interleaved, launch, state):  # fmt: skip
+                                    gate_up_interleaved, launch, state, align=align):  # fmt: skip
         step()
     return state["out"]
 
 
 def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts, gate_up_interleaved, launch,
-                     state: Dict[str, torch.Tensor], keep: bool = False) -> List[Tuple[str, Callable[[], None]]]:  # fmt: skip
+                     state: Dict[str, torch.Tensor], keep: bool = False,
+                     align: str = "triton") -> List[Tuple[str, Callable[[], None]]]:  # fmt: skip
     """The forward as named steps run in order (each reads and writes `state`); benchmarks time them
     one by one (keep=True: inputs stay in `state`; else each step drops what no later step reads, so
     at most two of the [N*K, .] intermediates are alive): align (torch sort), gather, gemm1, act,
@@ -80,9 +82,9 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
     BLOCK_I = min(1024, triton_next_pow2(I))
     BLOCK_H = 1024
 
-    def align():
+    def align_step():
         ids32 = topk_ids.to(torch.int32).contiguous()
-        sort = sort_by_expert(ids32, E)
+        sort = sort_by_expert_triton(ids32, E, launch) if align == "triton" else sort_by_expert(ids32, E)
         state.update(ids32=ids32, order=sort.order, sorted_expert=sort.sorted_expert,
                      offs=sort.expert_ends.to(torch.int32))  # fmt: skip
 
@@ -94,8 +96,13 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
                                                   x.stride(0), xs.stride(0)), dict(TOP_K=K, BLOCK_H=2 * BLOCK_H, num_warps=4))  # fmt: skip
         state.update(xs=xs, inv=inv)
 
+    def check_rows(t):  # the epilogue kernels read rows with unit column stride
+        if t.stride(-1) != 1:
+            raise RuntimeError(f"torch._grouped_mm returned strides {t.stride()}; expected contiguous rows")
+        return t
+
     def gemm1():
-        state["h"] = torch._grouped_mm(take("xs"), params["w13"].transpose(1, 2), offs=state["offs"])
+        state["h"] = check_rows(torch._grouped_mm(take("xs"), params["w13"].transpose(1, 2), offs=state["offs"]))
 
     def act():
         h = take("h")
@@ -108,7 +115,7 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
         state["a"] = a
 
     def gemm2():
-        state["y"] = torch._grouped_mm(take("a"), params["w2"].transpose(1, 2), offs=state["offs"])
+        state["y"] = check_rows(torch._grouped_mm(take("a"), params["w2"].transpose(1, 2), offs=state["offs"]))
 
     def combine():
         y = take("y")
@@ -120,7 +127,7 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
         ), dict(TOP_K=K, HAS_BIAS="b2" in params, BLOCK_H=BLOCK_H, num_warps=4))  # fmt: skip
         state["out"] = out
 
-    return [("align", align), ("gather", gather), ("gemm1", gemm1), ("act", act), ("gemm2", gemm2),
+    return [("align", align_step), ("gather", gather), ("gemm1", gemm1), ("act", act), ("gemm2", gemm2),
             ("combine", combine)]  # fmt: skip
 
 
@@ -215,6 +222,9 @@ class GroupedMMExperts(Experts):
         self.epilogue = spec.option("grouped_mm_epilogue", default)
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"grouped_mm_epilogue={self.epilogue!r}; use one of {EPILOGUES}")
+        self.align_impl = spec.option("triton_align", "triton")
+        if self.align_impl not in ("triton", "torch"):
+            raise ValueError(f"triton_align={self.align_impl!r}; use 'triton' or 'torch'")
         if self.epilogue == "triton" and not _triton_can_run(self.device):
             raise ValueError(
                 f"grouped_mm_epilogue=triton needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
@@ -282,7 +292,8 @@ class GroupedMMExperts(Experts):
             return torch.empty(0, H, dtype=torch.bfloat16, device=hidden.device)
         if self.epilogue == "torch":
             return torch_grouped_mm_forward(hidden, topk_ids, topk_weights, p, cfg, E)
-        return fused_grouped_mm_forward(hidden, topk_ids, topk_weights, p, cfg, E, False, self._launch)
+        return fused_grouped_mm_forward(hidden, topk_ids, topk_weights, p, cfg, E, False, self._launch,
+                                        align=self.align_impl)  # fmt: skip
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         from epmoe.experts.triton_experts import kernel_module

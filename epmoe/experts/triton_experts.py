@@ -38,7 +38,7 @@ import torch
 from epmoe.core.availability import Availability
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts import kernel_formats as kf
-from epmoe.experts.align import align_blocks, sort_by_expert
+from epmoe.experts.align import align_blocks, align_blocks_triton, sort_by_expert
 from epmoe.experts.base import Experts, ExpertsSpec
 from epmoe.quant.codec import FP8_BLOCK
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
@@ -153,6 +153,11 @@ GROUPED_MM_CHOICES = ("auto", "on", "off")
 # `_fp4_dequant`). Same weights bit for bit. Spec option `triton_fp4_convert` overrides; packed
 # needs a bf16 model (and, for mxfp4, scale exponents <= 128, checked at load).
 FP4_CONVERT = "packed"
+# Routing alignment (sort by expert, pad to BLOCK_M, tile list): "triton" (three small kernels,
+# `epmoe.experts.align.align_blocks_triton`) or "torch" (`align_blocks(sort_by_expert(...))`, ~15
+# launches); the same outputs bit for bit. Spec option `triton_align` overrides (both backends).
+ALIGN = "triton"
+ALIGN_CHOICES = ("triton", "torch")
 
 
 def presets_for(mode: str) -> Dict[str, TritonConfig]:
@@ -288,6 +293,9 @@ class TritonExperts(Experts):
             raise ValueError(f"triton_gate_up={layout!r}; use 'interleaved' or 'blocked'")
         # Kernel-facing w13 rows alternate gate j / up j (bf16 mode, gated activations only).
         self.gate_up_interleaved = layout == "interleaved" and self.mode == "bf16" and self.gated
+        self.align_impl = spec.option("triton_align", ALIGN)
+        if self.align_impl not in ALIGN_CHOICES:
+            raise ValueError(f"triton_align={self.align_impl!r}; use one of {ALIGN_CHOICES}")
         self.fp4_convert = spec.option("triton_fp4_convert", FP4_CONVERT)
         if self.fp4_convert not in ("packed", "legacy"):
             raise ValueError(f"triton_fp4_convert={self.fp4_convert!r}; use 'packed' or 'legacy'")
@@ -474,7 +482,8 @@ class TritonExperts(Experts):
             from epmoe.experts.grouped_mm import fused_grouped_mm_forward
 
             return fused_grouped_mm_forward(
-                x, topk_ids, topk_weights, self._params, self.config, E, self.gate_up_interleaved, self._launch
+                x, topk_ids, topk_weights, self._params, self.config, E, self.gate_up_interleaved, self._launch,
+                align=self.align_impl,
             )
         cfg = self.config_override or pick_config(self.mode, N * K, E)
         self._check_tile_config(cfg)
@@ -488,6 +497,8 @@ class TritonExperts(Experts):
 
     # The stages of `forward` (benchmarks/tune_hopper.py times them one by one).
     def _align(self, ids32: torch.Tensor, cfg: TritonConfig):
+        if self.align_impl == "triton":
+            return align_blocks_triton(ids32, self.num_experts, cfg.block_m, self._launch)
         return align_blocks(sort_by_expert(ids32, self.num_experts), cfg.block_m)
 
     def _reduce(self, y: torch.Tensor, ids32: torch.Tensor) -> torch.Tensor:

@@ -663,3 +663,97 @@ def grouped_combine_kernel(
         wk = tl.where(valid, tl.load(w_ptr + n * TOP_K + k), 0.0)
         acc += wk * v
     tl.store(out_ptr + n * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < H)
+
+
+# --------------------------------------------------------------------------- routing alignment
+# `epmoe.experts.align` on the GPU: the same outputs bit for bit (stable order by expert, invalid
+# entries last), no atomics, no host sync, fixed shapes. Program e of a grid over experts (plus one
+# for the invalid bin, key num_experts) scans the entries in j order.
+
+
+@triton.jit
+def _align_keys(ids_ptr, offs, NK, num_experts):
+    ok = offs < NK
+    e = tl.load(ids_ptr + offs, mask=ok, other=-1)
+    key = tl.where((e >= 0) & (e < num_experts), e, num_experts)
+    return key, ok
+
+
+@triton.jit
+def align_count_kernel(
+    ids_ptr,  # [N*K] int32 local expert ids (invalid: < 0 or >= num_experts)
+    counts_ptr,  # [num_experts + 1] int32 out: entries per expert, then invalid entries
+    NK,
+    num_experts,
+    CHUNK: tl.constexpr,
+):
+    e = tl.program_id(0)
+    cnt = tl.zeros((CHUNK,), dtype=tl.int32)
+    for start in range(0, NK, CHUNK):
+        key, ok = _align_keys(ids_ptr, start + tl.arange(0, CHUNK), NK, num_experts)
+        cnt += ((key == e) & ok).to(tl.int32)
+    tl.store(counts_ptr + e, tl.sum(cnt, axis=0))
+
+
+@triton.jit
+def align_plan_kernel(
+    counts_ptr,  # [num_experts + 1] int32
+    starts_ptr,  # [num_experts + 1] int32 out: first padded row of each expert; [E] = all padded rows
+    ends_ptr,  # [num_experts] int32 out: cumulative (unpadded) counts
+    block_expert_ptr,  # [max_blocks] int32 out (-1 unused)
+    block_rows_ptr,  # [max_blocks] int32 out (0 unused)
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,  # power of two > num_experts
+    NB: tl.constexpr,  # blocks per step
+):
+    eidx = tl.arange(0, E_PAD)
+    emask = eidx < num_experts
+    cnt = tl.load(counts_ptr + eidx, mask=emask, other=0)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    tl.store(starts_ptr + eidx, pad_start, mask=emask)
+    tl.store(ends_ptr + eidx, tl.cumsum(cnt, axis=0), mask=emask)
+    tl.store(starts_ptr + num_experts, tl.sum(padded, axis=0))
+    pad_end_m = tl.where(emask, pad_end, 2147483647)
+    for b0 in range(0, max_blocks, NB):
+        b = b0 + tl.arange(0, NB)
+        first = b * BLOCK_M
+        # tile b belongs to the first expert whose padded segment ends after its first row
+        be = tl.sum((pad_end_m[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        used = be < num_experts
+        hit = eidx[None, :] == be[:, None]
+        c_be = tl.sum(tl.where(hit, cnt[None, :], 0), axis=1)
+        s_be = tl.sum(tl.where(hit, pad_start[None, :], 0), axis=1)
+        rows = tl.minimum(tl.maximum(c_be - (first - s_be), 0), BLOCK_M)
+        bok = b < max_blocks
+        tl.store(block_expert_ptr + b, tl.where(used, be, -1), mask=bok)
+        tl.store(block_rows_ptr + b, tl.where(used, rows, 0), mask=bok)
+
+
+@triton.jit
+def align_scatter_kernel(
+    ids_ptr,  # [N*K] int32
+    starts_ptr,  # [num_experts + 1] int32 from align_plan_kernel
+    sorted_ids_ptr,  # out: entry j at padded row starts[e] + rank (rank = order among e's entries)
+    sorted_expert_ptr,  # out (WITH_EXPERT): key of each written row
+    NK,
+    num_experts,
+    CHUNK: tl.constexpr,
+    WITH_INVALID: tl.constexpr,  # also place the invalid entries (after every expert's rows)
+    WITH_EXPERT: tl.constexpr,
+):
+    e = tl.program_id(0)
+    if (e < num_experts) | WITH_INVALID:
+        base = tl.load(starts_ptr + e)
+        for start in range(0, NK, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            key, ok = _align_keys(ids_ptr, offs, NK, num_experts)
+            m = ((key == e) & ok).to(tl.int32)
+            pos = base + tl.cumsum(m, axis=0) - 1
+            tl.store(sorted_ids_ptr + pos, offs, mask=m > 0)
+            if WITH_EXPERT:
+                tl.store(sorted_expert_ptr + pos, key, mask=m > 0)
+            base += tl.sum(m, axis=0)

@@ -362,3 +362,28 @@ def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
     del legacy
     diff = (out_p.float() - out_l.float()).abs().max().item()
     assert torch.equal(out_p, out_l), f"{mode} {shape} N={N} seed={seed}: packed != legacy (max diff {diff:.3g})"
+
+
+@pytest.mark.parametrize("E,K,N,block_m", [(32, 8, 4096, 128), (128, 8, 4096, 16), (128, 8, 128, 16), (16, 4, 1, 64)])
+def test_triton_alignment_equals_torch(E, K, N, block_m):
+    """The routing alignment kernels (default) give the torch sort / padding bit for bit."""
+    from epmoe.experts import align as A
+    from epmoe.experts.triton_experts import kernel_module
+
+    def launch(name, grid, args, kwargs):
+        getattr(kernel_module(torch.device("cuda")), name)[grid](*args, **kwargs)
+
+    seed = _seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.randint(-1, E + 1, (N, K), generator=g, device="cuda", dtype=torch.int32)
+    ref_sort = A.sort_by_expert(ids, E)
+    ref = A.align_blocks(ref_sort, block_m)
+    got = A.align_blocks_triton(ids, E, block_m, launch)
+    srt = A.sort_by_expert_triton(ids, E, launch)
+    msg = f"E={E} K={K} N={N} block_m={block_m} seed={seed}"
+    assert got.max_blocks == ref.max_blocks, msg
+    for name in ("sorted_ids", "block_expert", "block_rows"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), f"{msg}: {name}"
+    assert torch.equal(srt.order.long(), ref_sort.order), f"{msg}: order"
+    assert torch.equal(srt.sorted_expert, ref_sort.sorted_expert), f"{msg}: sorted_expert"
+    assert torch.equal(srt.expert_ends.long(), ref_sort.expert_ends), f"{msg}: expert_ends"

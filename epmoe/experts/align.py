@@ -119,7 +119,9 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
 # align_plan, align_scatter) instead of ~15 torch launches; `launch(kernel_name, grid, args, kwargs)`
 # runs one kernel (the backends' launcher). Index tensors come out int32.
 
-_CHUNK = 1024
+def _chunk(nk: int) -> int:
+    """Entries per scan step: 1024 (decode) up to 4096 (fewer serial steps at prefill)."""
+    return max(1024, min(4096, _next_pow2(max(nk, 1))))
 
 
 def _next_pow2(n: int) -> int:
@@ -129,7 +131,8 @@ def _next_pow2(n: int) -> int:
 def _count_and_plan(flat, num_experts, block_m, max_blocks, launch):
     E, nk, dev = num_experts, flat.numel(), flat.device
     counts = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    launch("align_count_kernel", (E + 1,), (flat, counts, nk, E), dict(CHUNK=_CHUNK, num_warps=4))
+    chunk = _chunk(nk)
+    launch("align_count_kernel", (E + 1,), (flat, counts, nk, E), dict(CHUNK=chunk, num_warps=chunk // 256))
     starts = torch.empty(E + 1, dtype=torch.int32, device=dev)
     ends = torch.empty(E, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max(max_blocks, 1), dtype=torch.int32, device=dev)
@@ -156,7 +159,7 @@ def sort_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, launch) -> E
     sorted_expert = torch.empty(nk, dtype=torch.int32, device=flat.device)
     if nk:
         launch("align_scatter_kernel", (E + 1,), (flat, starts, order, sorted_expert, nk, E),
-               dict(CHUNK=_CHUNK, WITH_INVALID=True, WITH_EXPERT=True, num_warps=4))  # fmt: skip
+               dict(CHUNK=_chunk(nk), WITH_INVALID=True, WITH_EXPERT=True, num_warps=_chunk(nk) // 256))  # fmt: skip
     return ExpertSort(nk, E, order, sorted_expert, ends, counts[:E])
 
 
@@ -175,5 +178,5 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     _, starts, _, block_expert, block_rows = _count_and_plan(flat, E, block_m, max_blocks, launch)
     sorted_ids = torch.full((max_blocks * block_m,), nk, dtype=torch.int32, device=dev)
     launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids, nk, E),
-           dict(CHUNK=_CHUNK, WITH_INVALID=False, WITH_EXPERT=False, num_warps=4))  # fmt: skip
+           dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=False, num_warps=_chunk(nk) // 256))  # fmt: skip
     return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)

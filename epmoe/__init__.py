@@ -2,7 +2,7 @@
 
 Import direction (one way; nothing imports upwards):
 
-    launch -> layer -> {dispatch, experts} -> quant -> core (epmoe.core, epmoe.config)
+    launch -> layer, resolve -> {dispatch, experts} -> quant -> core (epmoe.core, epmoe.config)
 
 `dispatch` and `experts` never import each other: the experts backend declares the
 `PayloadFormat` it consumes and the layer hands that to the dispatcher. Optional packages
@@ -13,7 +13,8 @@ Public API:
     EPMoE, MoEOutput, StepStats the layer (epmoe.layer)
     Routing, route              top-k routing (epmoe.routing)
     ExpertWeights               canonical expert tensors (epmoe.quant.weights)
-    QuantPlan, resolve_quant_plan  the one quantization decision (epmoe.quant.plan)
+    QuantPlan                   the one resolved plan per model (epmoe.quant.plan)
+    resolve_plan                the one resolver: asks the backend classes (epmoe.resolve)
     reference_moe               dense float64 reference (epmoe.reference)
     load_expert_weights         checkpoint loading (epmoe.checkpoint)
 """
@@ -21,9 +22,10 @@ Public API:
 from epmoe.checkpoint import load_expert_weights
 from epmoe.config import MoEConfig
 from epmoe.layer import EPMoE, MoEOutput, StepStats
-from epmoe.quant.plan import QuantPlan, resolve_quant_plan
+from epmoe.quant.plan import QuantPlan
 from epmoe.quant.weights import ExpertWeights
 from epmoe.reference import reference_moe
+from epmoe.resolve import resolve_plan, resolve_quant_plan
 from epmoe.routing import Routing, route
 
 __version__ = "0.1.0"
@@ -38,6 +40,7 @@ __all__ = [
     "StepStats",
     "load_expert_weights",
     "reference_moe",
+    "resolve_plan",
     "resolve_quant_plan",
     "route",
 ]

@@ -20,10 +20,11 @@ from epmoe.config import MoEConfig, dtype_name
 from epmoe.core import dist as edist
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.core.fault import FaultWatch
-from epmoe.dispatch import DISPATCHERS, Dispatcher, DispatchSpec
+from epmoe.dispatch import DISPATCHERS, Agreement, Dispatcher, DispatchSpec
 from epmoe.experts import EXPERTS, Experts, ExpertsSpec
 from epmoe.quant.payload import PayloadFormat
-from epmoe.quant.plan import QuantPlan, detect_arch, installed_flashinfer_version, resolve_quant_plan
+from epmoe.quant.plan import QuantPlan
+from epmoe.resolve import detect_environment, resolve_plan
 from epmoe.quant.weights import ExpertWeights
 from epmoe.routing import Routing, route
 
@@ -37,7 +38,8 @@ class StepStats:
 
     tokens_per_rank:       T of every rank of the group in this call
     rounds:                dispatch/combine rounds (> 1 when some rank exceeded max_num_tokens_per_rank)
-    received_rows:         rows this rank's experts processed (summed over rounds)
+    received_rows:         rows this rank's experts processed (summed over rounds; masked layout: the
+                           valid rows of all local experts, i.e. (token, expert) pairs)
     tokens_per_local_expert: [E_local] int64, (token, expert) pairs each local expert processed
     bytes_sent:            dispatch bytes this rank sent to other ranks
     """
@@ -130,6 +132,7 @@ class EPMoE(torch.nn.Module):
         # Everything that can fail locally is resolved first and the result is agreed on across
         # the group, so a rank with a bad setting never leaves the others waiting.
         error: Optional[BaseException] = None
+        d_options = e_options = None
         try:
             if isinstance(max_num_tokens_per_rank, bool) or not isinstance(max_num_tokens_per_rank, int) or max_num_tokens_per_rank <= 0:
                 raise ValueError(f"max_num_tokens_per_rank={max_num_tokens_per_rank!r}; pass a positive int")
@@ -145,12 +148,14 @@ class EPMoE(torch.nn.Module):
             if experts != "auto" and experts not in EXPERTS:
                 raise ValueError(f"unknown experts backend {experts!r}; choose 'auto' or one of {EXPERTS.names()}")
             if plan is None:
-                plan = resolve_quant_plan(
-                    config, requested_mode=quant, dispatch_dtype=dispatch_dtype, dispatcher=dispatcher_name,
-                    experts_backend=experts, arch=detect_arch(self.device),
-                    flashinfer_version=installed_flashinfer_version(), humming=humming,
-                    mxfp8_act_scaling=mxfp8_act_scaling, registered_backends=EXPERTS.names(),
+                plan = resolve_plan(
+                    config, dispatcher=dispatcher_name, experts=experts, quant=quant, dispatch_dtype=dispatch_dtype,
+                    humming=humming, mxfp8_act_scaling=mxfp8_act_scaling,
+                    environment=detect_environment(self.device), ep_size=self.ep_size,
                 )
+            d_options = DISPATCHERS.get(plan.dispatcher).Options.parse(dispatcher_options, f"dispatcher {plan.dispatcher!r}")
+            e_options = EXPERTS.get(plan.experts_backend).Options.parse(
+                experts_options, f"experts backend {plan.experts_backend!r}")
         except (ValueError, TypeError) as e:
             error = e
         self.max_num_tokens_per_rank = max_num_tokens_per_rank
@@ -162,6 +167,10 @@ class EPMoE(torch.nn.Module):
         )
         if plan is not None:
             fingerprint.update(plan.fingerprint())
+        if d_options is not None and shared_dispatcher is None:
+            fingerprint.update(d_options.fingerprint("dispatcher_options"))
+        if e_options is not None:
+            fingerprint.update(e_options.fingerprint("experts_options"))
         fingerprint["construction_error"] = "none" if error is None else f"{type(error).__name__}: {error}"
         self._watch = FaultWatch(f"{name}#{next(_LAYER_IDS)}", group, timeout_s)
         edist.agree_fingerprint(fingerprint, group, what=name, timeout_s=self._watch.collective_timeout)
@@ -170,12 +179,14 @@ class EPMoE(torch.nn.Module):
 
         self.num_local_experts = config.num_experts // self.ep_size
         self.first_local_expert = self.ep_rank * self.num_local_experts
-        self.experts: Experts = self._build_experts(plan, dict(experts_options or {}))
+        self.experts: Experts = self._build_experts(plan, e_options)
+        self._owns_dispatcher = shared_dispatcher is None
+        self._runners: List["DecodeRunner"] = []
         if shared_dispatcher is not None:
             self._check_shared_dispatcher(shared_dispatcher)
             self.dispatcher: Dispatcher = shared_dispatcher
         else:
-            self.dispatcher = self._build_dispatcher(plan, dict(dispatcher_options or {}))
+            self.dispatcher = self._build_dispatcher(plan, d_options)
         if self.dispatcher.layout not in self.experts.accepted_layouts:
             raise ValueError(
                 f"dispatcher {self.dispatcher.name!r} delivers the {self.dispatcher.layout!r} layout but experts "
@@ -191,12 +202,12 @@ class EPMoE(torch.nn.Module):
         self._loaded_dtypes: Dict[str, torch.dtype] = {}
 
     # ------------------------------------------------------------------ construction
-    def _build_experts(self, plan: QuantPlan, options: Dict[str, Any]) -> Experts:
+    def _build_experts(self, plan: QuantPlan, options) -> Experts:
         cls = EXPERTS.get(plan.experts_backend)
         spec = ExpertsSpec(
             config=self.config, ep_rank=self.ep_rank, ep_size=self.ep_size, device=self.device,
             plan=plan, deterministic=self.deterministic,
-            max_tokens=self.max_num_tokens_per_rank * self.ep_size, options=tuple(sorted(options.items())),
+            max_tokens=self.max_num_tokens_per_rank * self.ep_size, options=options,
         )
         avail = cls.availability(spec)
         if not avail:
@@ -211,7 +222,7 @@ class EPMoE(torch.nn.Module):
 
         return payload_format(plan.dispatch_dtype, self.config.dtype)
 
-    def _build_dispatcher(self, plan: QuantPlan, options: Dict[str, Any]) -> Dispatcher:
+    def _build_dispatcher(self, plan: QuantPlan, options) -> Dispatcher:
         cls = DISPATCHERS.get(plan.dispatcher)
         avail = cls.availability(self.device, self.ep_size)
         if not avail:
@@ -228,7 +239,7 @@ class EPMoE(torch.nn.Module):
             hidden_size=self.config.hidden_size, max_tokens_per_rank=self.max_num_tokens_per_rank,
             payload=self.experts.payload_format, wire=self._wire_format(plan),
             combine_dtype=self.config.dtype, device=self.device, deterministic=self.deterministic,
-            timeout_s=self._watch.collective_timeout, options=tuple(sorted(options.items())),
+            timeout_s=self._watch.collective_timeout, options=options,
         )
         return cls(spec)
 
@@ -416,19 +427,27 @@ class EPMoE(torch.nn.Module):
         per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64, device=hidden_states.device) if return_stats else None
         for r in range(rounds):
             lo, hi = min(r * M, T), min((r + 1) * M, T)
+            # the one agreement of this call, handed down: the dispatcher neither validates nor agrees again
+            agreement = Agreement(tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank), inputs_checked=True)
             with watch.phase("dispatch" if rounds == 1 else f"dispatch[round {r}]"):
                 tokens, handle = self.dispatcher.dispatch(
-                    hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi]
+                    hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi], agreement=agreement,
                 )
             with watch.phase("experts" if rounds == 1 else f"experts[round {r}]"):
                 expert_out = self.experts(tokens)
             with watch.phase("combine" if rounds == 1 else f"combine[round {r}]"):
                 outputs.append(self.dispatcher.combine(expert_out, handle))
-            rows += tokens.num_tokens
             bytes_sent += handle.bytes_sent
-            if per_expert is not None and tokens.topk_ids is not None:
-                ids = tokens.topk_ids[tokens.topk_ids >= 0].long()
-                per_expert += torch.bincount(ids, minlength=self.num_local_experts)
+            if tokens.layout == "masked":  # [E_local, slots, H] with valid rows per expert
+                if return_stats:
+                    counts = tokens.expert_counts.to(torch.int64)
+                    per_expert += counts
+                    rows += int(counts.sum())
+            else:
+                rows += tokens.num_tokens
+                if per_expert is not None and tokens.topk_ids is not None:
+                    ids = tokens.topk_ids[tokens.topk_ids >= 0].long()
+                    per_expert += torch.bincount(ids, minlength=self.num_local_experts)
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
         if not (return_routing or return_stats):
             return out
@@ -446,7 +465,20 @@ class EPMoE(torch.nn.Module):
         `max_tokens` rows per rank (padding rows route nowhere), captured once in a CUDA graph and
         replayed for any T <= max_tokens. Collective: every rank builds it and calls it each step.
         `cuda_graph=False` runs the same fixed-shape code eagerly (any device; used to check replay)."""
-        return DecodeRunner(self, max_tokens, cuda_graph)
+        runner = DecodeRunner(self, max_tokens, cuda_graph)
+        self._runners.append(runner)
+        return runner
+
+    def close(self) -> None:
+        """Free what this layer allocated: its decode runners' dispatchers and its own dispatcher
+        (collective for backends with symmetric memory: every rank calls it). A shared dispatcher is
+        left to its owner. The layer cannot run afterwards."""
+        for runner in self._runners:
+            runner.close()
+        self._runners = []
+        if self._owns_dispatcher and self.dispatcher is not None:
+            self.dispatcher.close()
+        self.dispatcher = None
 
     def extra_repr(self) -> str:
         c = self.config
@@ -475,8 +507,14 @@ class DecodeRunner:
             raise RuntimeError("decode_runner before load_weights")
         self.layer, self.max_tokens, self.cuda_graph = layer, max_tokens, cuda_graph
         cfg, dev, M = layer.config, layer.device, max_tokens
-        spec = replace(layer.dispatcher.spec, static_shapes=True, max_tokens_per_rank=M)
-        self.dispatcher = type(layer.dispatcher)(spec)
+        # one static-shape dispatcher per (layer dispatcher, M): runners of one size share it
+        for other in layer._runners:
+            if other.max_tokens == M and other.dispatcher is not None:
+                self.dispatcher, self._owns_dispatcher = other.dispatcher, False
+                break
+        else:
+            spec = replace(layer.dispatcher.spec, static_shapes=True, max_tokens_per_rank=M)
+            self.dispatcher, self._owns_dispatcher = type(layer.dispatcher)(spec), True
         self.x = torch.zeros(M, cfg.hidden_size, dtype=cfg.dtype, device=dev)
         self.logits = torch.zeros(M, cfg.num_experts, dtype=torch.float32, device=dev)
         self.ids = torch.full((M, cfg.top_k), -1, dtype=torch.int32, device=dev)
@@ -486,6 +524,14 @@ class DecodeRunner:
         self.topk_ids_out = torch.full((M, cfg.top_k), -1, dtype=torch.int32, device=dev)
         self.topk_weights_out = torch.zeros(M, cfg.top_k, dtype=torch.float32, device=dev)
         self._graphs: Dict[bool, Any] = {}
+
+    def close(self) -> None:
+        """Free the static-shape dispatcher this runner built and its captured graphs (collective for
+        backends with symmetric memory). EPMoE.close() closes its runners."""
+        self._graphs = {}
+        if self._owns_dispatcher and self.dispatcher is not None:
+            self.dispatcher.close()
+        self.dispatcher = None
 
     def _body(self, from_logits: bool) -> None:
         layer, M = self.layer, self.max_tokens

@@ -2,6 +2,12 @@
 
 Written independently of the experts backends (one token-expert pair at a time, no batching tricks);
 it shares only `epmoe.routing.route`, so both sides choose the same experts on near-ties.
+
+With `plan=` it models the plan's lossy path the way the kernels run it: the wire (tokens quantized
+per token before the all-to-all with `codec.quantize_for_wire`, dequantized on arrival to the model
+dtype unless the experts consume that format), the expert weights quantized to the plan's weight
+format, and the experts' activation quantization (expert input and FC2 input, per token). Quantization
+uses the codec (the formats' one definition); every GEMM and activation is float64.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ from typing import Optional
 import torch
 
 from epmoe.config import MoEConfig
-from epmoe.quant.weights import ExpertWeights
+from epmoe.quant import codec
+from epmoe.quant.weights import ExpertWeights, dequantize_expert_weights, quantize_expert_weights
 from epmoe.routing import Routing, route
 
 
@@ -35,16 +42,23 @@ def reference_moe(
     router_logits: Optional[torch.Tensor] = None,
     routing: Optional[Routing] = None,
     e_score_correction_bias: Optional[torch.Tensor] = None,
+    plan=None,
 ) -> torch.Tensor:
     """hidden_states [T, H], global `weights` (all E experts) -> [T, H] float64.
 
-    Pass `router_logits` [T, E] or an explicit `routing` (ids -1 are skipped)."""
+    Pass `router_logits` [T, E] or an explicit `routing` (ids -1 are skipped). `plan` (a QuantPlan):
+    model its wire and quantization (see the module docstring); None: exact unquantized math."""
     if routing is None:
         if router_logits is None:
             raise ValueError("pass router_logits or routing")
         routing = route(config, router_logits, e_score_correction_bias)
     if weights.num_experts != config.num_experts or weights.first_expert != 0:
         raise ValueError("reference_moe needs the global weights of all experts")
+    act_q = lambda h: h  # noqa: E731 - the experts' activation quantization (identity without a plan)
+    if plan is not None:
+        hidden_states, weights, act_q = _model_plan(config, plan, hidden_states.cpu(), weights)
+    elif weights.is_quantized:
+        weights = dequantize_expert_weights(weights, torch.float64)
     x = hidden_states.double().cpu()
     ids = routing.topk_ids.cpu()
     wts = routing.topk_weights.double().cpu()
@@ -64,6 +78,39 @@ def reference_moe(
                 continue
             g = w1[e] @ x[t] + (b1[e] if b1 is not None else 0)
             u = w3[e] @ x[t] + (b3[e] if b3 is not None else 0) if w3 is not None else None
-            y = w2[e] @ _act(config, g, u) + (b2[e] if b2 is not None else 0)
+            y = w2[e] @ act_q(_act(config, g, u)) + (b2[e] if b2 is not None else 0)
             out[t] += wts[t, k] * y
     return out
+
+
+# activation format of the plan -> the payload format the kernels quantize to ("fp8": 1x128 groups)
+_ACT_PAYLOAD = {"nvfp4": "nvfp4", "fp8_block": "fp8_block", "fp8": "fp8_block", "mxfp8": "mxfp8"}
+# what the plan's experts consume as received when the wire is in that format
+_CONSUMED = {"nvfp4": "nvfp4", "fp8_block": "fp8"}
+
+
+def _model_plan(config: MoEConfig, plan, x: torch.Tensor, weights: ExpertWeights):
+    """(tokens as the experts see them, weights as the kernels use them, FC2-input quantizer)."""
+    act_name = _ACT_PAYLOAD.get(plan.act_format)
+    act_fmt = codec.payload_format(act_name, config.dtype) if act_name else None
+
+    def act_q(v: torch.Tensor) -> torch.Tensor:
+        if act_fmt is None:
+            return v
+        one = v.dim() == 1
+        q = codec.roundtrip_for_wire(v.reshape(1, -1).float() if one else v.float(), act_fmt, torch.float64)
+        return q.reshape(v.shape) if one else q
+
+    if plan.dispatch_dtype != "bf16" and x.shape[0]:
+        wire = codec.payload_format(plan.dispatch_dtype, config.dtype)
+        if _CONSUMED.get(plan.act_format) == plan.dispatch_dtype:
+            x = codec.roundtrip_for_wire(x, wire, torch.float64)  # used as received
+        else:  # dequantized on arrival to the model dtype, then quantized by the experts
+            x = act_q(codec.roundtrip_for_wire(x, wire, config.dtype))
+    elif x.shape[0]:
+        x = act_q(x)
+    if weights.is_quantized:
+        weights = dequantize_expert_weights(weights, torch.float64)
+    elif plan.weight_format not in ("bf16", None):
+        weights = dequantize_expert_weights(quantize_expert_weights(weights, plan.weight_format), torch.float64)
+    return x, weights, act_q

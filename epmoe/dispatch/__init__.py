@@ -7,6 +7,7 @@ Never imports `epmoe.experts`.
 
 from epmoe.core.registry import Registry
 from epmoe.dispatch.base import (
+    Agreement,
     DispatchedTokens,
     DispatchHandle,
     Dispatcher,
@@ -26,6 +27,7 @@ def get_dispatcher_class(name: str):
 
 
 __all__ = [
+    "Agreement",
     "DISPATCHERS",
     "DispatchSpec",
     "DispatchedTokens",

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendOptions, BackendRequest, NoOptions
 from epmoe.quant.payload import Activations, PayloadFormat
 
 LAYOUTS = ("flat", "masked")
@@ -41,7 +42,7 @@ class DispatchSpec:
                          None: block). Raise epmoe.core.fault.CollectiveTimeoutError past it.
     static_shapes:       CUDA-graph mode: every call has exactly max_tokens_per_rank rows (padding rows
                          have all ids -1), buffers keep their shapes and nothing syncs with the host
-    options:             backend-specific knobs (frozen mapping as tuple of pairs)
+    options:             the backend's typed options (`cls.Options`; a tuple of pairs is parsed)
     """
 
     group: Any  # torch.distributed ProcessGroup or None for a single process
@@ -59,7 +60,7 @@ class DispatchSpec:
     wire: Optional[PayloadFormat] = None
     timeout_s: Optional[float] = None
     static_shapes: bool = False
-    options: tuple = ()
+    options: Any = ()
 
     @property
     def wire_format(self) -> PayloadFormat:
@@ -74,7 +75,23 @@ class DispatchSpec:
         return self.ep_rank * self.num_local_experts
 
     def option(self, name: str, default: Any = None) -> Any:
+        if isinstance(self.options, BackendOptions):
+            return getattr(self.options, name, default)
         return dict(self.options).get(name, default)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the layer agreed on for one dispatch round, handed to the dispatcher so it does not
+    agree a second time: tokens_per_rank[r] = rows rank r dispatches in this round; inputs_checked:
+    shapes, dtypes and expert-id ranges were validated and agreed (no rank has a bad input)."""
+
+    tokens_per_rank: tuple
+    inputs_checked: bool = True
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.tokens_per_rank) if self.tokens_per_rank else 0
 
 
 @dataclass(frozen=True)
@@ -133,8 +150,21 @@ class Dispatcher(abc.ABC):
 
     name: ClassVar[str] = "?"
     layout: ClassVar[str] = "flat"
+    wires: ClassVar[tuple] = ("bf16",)  # dispatch dtypes it can move
+    Options: ClassVar[type] = NoOptions
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        """Can this dispatcher move `request.wire` tokens on `request.arch` (static facts only)?"""
+        if request.wire not in cls.wires:
+            return Availability.no(
+                f"it moves {'/'.join(cls.wires)} tokens, not {request.wire}",
+                f"use dispatch dtype 'auto' or one of {cls.wires}, or another dispatcher",
+            )
+        return Availability.yes()
 
     def __init__(self, spec: DispatchSpec):
+        self.options = type(self).Options.parse(spec.options, f"dispatcher {self.name!r}")
         if spec.num_experts % spec.ep_size:
             raise ValueError(
                 f"num_experts={spec.num_experts} is not divisible by ep_size={spec.ep_size}; "
@@ -149,8 +179,11 @@ class Dispatcher(abc.ABC):
 
     @abc.abstractmethod
     def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        *, agreement: Optional[Agreement] = None,
     ) -> "tuple[DispatchedTokens, DispatchHandle]":
+        """`agreement`: what the caller (the layer) already agreed on for this call; when given the
+        dispatcher neither validates nor agrees again. None: standalone use, it does both itself."""
         ...
 
     @abc.abstractmethod

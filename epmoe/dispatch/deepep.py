@@ -34,8 +34,9 @@ import torch
 
 from epmoe.core import dist as edist
 from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
-from epmoe.dispatch.base import DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
+from epmoe.dispatch.base import Agreement, DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 
 INSTALL_HINT = "build DeepEP V1 for your GPU and put deep_ep on PYTHONPATH (docs/deepep.md)"
@@ -313,8 +314,49 @@ class DeepEPLowLatencyHandle(DispatchHandle):
 
 
 # ---------------------------------------------------------------------------------- dispatchers
+@dataclass(frozen=True)
+class DeepEPOptions(BackendOptions):
+    """check_inputs: validate and agree on inputs when used standalone (EPMoE passes its agreement);
+    count_bytes: exact byte counters (one sync); deepep_buffer: a DeepEPBuffer shared with other
+    layers; num_sms: SMs for normal-mode kernels."""
+
+    check_inputs: bool = True
+    count_bytes: bool = True
+    deepep_buffer: Any = None
+    num_sms: int = 20
+
+
 class _DeepEPBase(Dispatcher):
     low_latency: ClassVar[bool] = False
+    wires = ("bf16", "fp8")
+    Options = DeepEPOptions
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        if request.arch in ("cpu", "sm80"):
+            return Availability.no(
+                f"DeepEP needs Hopper or newer CUDA GPUs, the plan's arch is {request.arch}",
+                "use dispatcher 'torch' here",
+            )
+        if not request.has("deep_ep"):
+            return Availability.no("deep_ep is not installed", INSTALL_HINT)
+        if request.model_dtype != "bfloat16":
+            return Availability.no(f"DeepEP moves and combines BF16 only; the model dtype is {request.model_dtype}")
+        if request.wire not in cls.wires:
+            return Availability.no(
+                f"DeepEP moves bf16 or fp8 (1x128 e4m3) tokens, not {request.wire} (no NVFP4 in DeepEP V1)",
+                "use dispatch dtype 'auto', 'bf16' or 'fp8', or dispatcher 'torch' / 'flashinfer' for nvfp4",
+            )
+        if not cls.low_latency:
+            return normal_mode_ep_support(request.ep_size)
+        problems = low_latency_shape_problems(
+            hidden_size=request.hidden_size, top_k=request.top_k, num_experts=request.num_experts,
+            ep_size=request.ep_size, max_tokens_per_rank=4, fp8=request.wire == "fp8",
+        )
+        if problems:
+            return Availability.no("DeepEP's low-latency kernels cannot run this layer: " + "; ".join(problems),
+                                   "use dispatcher 'deepep' (normal mode) or 'torch'")
+        return Availability.yes()
 
     @classmethod
     def availability(cls, device: torch.device, ep_size: int = 1) -> Availability:
@@ -332,8 +374,8 @@ class _DeepEPBase(Dispatcher):
         self._group = _resolve_group(spec.group, spec.ep_size, spec.ep_rank)
         self._wire = spec.wire_format
         self._fp8 = self._wire.is_quantized
-        self._check = bool(spec.option("check_inputs", True))
-        self._count = bool(spec.option("count_bytes", True))
+        self._check = bool(self.options.check_inputs)
+        self._count = bool(self.options.count_bytes)
         self._device = torch.device(spec.device)
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
@@ -351,7 +393,7 @@ class _DeepEPBase(Dispatcher):
                 )
             given = _align(s.workspace_bytes, BUFFER_ALIGNMENT_BYTES)
             sizes = DeepEPBufferSizes(num_rdma_bytes=given) if self.low_latency else DeepEPBufferSizes(num_nvl_bytes=given)
-        shared = s.option("deepep_buffer")
+        shared = self.options.deepep_buffer
         if shared is not None:
             if not isinstance(shared, DeepEPBuffer):
                 raise TypeError(f"option deepep_buffer is a {type(shared).__name__}; pass a DeepEPBuffer")
@@ -406,10 +448,11 @@ class _DeepEPBase(Dispatcher):
         failed = [r for r in range(flags.shape[0]) if flags[r, 0]]
         edist.raise_if_any_failed(error, failed, self._group)
 
-    def _prepare(self, hidden, topk_ids, topk_weights):
+    def _prepare(self, hidden, topk_ids, topk_weights, agreement=None):
         """-> (x, topk_idx int64, weights f32, padded). An empty call sends one dummy row routed
-        nowhere (-1 everywhere), so DeepEP never launches on zero tokens."""
-        if self._check:
+        nowhere (-1 everywhere), so DeepEP never launches on zero tokens. With the layer's
+        `agreement` the inputs were checked and agreed already: no second collective."""
+        if self._check and (agreement is None or not agreement.inputs_checked):
             self._validate(hidden, topk_ids, topk_weights)
         padded = hidden.shape[0] == 0
         if padded:
@@ -443,7 +486,7 @@ class DeepEPDispatcher(_DeepEPBase):
 
     def __init__(self, spec: DispatchSpec):
         super().__init__(spec)
-        num_sms = int(spec.option("num_sms", 20))
+        num_sms = int(self.options.num_sms)
         self._configs = default_configs(spec.ep_size, num_sms)
         if self._fp8 and spec.hidden_size % FP8_BLOCK:
             raise ValueError(f"FP8 dispatch needs hidden_size % {FP8_BLOCK} == 0 (got {spec.hidden_size})")
@@ -458,10 +501,11 @@ class DeepEPDispatcher(_DeepEPBase):
         self._dispatch_config = self._configs[0].to_deep_ep(self._deep_ep)
         self._combine_config = self._configs[1].to_deep_ep(self._deep_ep)
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 *, agreement: Optional[Agreement] = None):
         s = self.spec
         T = hidden.shape[0]
-        x, idx, w, padded = self._prepare(hidden, topk_ids, topk_weights)
+        x, idx, w, padded = self._prepare(hidden, topk_ids, topk_weights, agreement)
         buf = self._buffer.raw
         n_per_rank, _, n_per_expert, in_rank, _ = buf.get_dispatch_layout(idx, s.num_experts)
         if self._fp8:
@@ -540,10 +584,11 @@ class DeepEPLowLatencyDispatcher(_DeepEPBase):
         # DeepEP: the low-latency mode wants one QP per local expert
         self._attach_buffer(sizes, num_qps=spec.num_local_experts, ll_layout=(M, spec.hidden_size, spec.num_experts))
 
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 *, agreement: Optional[Agreement] = None):
         s = self.spec
         T = hidden.shape[0]
-        x, idx, w, padded = self._prepare(hidden, topk_ids, topk_weights)
+        x, idx, w, padded = self._prepare(hidden, topk_ids, topk_weights, agreement)
         recv_x, recv_count, raw, _, _ = self._buffer.raw.low_latency_dispatch(
             x, idx, s.max_tokens_per_rank, s.num_experts, use_fp8=self._fp8,
             async_finish=False, return_recv_hook=False,

@@ -63,13 +63,14 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from epmoe.core.availability import Availability
 from epmoe.core.errors import BackendUnavailableError
-from epmoe.dispatch.base import DispatchedTokens, DispatchHandle, Dispatcher, DispatcherStats, DispatchSpec
+from epmoe.core.capability import BackendOptions, BackendRequest
+from epmoe.dispatch.base import Agreement, DispatchedTokens, DispatchHandle, Dispatcher, DispatcherStats, DispatchSpec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 
 try:  # added by the runtime core; older trees only have RemoteRankError
@@ -182,9 +183,50 @@ class FlashInferDispatchHandle(DispatchHandle):
 
 
 # ----------------------------------------------------------------------------- dispatcher
+@dataclass(frozen=True)
+class FlashInferA2AOptions(BackendOptions):
+    """Options of the FlashInfer dispatcher (see the module docstring for each)."""
+
+    runtime_max_tokens: str = "allreduce"
+    low_precision_combine: bool = False
+    nvfp4_global_scale: Optional[float] = None
+    comm: str = "auto"
+    comm_backend: Any = None
+    handle_bytes: bool = True
+    check_availability: bool = True
+    release_workspace_on_close: bool = False
+
+    def __post_init__(self):
+        if self.runtime_max_tokens not in RUNTIME_MAX_MODES:
+            raise ValueError(f"option runtime_max_tokens={self.runtime_max_tokens!r}; use one of {RUNTIME_MAX_MODES}")
+        if self.comm not in COMM_CHOICES:
+            raise ValueError(f"option comm={self.comm!r}; use one of {COMM_CHOICES}")
+
+
 class FlashInferA2ADispatcher(Dispatcher):
+    """Moves BF16/FP16 or NVFP4 payloads (no FP8 payload layout) between CUDA GPUs of one NVLink
+    domain; needs flashinfer, cuda-python and pynvml; flat layout."""
+
     name = "flashinfer"
     layout = "flat"
+    wires = ("bf16", "nvfp4")
+    Options = FlashInferA2AOptions
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        if not request.on_gpu:
+            return Availability.no("FlashInfer's MoE all-to-all needs CUDA GPUs", "use dispatcher 'torch' on CPU")
+        if not request.has("flashinfer"):
+            return Availability.no("flashinfer is not installed", INSTALL_HINT)
+        for mod, pkg in (("cuda", "cuda-python"), ("pynvml", "nvidia-ml-py")):
+            if not request.has(mod):
+                return Availability.no(f"FlashInfer's MNNVL memory needs {pkg}", f"pip install {pkg}")
+        if request.wire not in cls.wires:
+            return Availability.no(
+                f"FlashInfer dispatch carries bf16 or nvfp4 payloads, not {request.wire}",
+                "use dispatch dtype 'auto', 'bf16' or 'nvfp4', or dispatcher 'torch' / 'deepep' for fp8",
+            )
+        return Availability.yes()
 
     @classmethod
     def availability(cls, device: torch.device, ep_size: int = 1) -> Availability:
@@ -211,15 +253,15 @@ class FlashInferA2ADispatcher(Dispatcher):
     def __init__(self, spec: DispatchSpec):
         super().__init__(spec)
         self.wire: PayloadFormat = getattr(spec, "wire_format", spec.payload)
-        mode = spec.option("runtime_max_tokens", "allreduce")
+        mode = self.options.runtime_max_tokens
         if mode not in RUNTIME_MAX_MODES:
             raise ValueError(f"option runtime_max_tokens={mode!r}; use one of {RUNTIME_MAX_MODES}")
         self.static_shapes = bool(getattr(spec, "static_shapes", False))
         if self.static_shapes:  # CUDA-graph mode: fixed receive block, no collective, no host sync
             mode = "static"
         self.runtime_max_mode = mode
-        self.low_precision_combine = bool(spec.option("low_precision_combine", False))
-        static_gs = spec.option("nvfp4_global_scale", None)
+        self.low_precision_combine = bool(self.options.low_precision_combine)
+        static_gs = self.options.nvfp4_global_scale
         self._static_global_scale = None if static_gs is None else float(static_gs)
         self._static_gs_tensor = (
             None if static_gs is None
@@ -237,9 +279,9 @@ class FlashInferA2ADispatcher(Dispatcher):
         self.combine_wire_bytes_per_token = spec.hidden_size * (1 if self.low_precision_combine else elem)
         if self.wire.is_quantized:
             _check_codec(self.wire)
-        self.handle_bytes = bool(spec.option("handle_bytes", True)) and not self.static_shapes
+        self.handle_bytes = bool(self.options.handle_bytes) and not self.static_shapes
 
-        avail = self.availability(spec.device, spec.ep_size) if spec.option("check_availability", True) else Availability.yes()
+        avail = self.availability(spec.device, spec.ep_size) if self.options.check_availability else Availability.yes()
         if not avail:
             raise BackendUnavailableError(self.name, avail.reason, avail.hint)
 
@@ -291,10 +333,10 @@ class FlashInferA2ADispatcher(Dispatcher):
 
     # ------------------------------------------------------------------ communicator
     def _make_comm(self, spec: DispatchSpec):
-        given = spec.option("comm_backend", None)
+        given = self.options.comm_backend
         if given is not None:
             return given, "custom"
-        choice = spec.option("comm", "auto")
+        choice = self.options.comm
         if choice not in COMM_CHOICES:
             raise ValueError(f"option comm={choice!r}; use one of {COMM_CHOICES}")
         import torch.distributed as dist
@@ -361,7 +403,10 @@ class FlashInferA2ADispatcher(Dispatcher):
         topk_weights: torch.Tensor,
         *,
         runtime_max_tokens_per_rank: Optional[int] = None,
+        agreement: Optional[Agreement] = None,
     ) -> Tuple[DispatchedTokens, FlashInferDispatchHandle]:
+        """`agreement` (from EPMoE): inputs already checked and the tokens of every rank known, so the
+        receive block is their max and no collective runs (unless static shapes fix it anyway)."""
         s = self.spec
         if self._pending is not None:
             raise RuntimeError(
@@ -369,14 +414,18 @@ class FlashInferA2ADispatcher(Dispatcher):
                 "has one round in flight: call combine(expert_out, handle) first"
             )
         local_error: Optional[BaseException] = None
-        try:
-            self.check_inputs(hidden, topk_ids, topk_weights)
-            if hidden.dtype != s.combine_dtype:
-                raise TypeError(f"hidden has dtype {hidden.dtype}; this dispatcher was built for {s.combine_dtype}")
-            if hidden.device != torch.device(s.device) and torch.device(s.device).index is not None:
-                raise ValueError(f"hidden is on {hidden.device}, the dispatcher on {s.device}")
-        except (ValueError, TypeError) as e:
-            local_error = e
+        if agreement is None or not agreement.inputs_checked:
+            try:
+                self.check_inputs(hidden, topk_ids, topk_weights)
+                if hidden.dtype != s.combine_dtype:
+                    raise TypeError(f"hidden has dtype {hidden.dtype}; this dispatcher was built for {s.combine_dtype}")
+                if hidden.device != torch.device(s.device) and torch.device(s.device).index is not None:
+                    raise ValueError(f"hidden is on {hidden.device}, the dispatcher on {s.device}")
+            except (ValueError, TypeError) as e:
+                local_error = e
+        if agreement is not None and runtime_max_tokens_per_rank is None and not self.static_shapes \
+                and local_error is None and self.runtime_max_mode == "allreduce":
+            runtime_max_tokens_per_rank = max(1, agreement.max_tokens)
         T = hidden.shape[0] if local_error is None else 0
         route = sends = None
         if local_error is None:  # before the collective: its sync then makes the counts free
@@ -394,7 +443,7 @@ class FlashInferA2ADispatcher(Dispatcher):
             elif slot.name == "scales":
                 t = quantized[1].view(torch.uint8)
             elif slot.name == "global_scale":
-                t = quantized[2].to(torch.float32).reshape(1, 1).expand(T, 1)
+                t = quantized[2].to(torch.float32).reshape(-1, 1).expand(T, 1)
             elif slot.name == "topk_ids":
                 t = ids
             else:
@@ -461,9 +510,10 @@ class FlashInferA2ADispatcher(Dispatcher):
                 torch.empty(0, H // 16, dtype=torch.float8_e4m3fn, device=hidden.device),
                 gs,
             )
-        from epmoe.quant.codec import quantize_activation
+        from epmoe.quant.codec import quantize_activation, quantize_for_wire
 
-        q = quantize_activation(hidden, self.wire, global_scale=gs)  # the torch dispatcher's quantizer
+        # the torch dispatcher's quantizer: one global scale per token unless a static one is set
+        q = quantize_for_wire(hidden, self.wire) if gs is None else quantize_activation(hidden, self.wire, global_scale=gs)
         return q.data, q.scales, q.global_scale
 
     def _runtime_max(
@@ -563,7 +613,7 @@ class FlashInferA2ADispatcher(Dispatcher):
             torch.cuda.synchronize()
         self._comm.barrier()  # no peer may still read or write this rank's workspace
         reset = getattr(a2a, "_reset_workspace", None)
-        if reset is not None and self.spec.option("release_workspace_on_close", False):
+        if reset is not None and self.options.release_workspace_on_close:
             reset()
 
 

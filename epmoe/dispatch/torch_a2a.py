@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from epmoe.core import dist as edist
 from epmoe.core.fault import run_collective
-from epmoe.dispatch.base import DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
+from epmoe.dispatch.base import Agreement, DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
 from epmoe.quant import codec
 from epmoe.quant.payload import PayloadFormat
 
@@ -59,7 +59,7 @@ class _RowCodec:
 
     def pack(self, hidden: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.wire.is_quantized:
-            payload = codec.pack_rows(codec.quantize_activation(hidden, self.wire))
+            payload = codec.pack_rows(codec.quantize_for_wire(hidden, self.wire))
         else:
             payload = _as_bytes(hidden.to(self.wire.dtype))
         return torch.cat([payload, _as_bytes(local_ids.to(torch.int32)), _as_bytes(weights.to(torch.float32))], dim=1)
@@ -78,7 +78,11 @@ class _RowCodec:
 
 
 class TorchA2ADispatcher(Dispatcher):
+    """Runs on any device torch.distributed serves (gloo on CPU, NCCL on GPU); moves every format the
+    codec implements (BF16, NVFP4, FP8 1x128) as packed rows; flat layout."""
+
     name = "torch"
+    wires = ("bf16", "nvfp4", "fp8")
 
     def __init__(self, spec: DispatchSpec):
         super().__init__(spec)
@@ -140,36 +144,42 @@ class TorchA2ADispatcher(Dispatcher):
         return out.to(s.combine_dtype)
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    def dispatch(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 *, agreement: Optional[Agreement] = None):
         s = self.spec
         if s.static_shapes:
             return self._dispatch_static(hidden, topk_ids, topk_weights)
         ep, E_local = s.ep_size, s.num_local_experts
-        error, bad_ids = self._validate(hidden, topk_ids, topk_weights)
+        checked = agreement is not None and agreement.inputs_checked
+        error, bad_ids = (None, None) if checked else self._validate(hidden, topk_ids, topk_weights)
 
-        meta = torch.zeros(ep, 2, dtype=torch.int64, device=hidden.device)
+        # split sizes (and, standalone, the "my input is bad" flag): one small all_to_all
+        meta = torch.zeros(ep, 1 if checked else 2, dtype=torch.int64, device=hidden.device)
         if error is None:
             ids = topk_ids.to(torch.int64)
             dest = torch.where(ids >= 0, ids // E_local, torch.full_like(ids, -1))  # [T, K]
             ranks = torch.arange(ep, device=ids.device)
             sent = (dest.unsqueeze(-1) == ranks).any(dim=1)  # [T, ep]
             meta[:, 0] = sent.sum(dim=0)
-            meta[:, 1] = bad_ids.to(torch.int64)
+            if not checked:
+                meta[:, 1] = bad_ids.to(torch.int64)
         else:
             meta[:, 1] = 1
         recv_meta = torch.empty_like(meta)
         self._a2a_meta(recv_meta, meta)
-        send_counts = meta[:, 0].tolist()
+        meta_cpu = meta.cpu()
+        send_counts = meta_cpu[:, 0].tolist()
         recv_meta_cpu = recv_meta.cpu()
         recv_counts = recv_meta_cpu[:, 0].tolist()
-        failed = [r for r in range(ep) if recv_meta_cpu[r, 1].item()]
-        if error is None and bad_ids is not None and meta[0, 1].item():
-            bad = topk_ids[(topk_ids < -1) | (topk_ids >= s.num_experts)]
-            error = ValueError(
-                f"topk_ids holds expert id {int(bad[0])} outside [0, {s.num_experts}) "
-                f"(-1 marks 'no expert'); fix the router output or num_experts"
-            )
-        edist.raise_if_any_failed(error, failed, s.group, s.timeout_s)
+        if not checked:
+            failed = [r for r in range(ep) if recv_meta_cpu[r, 1].item()]
+            if error is None and bad_ids is not None and meta_cpu[0, 1].item():
+                bad = topk_ids[(topk_ids < -1) | (topk_ids >= s.num_experts)]
+                error = ValueError(
+                    f"topk_ids holds expert id {int(bad[0])} outside [0, {s.num_experts}) "
+                    f"(-1 marks 'no expert'); fix the router output or num_experts"
+                )
+            edist.raise_if_any_failed(error, failed, s.group, s.timeout_s)
 
         # rows in rank-major order, tokens ascending within a rank
         rank_of_row, token_of_row = sent.t().nonzero(as_tuple=True)

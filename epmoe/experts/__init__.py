@@ -5,7 +5,7 @@ imported only when constructed. Never imports `epmoe.dispatch`.
 """
 
 from epmoe.core.registry import Registry
-from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 
 EXPERTS: "Registry[Experts]" = Registry("experts backend")
 EXPERTS.register("reference", "epmoe.experts.reference:ReferenceExperts")
@@ -21,4 +21,4 @@ def get_experts_class(name: str):
     return EXPERTS.get(name)
 
 
-__all__ = ["EXPERTS", "Experts", "ExpertsSpec", "get_experts_class"]
+__all__ = ["EXPERTS", "Experts", "ExpertsOptions", "ExpertsSpec", "get_experts_class"]

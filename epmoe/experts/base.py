@@ -21,6 +21,7 @@ import torch
 
 from epmoe.config import MoEConfig
 from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.quant.payload import PayloadFormat
 from epmoe.quant.weights import ExpertWeights
 
@@ -28,7 +29,8 @@ from epmoe.quant.weights import ExpertWeights
 @dataclass(frozen=True)
 class ExpertsSpec:
     """config: the layer; ep_rank/ep_size: this rank's place; plan: the resolved QuantPlan (or None
-    for plain unquantized); options: backend knobs as a tuple of (name, value) pairs."""
+    for plain unquantized); options: the backend's typed options (`cls.Options`; a tuple of
+    (name, value) pairs is accepted and parsed by the backend)."""
 
     config: MoEConfig
     ep_rank: int
@@ -37,7 +39,7 @@ class ExpertsSpec:
     plan: Any = None
     deterministic: bool = False
     max_tokens: Optional[int] = None  # most rows one forward receives (workspace sizing)
-    options: tuple = ()
+    options: Any = ()
 
     @property
     def expert_mode(self) -> str:
@@ -54,16 +56,68 @@ class ExpertsSpec:
         return self.ep_rank * self.num_local_experts
 
     def option(self, name: str, default: Any = None) -> Any:
+        if isinstance(self.options, BackendOptions):
+            return getattr(self.options, name, default)
         return dict(self.options).get(name, default)
 
 
+@dataclass(frozen=True)
+class ExpertsOptions(BackendOptions):
+    """Options every experts backend takes. mode: the expert mode when spec.plan is None (tests,
+    benchmarks building a backend without a plan)."""
+
+    mode: Optional[str] = None
+
+
 class Experts(abc.ABC):
+    """Base class. A subclass is the one place that knows what its kernels run:
+
+    supports(request) -> Availability   static capability (mode, layout, wire, arch, versions,
+                                        packages); the resolver asks it, nothing else keeps a table
+    consumes(request) -> str            the wire dtype its kernel takes natively ("bf16", "nvfp4",
+                                        "fp8"); the resolver moves tokens in it when the dispatcher can
+    accepts_wire(request, wire) -> Availability  may tokens arrive in `wire` (dequantized on arrival
+                                        when it differs from what the kernel consumes)?
+    availability(spec) -> Availability  the live check at construction (device, prebuilt modules)
+    Options                             frozen dataclass of its options (unknown keys: TypeError)
+    """
+
     name: ClassVar[str] = "?"
     accepted_layouts: ClassVar[Tuple[str, ...]] = ("flat",)
+    Options: ClassVar[type] = ExpertsOptions
 
     def __init__(self, spec: ExpertsSpec):
+        self.options = type(self).Options.parse(spec.options, f"experts backend {self.name!r}")
         self.spec = spec
         self.config = spec.config
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        """Can this backend run `request` (static facts only, no device probing)?"""
+        if request.layout not in cls.accepted_layouts:
+            return Availability.no(f"it takes the {'/'.join(cls.accepted_layouts)} layout, not {request.layout}")
+        return Availability.yes()
+
+    @classmethod
+    def consumes(cls, request: BackendRequest) -> str:
+        """The dispatch dtype its kernel consumes natively for `request` (default: unquantized)."""
+        return "bf16"
+
+    @classmethod
+    def accepts_wire(cls, request: BackendRequest, wire: str) -> Availability:
+        """May tokens arrive in `wire`? Unquantized and the consumed format always; bf16 experts take any
+        quantized wire (dequantized on arrival: lossy transport asked for explicitly); a quantized
+        mode takes its own activation format even when its kernel quantizes BF16 itself (dequantized
+        on arrival, quantized again: a round trip the resolver notes and never picks on "auto")."""
+        consumed = cls.consumes(request)
+        natural = {"fp8_block": "fp8", "nvfp4_w4a4": "nvfp4"}.get(request.expert_mode)
+        if wire in ("bf16", consumed, natural) or request.expert_mode == "bf16":
+            return Availability.yes()
+        return Availability.no(
+            f"its {request.expert_mode} kernel consumes {consumed} activations; {wire} tokens would be "
+            "quantized for nothing",
+            f"use dispatch dtype 'auto' or '{consumed}'",
+        )
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:

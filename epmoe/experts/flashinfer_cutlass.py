@@ -44,8 +44,9 @@ from typing import Any, Dict, FrozenSet, List, Mapping, Optional
 import torch
 
 from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
-from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 from epmoe.quant.flashinfer_layout import (
     MODE_WEIGHT_FORMAT,
     CutlassGeometry,
@@ -362,14 +363,65 @@ def _device_arch(device: torch.device) -> int:
 
 
 # ----------------------------------------------------------------------------- the backend
+ARCH_NUMBER = {"sm80": 80, "sm90": 90, "sm100": 100, "sm120": 120}
+
+
+def fused_moe_package(arch: str) -> str:
+    """The `BackendRequest.packages` entry saying FlashInfer's CUTLASS fused-MoE module for `arch`
+    (a plan arch family such as "sm90") is prebuilt (AOT or JIT cache)."""
+    return f"flashinfer.fused_moe.{arch}"
+
+
+@dataclass(frozen=True)
+class FlashInferCutlassOptions(ExpertsOptions):
+    """mode: the expert mode when spec.plan is None; allow_jit: build the fused-MoE module JIT when
+    it is not prebuilt (> 40 min); quantize_online: quantize unquantized weights at load."""
+
+    allow_jit: bool = False
+    quantize_online: bool = True
+
+
 class FlashInferCutlassExperts(Experts):
     """Local experts on `flashinfer.fused_moe.cutlass_fused_moe` (flat layout, local ids).
 
-    Options: mode (when spec.plan is None), allow_jit (default False: refuse to JIT-build the
-    fused-MoE module), quantize_online (default True: unquantized weights are quantized at load with
-    epmoe.quant.<format> when the mode needs quantized weights)."""
+    Options: `FlashInferCutlassOptions`. Consumes BF16 tokens: the kernel quantizes them itself."""
 
     name = "flashinfer_cutlass"
+    Options = FlashInferCutlassOptions
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        base = super().supports(request)
+        if not base:
+            return base
+        if request.arch not in ARCH_NUMBER or request.arch == "sm80":
+            return Availability.no(f"FlashInfer's CUTLASS fused MoE runs on sm90/sm100/sm120 GPUs, not {request.arch}")
+        try:
+            variant = resolve_cutlass_variant(request.expert_mode, ARCH_NUMBER[request.arch])
+        except ValueError as e:
+            return Availability.no(str(e))
+        if not request.has("flashinfer"):
+            return Availability.no("flashinfer is not installed", INSTALL_HINT)
+        if variant == "nvfp4" and request.checkpoint != "nvfp4":
+            return Availability.no(
+                "its NVFP4 W4A4 kernel quantizes activations with the checkpoint's static input scales "
+                "(ModelOpt input_scale); weights quantized online have none",
+                "load a ModelOpt NVFP4 checkpoint, or use quant 'nvfp4_w4a16'",
+            )
+        if variant == "bf16" and request.model_dtype not in ("bfloat16", "float16"):
+            return Availability.no(f"bf16 CUTLASS experts need a bf16/fp16 model, not {request.model_dtype}")
+        if variant == "mxfp4_w4a8_humming" and not version_at_least(request.flashinfer_version, HUMMING_MIN_VERSION):
+            return Availability.no(
+                f"Humming MXFP4 W4A8 needs FlashInfer >= {HUMMING_MIN_VERSION}, installed {request.flashinfer_version}",
+                "pip install -U 'flashinfer-python>=0.6.18'",
+            )
+        if not request.has(fused_moe_package(request.arch)):
+            return Availability.no(
+                f"FlashInfer's {request.arch} fused-MoE module is not prebuilt (no AOT artifact, not in the JIT "
+                "cache); building it JIT takes more than 40 minutes",
+                "install a flashinfer-jit-cache wheel for your CUDA version, or pass experts option allow_jit=True",
+            )
+        return Availability.yes(variant)
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:
@@ -388,7 +440,7 @@ class FlashInferCutlassExperts(Experts):
             return Availability.no(f"bf16 CUTLASS experts need a bf16/fp16 model, got {spec.config.dtype}")
         name = fused_moe_module_name(arch)
         status = prebuilt_module_status(name)
-        if status is None and not spec.option("allow_jit", False):
+        if status is None and not spec.option("allow_jit", False):  # typed: FlashInferCutlassOptions
             return Availability.no(
                 f"FlashInfer module {name!r} is not prebuilt (no AOT artifact, not in the JIT cache) and "
                 "building it JIT takes more than 40 minutes",

@@ -31,6 +31,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts.base import Experts, ExpertsSpec
 from epmoe.experts.flashinfer_cutlass import INSTALL_HINT, _device_arch, check_reload, version_at_least
@@ -269,10 +270,36 @@ class _Sm100Experts(Experts):
 
 
 
+def _sm100_supports(request: BackendRequest, modes, what: str) -> Availability:
+    if request.arch != "sm100":
+        return Availability.no(f"{what} runs on SM100/SM103 (sm100 family), not {request.arch}", "use 'flashinfer_cutlass' or 'triton'")
+    if request.expert_mode not in modes:
+        return Availability.no(f"{what} runs {sorted(modes)}, not {request.expert_mode!r}")
+    if not request.has("flashinfer"):
+        return Availability.no("flashinfer is not installed", INSTALL_HINT)
+    return Availability.yes()
+
+
 class FlashInferCuteDslExperts(_Sm100Experts):
-    """NVFP4 experts on FlashInfer's CuTe-DSL kernels (SM100/SM103/SM107)."""
+    """NVFP4 experts on FlashInfer's CuTe-DSL kernels (SM100/SM103/SM107), flat layout. Consumes BF16
+    tokens (W4A4 quantizes them here with FlashInfer's fp4_quantize)."""
 
     name = "flashinfer_cutedsl"
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        base = super().supports(request)
+        if not base:
+            return base
+        ok = _sm100_supports(request, CUTEDSL_MODES, "CuTe-DSL MoE")
+        if not ok:
+            return ok
+        if request.expert_mode == "nvfp4_w4a16" and not version_at_least(request.flashinfer_version, CUTEDSL_W4A16_MIN_VERSION):
+            return Availability.no(
+                f"CuTe-DSL NVFP4 W4A16 needs FlashInfer >= {CUTEDSL_W4A16_MIN_VERSION}, installed {request.flashinfer_version}")
+        if not request.has("cutlass"):
+            return Availability.no("FlashInfer's CuTe-DSL MoE needs the CUTLASS DSL", "pip install nvidia-cutlass-dsl")
+        return Availability.yes()
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:
@@ -328,9 +355,14 @@ class FlashInferCuteDslExperts(_Sm100Experts):
 
 # ----------------------------------------------------------------------------- TRT-LLM-gen
 class FlashInferTrtllmExperts(_Sm100Experts):
-    """MXFP4 x BF16 experts on FlashInfer's TRT-LLM-gen kernels (SM100/SM103)."""
+    """MXFP4 x BF16 experts on FlashInfer's TRT-LLM-gen kernels (SM100/SM103), flat layout."""
 
     name = "flashinfer_trtllm"
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        base = super().supports(request)
+        return _sm100_supports(request, TRTLLM_MODES, "TRT-LLM-gen MoE") if base else base
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:

@@ -24,14 +24,16 @@ only row-wise (and MX) scaling on sm90, not DeepSeek's 128x128 blocks, so fp8_bl
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts.align import sort_by_expert, sort_by_expert_triton
-from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 from epmoe.experts.activation import apply_activation
 from epmoe.quant.payload import QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
@@ -173,9 +175,38 @@ def torch_grouped_mm_forward(hidden, topk_ids, topk_weights, params, config, num
     return y_by_entry.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
 
 
+@dataclass(frozen=True)
+class GroupedMMOptions(ExpertsOptions):
+    """grouped_mm_epilogue: "triton" (fused gather / activation / combine; default where Triton runs)
+    or "torch" (the plain torch composite); triton_align: "triton" (alignment kernels) or "torch"."""
+
+    grouped_mm_epilogue: Optional[str] = None
+    triton_align: Optional[str] = None
+
+
 class GroupedMMExperts(Experts):
+    """bf16 experts on torch._grouped_mm (its CUTLASS path: sm90 / sm100), flat layout."""
+
     name = "grouped_mm"
     accepted_layouts = ("flat",)
+    Options = GroupedMMOptions
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        base = super().supports(request)
+        if not base:
+            return base
+        if request.expert_mode != "bf16":
+            return Availability.no(f"it runs bf16 only, not {request.expert_mode!r}", "use experts 'triton'")
+        if request.arch not in ("sm90", "sm100"):
+            return Availability.no(f"torch._grouped_mm has its CUTLASS path on sm90/sm100 only, not {request.arch}")
+        if request.model_dtype != "bfloat16":
+            return Availability.no(f"it needs a bfloat16 model, not {request.model_dtype}")
+        if request.hidden_size % 8 or request.intermediate_size % 8:
+            return Availability.no("it needs hidden and intermediate sizes divisible by 8")
+        if not hasattr(torch, "_grouped_mm"):
+            return Availability.no(f"torch {torch.__version__} has no torch._grouped_mm", "install torch >= 2.8")
+        return Availability.yes()
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:
@@ -219,10 +250,10 @@ class GroupedMMExperts(Experts):
         # The memory-bound steps: fused Triton kernels (default where Triton runs) or the torch
         # composite (option grouped_mm_epilogue=torch; also without Triton).
         default = "triton" if _triton_can_run(self.device) else "torch"
-        self.epilogue = spec.option("grouped_mm_epilogue", default)
+        self.epilogue = spec.option("grouped_mm_epilogue") or default
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"grouped_mm_epilogue={self.epilogue!r}; use one of {EPILOGUES}")
-        self.align_impl = spec.option("triton_align", "triton")
+        self.align_impl = spec.option("triton_align") or "triton"
         if self.align_impl not in ("triton", "torch"):
             raise ValueError(f"triton_align={self.align_impl!r}; use 'triton' or 'torch'")
         if self.epilogue == "triton" and not _triton_can_run(self.device):

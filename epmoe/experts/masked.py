@@ -14,12 +14,14 @@ Per valid row x of local expert e (fp32 throughout, cast to the model dtype at t
 
 from __future__ import annotations
 
-from typing import Dict
+from dataclasses import dataclass
+from typing import Any, Dict
 
 import torch
 
 from epmoe.core.availability import Availability
-from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.core.capability import BackendOptions, BackendRequest
+from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 from epmoe.experts.reference import apply_activation
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
@@ -66,9 +68,39 @@ def _dequantize(x: QuantizedActivation) -> torch.Tensor:
     return (blocks * x.scales.float().unsqueeze(-1)).reshape(x.data.shape)
 
 
+@dataclass(frozen=True)
+class MaskedReferenceOptions(ExpertsOptions):
+    """payload: a PayloadFormat to consume instead of the mode's default (tests)."""
+
+    payload: Any = None
+
+
 class MaskedReferenceExperts(Experts):
+    """Masked layout (DeepEP low-latency), bf16 and fp8_block experts, plain torch on any device."""
+
     name = "masked_reference"
     accepted_layouts = ("masked",)
+    Options = MaskedReferenceOptions
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        base = super().supports(request)
+        if not base:
+            return base
+        ok = masked_expert_mode_support(request.expert_mode)
+        if not ok:
+            return ok
+        if request.expert_mode not in REFERENCE_EXPERT_MODES:
+            return Availability.no(
+                f"the masked reference implements {REFERENCE_EXPERT_MODES}, not {request.expert_mode!r}; "
+                "no masked-layout kernel for it is wired up",
+                "use a flat-layout dispatcher ('torch', 'deepep', 'flashinfer') for this mode",
+            )
+        return Availability.yes()
+
+    @classmethod
+    def consumes(cls, request: BackendRequest) -> str:
+        return "fp8" if request.expert_mode == "fp8_block" else "bf16"
 
     def __init__(self, spec: ExpertsSpec):
         super().__init__(spec)

@@ -21,6 +21,8 @@ from typing import Dict, Optional
 import torch
 
 from epmoe.config import MoEConfig
+from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendRequest
 from epmoe.experts.base import Experts, ExpertsSpec
 from epmoe.quant import codec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
@@ -45,8 +47,27 @@ def apply_activation(config: MoEConfig, h: torch.Tensor) -> torch.Tensor:
     return g * torch.sigmoid(alpha * g) * (u + beta)
 
 
+# What the emulated kernels consume natively, per activation format (a wire in this dtype is used as
+# received; any other wire is dequantized on arrival and quantized like the kernel would)
+_CONSUMED_WIRE = {"nvfp4": "nvfp4", "fp8_block": "fp8"}
+
+
 class ReferenceExperts(Experts):
+    """Every expert mode, any device (plain torch, float32), flat layout. The oracle and the CPU
+    default; on GPUs the slow fallback when no kernel backend runs the plan."""
+
     name = "reference"
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        base = super().supports(request)
+        if not base:
+            return base
+        return Availability.yes("emulation in float32" + ("" if request.arch == "cpu" else "; slow on GPUs"))
+
+    @classmethod
+    def consumes(cls, request: BackendRequest) -> str:
+        return _CONSUMED_WIRE.get(request.act_format, "bf16")
 
     def __init__(self, spec: ExpertsSpec):
         super().__init__(spec)
@@ -76,7 +97,8 @@ class ReferenceExperts(Experts):
     def _quant_act(self, x: torch.Tensor) -> torch.Tensor:
         if self._act is None or x.shape[0] == 0:
             return x
-        return codec.dequantize_activation(codec.quantize_activation(x, self._act), torch.float32)
+        # per-token scales, like the wire (the one quantizer the float64 reference models)
+        return codec.roundtrip_for_wire(x, self._act, torch.float32)
 
     def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)

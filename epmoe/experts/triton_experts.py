@@ -36,10 +36,11 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts import kernel_formats as kf
 from epmoe.experts.align import align_blocks, align_blocks_triton, sort_by_expert
-from epmoe.experts.base import Experts, ExpertsSpec
+from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 from epmoe.quant.codec import FP8_BLOCK
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
@@ -222,9 +223,50 @@ def _activation_args(config):
     )
 
 
+@dataclass(frozen=True)
+class TritonOptions(ExpertsOptions):
+    """triton_config: a preset name from `presets_for(mode)` (None: picked per call by rows per
+    expert); triton_gate_up: "interleaved" or "blocked" w13 rows (bf16, gated activations)."""
+
+    triton_config: Optional[str] = None
+    triton_gate_up: str = GATE_UP_LAYOUT
+    # None = the module default (GROUPED_MM_MIN_ROWS / "auto", ALIGN, FP4_CONVERT): read at construction
+    triton_grouped_mm: Optional[str] = None  # auto | on | off: bf16 through torch._grouped_mm
+    triton_align: Optional[str] = None  # triton | torch: routing alignment kernels
+    triton_fp4_convert: Optional[str] = None  # packed | legacy: fp4 -> bf16 in the W4A16 loops
+
+
 class TritonExperts(Experts):
+    """Our Triton kernels: bf16, fp8_block (consumes FP8 1x128 tokens), nvfp4_w4a16, mxfp4_w4a16 on
+    sm90 / sm100 / sm120, flat layout."""
+
     name = "triton"
     accepted_layouts = ("flat",)
+    Options = TritonOptions
+
+    @classmethod
+    def supports(cls, request: BackendRequest) -> Availability:
+        base = super().supports(request)
+        if not base:
+            return base
+        if request.arch not in ("sm90", "sm100", "sm120"):
+            return Availability.no(
+                f"the triton kernels run on sm90/sm100/sm120 GPUs, not {request.arch}",
+                "use experts 'reference' (CPU) or another backend",
+            )
+        if request.expert_mode not in SUPPORTED_MODES:
+            return Availability.no(f"it runs {list(SUPPORTED_MODES)}, not {request.expert_mode!r}")
+        if request.model_dtype not in ("bfloat16", "float16"):
+            return Availability.no(f"it needs a bf16/fp16 model, not {request.model_dtype}")
+        if request.expert_mode in ("nvfp4_w4a16", "mxfp4_w4a16") and (request.hidden_size % 64 or request.intermediate_size % 64):
+            return Availability.no(f"{request.expert_mode} needs hidden and intermediate sizes divisible by 64")
+        if not request.has("triton"):
+            return Availability.no("triton is not installed", "pip install triton")
+        return Availability.yes()
+
+    @classmethod
+    def consumes(cls, request: BackendRequest) -> str:
+        return "fp8" if request.expert_mode == "fp8_block" else "bf16"
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:
@@ -293,14 +335,14 @@ class TritonExperts(Experts):
             raise ValueError(f"triton_gate_up={layout!r}; use 'interleaved' or 'blocked'")
         # Kernel-facing w13 rows alternate gate j / up j (bf16 mode, gated activations only).
         self.gate_up_interleaved = layout == "interleaved" and self.mode == "bf16" and self.gated
-        self.align_impl = spec.option("triton_align", ALIGN)
+        self.align_impl = spec.option("triton_align") or ALIGN
         if self.align_impl not in ALIGN_CHOICES:
             raise ValueError(f"triton_align={self.align_impl!r}; use one of {ALIGN_CHOICES}")
-        self.fp4_convert = spec.option("triton_fp4_convert", FP4_CONVERT)
+        self.fp4_convert = spec.option("triton_fp4_convert") or FP4_CONVERT
         if self.fp4_convert not in ("packed", "legacy"):
             raise ValueError(f"triton_fp4_convert={self.fp4_convert!r}; use 'packed' or 'legacy'")
         self._fp4_scales_ok = True  # mxfp4: every scale exponent <= 128 (set at load)
-        self.grouped_mm = spec.option("triton_grouped_mm", "auto")
+        self.grouped_mm = spec.option("triton_grouped_mm") or "auto"
         if self.grouped_mm not in GROUPED_MM_CHOICES:
             raise ValueError(f"triton_grouped_mm={self.grouped_mm!r}; use one of {GROUPED_MM_CHOICES}")
         why_not = self._grouped_mm_unavailable()

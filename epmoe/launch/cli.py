@@ -126,22 +126,14 @@ def _fmt_bytes(n: float) -> str:
 
 
 def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.device) -> int:
-    from epmoe.quant.plan import resolve_quant_plan
+    from epmoe.resolve import detect_environment, resolve_plan
 
-    arch = "cpu"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"sm{major}{minor}"
     if cfg.num_experts % ep:
         print(f"error: num_experts={cfg.num_experts} is not divisible by ep={ep}", file=sys.stderr)
         return 2
-    from epmoe.experts import EXPERTS
-    from epmoe.quant.plan import installed_flashinfer_version
-
-    plan = resolve_quant_plan(cfg, requested_mode=args.quant, dispatch_dtype=args.dispatch_dtype,
-                              dispatcher=args.dispatcher, experts_backend=args.experts, arch=arch,
-                              flashinfer_version=installed_flashinfer_version(),
-                              registered_backends=EXPERTS.names())
+    # the one resolver, against this host (FlashInfer version, packages, prebuilt modules), as EPMoE does
+    plan = resolve_plan(cfg, dispatcher=args.dispatcher, experts=args.experts, quant=args.quant,
+                        dispatch_dtype=args.dispatch_dtype, environment=detect_environment(device), ep_size=ep)
     max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
     E_local = cfg.num_experts // ep
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "
@@ -340,7 +332,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             stats.tokens.append(T)
             stats.bytes_sent.append(step_bytes)
         if args.check:
-            err = _check_step(cfg, synthetic, records, rank0)
+            err = _check_step(cfg, synthetic, records, rank0, layers[0].plan)
             if rank0:
                 stats.max_err = max(stats.max_err, err)
                 stats.checked += len(layers) * ep
@@ -367,8 +359,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
     return 1 if failed_check else 0
 
 
-def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool) -> float:
-    """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference."""
+def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool, plan=None) -> float:
+    """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference,
+    which models the plan's path (lossy wire, weight and activation quantization)."""
     from epmoe.reference import reference_moe
 
     everything = edist.all_gather_objects(records)
@@ -381,7 +374,8 @@ def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool) -> float:
             continue
         logits = torch.cat([r[L][1] for r in everything])
         ys = torch.cat([r[L][2] for r in everything])
-        ref = reference_moe(cfg, xs, layer.experts, logits, e_score_correction_bias=layer.e_score_correction_bias)
+        ref = reference_moe(cfg, xs, layer.experts, logits, e_score_correction_bias=layer.e_score_correction_bias,
+                            plan=plan)
         err = float((ys.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         if not torch.isfinite(ys).all():
             err = float("inf")

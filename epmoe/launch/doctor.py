@@ -413,11 +413,14 @@ def dispatcher_status(name: str, device: torch.device, ep_size: int) -> BackendS
         return BackendStatus(kind, name, ERROR, f"availability() raised {_short(e)}", "")
 
 
-def _plan_for(cfg, args, experts_backend: str, arch: str):
-    from epmoe.quant.plan import resolve_quant_plan
+def _plan_for(cfg, args, experts_backend: str, arch: str, ep_size: int = 1):
+    """The plan through the one resolver, against this host (its FlashInfer version, installed
+    packages and prebuilt FlashInfer modules), exactly as EPMoE would resolve it."""
+    from epmoe.resolve import detect_environment, resolve_plan
 
-    return resolve_quant_plan(cfg, requested_mode=args.quant, dispatch_dtype=args.dispatch_dtype,
-                              dispatcher=args.dispatcher, experts_backend=experts_backend, arch=arch)
+    return resolve_plan(cfg, dispatcher=args.dispatcher, experts=experts_backend, quant=args.quant,
+                        dispatch_dtype=args.dispatch_dtype, environment=detect_environment(arch=arch),
+                        ep_size=ep_size)
 
 
 def experts_status(name: str, cfg, args, device: torch.device, ep_size: int, arch: str) -> BackendStatus:
@@ -427,9 +430,9 @@ def experts_status(name: str, cfg, args, device: torch.device, ep_size: int, arc
     if failed:
         return failed
     try:
-        plan = _plan_for(cfg, args, name, arch)
+        plan = _plan_for(cfg, args, name, arch, ep_size)
     except ValueError as e:
-        return BackendStatus(kind, name, NO, f"quant plan rejects it: {e}", "")
+        return BackendStatus(kind, name, NO, f"the plan rejects it: {e}", "")
     max_tokens = (args.max_tokens_per_rank or 4096) * ep_size
     spec = ExpertsSpec(config=cfg, ep_rank=0, ep_size=ep_size, device=device, plan=plan, max_tokens=max_tokens)
     try:
@@ -485,7 +488,7 @@ def judge_requested(args, cfg, device: torch.device, device_problems: List[str],
         problems.append(f"--experts {args.experts!r} is not an experts backend; choose 'auto' or one of {EXPERTS.names()}")
     elif known_dispatcher:
         try:
-            plan = _plan_for(cfg, args, args.experts, arch)
+            plan = _plan_for(cfg, args, args.experts, arch, ep_size)
             experts = plan.experts_backend
             e = by_key.get(("experts", experts)) or experts_status(experts, cfg, args, device, ep_size, arch)
             if e.status != OK:

@@ -170,6 +170,23 @@ def quantize_activation(
     return QuantizedActivation(fmt, q.data, q.scales, H)
 
 
+def quantize_for_wire(x: torch.Tensor, fmt: PayloadFormat, *, use_triton: Optional[bool] = None) -> QuantizedActivation:
+    """x [T, H] -> QuantizedActivation for the dispatch wire, each token quantized on its own (NVFP4:
+    one global scale per token, `nvfp4.compute_row_global_scale`), so a token's bytes do not depend
+    on which tokens travel with it. Dispatchers, emulating experts and the float64 reference
+    (`epmoe.reference.reference_moe(plan=...)`) all use this one function."""
+    if fmt == NVFP4 and x.dim() == 2:
+        return quantize_activation(x, fmt, nvfp4.compute_row_global_scale(x), use_triton=use_triton)
+    return quantize_activation(x, fmt, use_triton=use_triton)
+
+
+def roundtrip_for_wire(x: torch.Tensor, fmt: PayloadFormat, dtype: torch.dtype) -> torch.Tensor:
+    """What a token looks like after a quantized wire: quantize_for_wire then dequantize to `dtype`."""
+    if not fmt.is_quantized or x.shape[0] == 0:
+        return x.to(dtype)
+    return dequantize_activation(quantize_for_wire(x, fmt), dtype)
+
+
 def dequantize_activation(
     q: QuantizedActivation, dtype: torch.dtype, *, use_triton: Optional[bool] = None
 ) -> torch.Tensor:

@@ -73,6 +73,15 @@ def compute_global_scale(x: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, gs, torch.ones_like(gs))
 
 
+def compute_row_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """float32 [...]: 448 * 6 / amax(|row|) per row of x [..., H] (1.0 for rows whose amax is 0, inf
+    or NaN). A row's quantization then depends on that row only, not on the batch it travels in."""
+    amax = x.detach().abs().amax(dim=-1).to(torch.float32) if x.shape[-1] else torch.zeros(x.shape[:-1], device=x.device)
+    gs = torch.tensor(GLOBAL_AMAX, dtype=torch.float32, device=x.device) / amax
+    ok = torch.isfinite(amax) & (amax > 0)
+    return torch.where(ok, gs, torch.ones_like(gs))
+
+
 def _as_global_scale(global_scale, rows_shape: torch.Size, device: torch.device) -> torch.Tensor:
     """Normalise a user global scale to float32, either 0-dim or `rows_shape` (one per row)."""
     if isinstance(global_scale, (int, float)):

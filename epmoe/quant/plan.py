@@ -1,20 +1,10 @@
-"""`QuantPlan`: the one resolved quantization decision per model, shared by dispatcher, experts,
-workspace sizing and checks. Resolved once at start-up by `resolve_quant_plan`; immutable.
+"""`QuantPlan`: the one resolved decision per model (expert mode, wire, backends), shared by dispatcher,
+experts, workspace sizing and checks. Immutable.
 
-Every decision is a rule below, each with a test (tests/cpu/test_quant_plan.py) and a row in
-docs/quant-plan.md. Tables are data (`DEFAULT_MODES`, `COMPATIBLE_MODES`, `DISPATCH_SUPPORT`,
-`CONSUMABLE_DISPATCH`, `EXPERTS_BACKEND_RULES`) so they can be printed (`format_rules_table`).
-
-Resolution order:
-  1. validate names and option types;
-  2. checkpoint quant method (`config.quant_method`) -> checkpoint family;
-  3. expert mode: explicit (checked against the checkpoint) or the default for (family, arch);
-  4. options: Humming W4A8 (SM90 only, inert on Blackwell, FlashInfer >= 0.6.18), MXFP8 activation
-     scaling (Blackwell), mutually exclusive;
-  5. dispatch dtype: explicit (checked against dispatcher and experts) or auto;
-  6. experts backend: explicit (checked against the table) or the first table row that fits;
-  7. combine dtype: the model dtype ("bf16").
-Every default taken and every inert option is recorded in `notes` (printed by `describe()`).
+This module holds what is a fact about FORMATS and checkpoints: the expert modes, which modes a
+checkpoint family can run as, the default mode per (family, arch), the MXFP4 W4A8 activation options
+(`resolve_mode`). Which backend runs which mode is NOT here: each backend class answers that itself
+(`supports(request)`), and `epmoe.resolve.resolve_plan` asks them and builds the QuantPlan.
 """
 
 from __future__ import annotations
@@ -38,10 +28,6 @@ EXPERT_MODES = (
 DISPATCH_DTYPES = ("auto", "bf16", "nvfp4", "fp8")
 COMBINE_DTYPES = ("bf16",)
 ARCHES = ("cpu", "sm80", "sm90", "sm100", "sm120")
-DISPATCHER_NAMES = ("torch", "reference", "flashinfer", "deepep", "deepep_ll")
-EXPERTS_BACKEND_NAMES = (
-    "reference", "masked_reference", "triton", "grouped_mm", "flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl",
-)
 HUMMING_MIN_FLASHINFER = "0.6.18"
 
 # Checkpoint `quantization_config.quant_method` -> checkpoint family.
@@ -75,75 +61,6 @@ DEFAULT_MODES: Dict[Tuple[str, str], Tuple[str, str]] = {
     ("nvfp4", "sm80"): ("nvfp4_w4a16", "NVFP4 checkpoint on SM80 runs W4A16 (no FP4 MMA)"),
     ("mxfp8", "*"): ("mxfp8", "MXFP8 checkpoint"),
 }
-# Dispatch dtypes each dispatcher can move.
-DISPATCH_SUPPORT: Dict[str, Tuple[str, ...]] = {
-    "torch": ("bf16", "nvfp4", "fp8"),
-    "reference": ("bf16", "nvfp4", "fp8"),
-    "flashinfer": ("bf16", "nvfp4", "fp8"),
-    "deepep": ("bf16", "fp8"),  # DeepEP normal mode: BF16 or FP8 (1x128 scales), no NVFP4
-    "deepep_ll": ("bf16", "fp8"),
-}
-# Dispatch dtypes each expert mode can consume. BF16 always works (experts quantize themselves).
-CONSUMABLE_DISPATCH: Dict[str, Tuple[str, ...]] = {
-    # BF16 experts take a quantized dispatch when asked for explicitly: tokens travel as NVFP4 / FP8
-    # (less link traffic) and are dequantized on arrival (lossy; auto never picks it)
-    "bf16": ("bf16", "nvfp4", "fp8"),
-    "fp8_block": ("bf16", "fp8"),
-    "nvfp4_w4a4": ("bf16", "nvfp4"),
-    "nvfp4_w4a16": ("bf16",),
-    "mxfp4_w4a16": ("bf16",),
-    "mxfp4_w4a8": ("bf16",),  # activations are quantized inside the experts (FP8 / MXFP8)
-    "mxfp8": ("bf16",),
-}
-# "auto" dispatch: the mode's preferred quantized dispatch when the dispatcher can move it.
-PREFERRED_DISPATCH: Dict[str, str] = {"nvfp4_w4a4": "nvfp4", "fp8_block": "fp8"}
-LAYOUT_OF_DISPATCHER: Dict[str, str] = {"deepep_ll": "masked"}
-
-
-@dataclass(frozen=True)
-class ExpertsBackendRule:
-    """One row of the experts-backend table: `backend` runs `modes` on `arch` for `layouts`,
-    needing FlashInfer (>= `min_flashinfer` when set). Rows of one arch are in priority order."""
-
-    arch: str
-    backend: str
-    modes: Tuple[str, ...]
-    requires_flashinfer: bool = False
-    min_flashinfer: Optional[str] = None
-    layouts: Tuple[str, ...] = ("flat",)
-
-
-_ALL = EXPERT_MODES
-# the masked layout (deepep_ll) runs these modes (epmoe.experts.masked.MASKED_EXPERT_MODES)
-_MASKED = ("bf16", "fp8_block", "nvfp4_w4a4")
-EXPERTS_BACKEND_RULES: Tuple[ExpertsBackendRule, ...] = (
-    ExpertsBackendRule("cpu", "reference", _ALL),
-    ExpertsBackendRule("cpu", "masked_reference", _MASKED, layouts=("masked",)),
-    ExpertsBackendRule("sm80", "reference", _ALL),
-    ExpertsBackendRule("sm80", "masked_reference", _MASKED, layouts=("masked",)),
-    ExpertsBackendRule("sm90", "triton", ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")),
-    # torch._grouped_mm (CUTLASS, bf16 only); after triton until bench_experts.py says otherwise
-    ExpertsBackendRule("sm90", "grouped_mm", ("bf16",)),
-    ExpertsBackendRule("sm90", "flashinfer_cutlass", ("bf16", "fp8_block", "mxfp4_w4a16"), True),
-    ExpertsBackendRule("sm90", "flashinfer_cutlass", ("mxfp4_w4a8",), True, HUMMING_MIN_FLASHINFER),
-    ExpertsBackendRule("sm90", "reference", _ALL),
-    ExpertsBackendRule("sm90", "masked_reference", _MASKED, layouts=("masked",)),
-    # rows mirror what the backends implement (flashinfer_layout._VARIANT_BY_MODE_ARCH for CUTLASS,
-    # flashinfer_sm100.TRTLLM_MODES / CUTEDSL_MODES); tests/cpu/test_quant_plan.py checks they agree
-    ExpertsBackendRule("sm100", "flashinfer_trtllm", ("mxfp4_w4a16",), True),
-    ExpertsBackendRule("sm100", "flashinfer_cutedsl", ("nvfp4_w4a4",), True, layouts=("flat", "masked")),
-    ExpertsBackendRule("sm100", "flashinfer_cutedsl", ("nvfp4_w4a16",), True, "0.6.18"),
-    ExpertsBackendRule("sm100", "flashinfer_cutlass", ("bf16", "nvfp4_w4a4", "mxfp4_w4a8", "mxfp8"), True),
-    ExpertsBackendRule("sm100", "triton", ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")),
-    ExpertsBackendRule("sm100", "grouped_mm", ("bf16",)),
-    ExpertsBackendRule("sm100", "reference", _ALL),
-    ExpertsBackendRule("sm100", "masked_reference", _MASKED, layouts=("masked",)),
-    ExpertsBackendRule("sm120", "flashinfer_cutlass", ("bf16", "nvfp4_w4a4", "mxfp4_w4a8"), True),
-    ExpertsBackendRule("sm120", "triton", ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")),
-    ExpertsBackendRule("sm120", "reference", _ALL),
-    ExpertsBackendRule("sm120", "masked_reference", _MASKED, layouts=("masked",)),
-)
-
 # What the experts' GEMMs consume as activations, per mode (mxfp4_w4a8 depends on the option).
 _ACT_FORMAT = {
     "bf16": "bf16",
@@ -178,7 +95,9 @@ class QuantPlan:
     humming:          MXFP4 x FP8 Humming path active (FlashInfer `use_wfp4afp8_humming`)
     mxfp8_act_scaling: MXFP4 x MXFP8 activation path active (FlashInfer `use_mxfp8_act_scaling`)
     flashinfer_version: the FlashInfer version the plan was resolved against (None: not installed)
-    notes:            human-readable decisions (defaults taken, inert options)"""
+    notes:            human-readable decisions (defaults taken, inert options)
+    layout:           "flat" or "masked": what the dispatcher delivers (its class says)
+    skipped:          "backend: why" for every candidate the resolver skipped, in priority order"""
 
     expert_mode: str = "bf16"
     dispatch_dtype: str = "bf16"
@@ -192,6 +111,8 @@ class QuantPlan:
     mxfp8_act_scaling: bool = False
     flashinfer_version: Optional[str] = None
     notes: Tuple[str, ...] = field(default_factory=tuple)
+    layout: str = "flat"
+    skipped: Tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def weight_format(self) -> str:
@@ -205,11 +126,6 @@ class QuantPlan:
     @property
     def dispatch_quantized(self) -> bool:
         return self.dispatch_dtype != "bf16"
-
-    @property
-    def layout(self) -> str:
-        """"flat" or "masked" (DeepEP low-latency)."""
-        return LAYOUT_OF_DISPATCHER.get(self.dispatcher, "flat")
 
     def dispatch_format(self, model_dtype: torch.dtype):
         """The `PayloadFormat` tokens travel in (the model dtype when dispatch is "bf16")."""
@@ -228,6 +144,7 @@ class QuantPlan:
             + (f", options={'+'.join(opts)}" if opts else "")
         ]
         lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  skipped: {s}" for s in self.skipped]
         return "\n".join(lines)
 
     def fingerprint(self) -> dict:
@@ -244,6 +161,7 @@ class QuantPlan:
             "plan.humming": repr(self.humming),
             "plan.mxfp8_act_scaling": repr(self.mxfp8_act_scaling),
             "plan.flashinfer_version": repr(self.flashinfer_version),
+            "plan.layout": self.layout,
         }
 
 
@@ -328,54 +246,6 @@ def default_mode(family: str, arch: str) -> Tuple[str, str]:
     return DEFAULT_MODES.get((family, arch)) or DEFAULT_MODES[(family, "*")]
 
 
-def backend_supports(rule: ExpertsBackendRule, mode: str, layout: str, flashinfer_version: Optional[str]) -> bool:
-    if mode not in rule.modes or layout not in rule.layouts:
-        return False
-    if rule.requires_flashinfer and flashinfer_version is None:
-        return False
-    if rule.min_flashinfer and not flashinfer_at_least(flashinfer_version, rule.min_flashinfer):
-        return False
-    return True
-
-
-def _why_not(backend: str, mode: str, arch: str, layout: str, flashinfer_version: Optional[str]) -> str:
-    """The first reason the table gives for `backend` not running (mode, arch, layout)."""
-    rows = [r for r in EXPERTS_BACKEND_RULES if r.backend == backend]
-    here = [r for r in rows if r.arch == arch]
-    if not here:
-        return f"it has no kernels for {arch} (it runs on {sorted({r.arch for r in rows})})"
-    if not any(mode in r.modes for r in here):
-        return f"on {arch} it runs {sorted({m for r in here for m in r.modes})}"
-    if not any(mode in r.modes and layout in r.layouts for r in here):
-        return f"it takes the {sorted({lay for r in here for lay in r.layouts})} layout"
-    need = [r for r in here if mode in r.modes and layout in r.layouts]
-    if flashinfer_version is None and all(r.requires_flashinfer for r in need):
-        return "it needs FlashInfer, which is not installed"
-    mins = [r.min_flashinfer for r in need if r.min_flashinfer]
-    return f"it needs FlashInfer >= {min(mins)} (installed: {flashinfer_version})" if mins else "not in the table"
-
-
-def candidate_backends(arch: str, mode: str, layout: str = "flat", flashinfer_version: Optional[str] = None) -> list:
-    """Backends that can run (mode, layout) on arch, in priority order."""
-    out = []
-    for rule in EXPERTS_BACKEND_RULES:
-        if rule.arch == arch and backend_supports(rule, mode, layout, flashinfer_version):
-            if rule.backend not in out:
-                out.append(rule.backend)
-    return out
-
-
-def format_rules_table() -> str:
-    """The experts-backend table as aligned text (priority order within each arch)."""
-    rows = [("arch", "backend", "modes", "flashinfer", "layouts")]
-    for r in EXPERTS_BACKEND_RULES:
-        fi = ("needs >= " + r.min_flashinfer) if r.min_flashinfer else ("needs" if r.requires_flashinfer else "-")
-        modes = "all" if r.modes == EXPERT_MODES else ", ".join(r.modes)
-        rows.append((r.arch, r.backend, modes, fi, "/".join(r.layouts)))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
-
-
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"unknown {name} {value!r}; choose one of {tuple(choices)}")
@@ -386,48 +256,42 @@ def _check_bool(name: str, value) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
-# ------------------------------------------------------------------ the single entry point
-def resolve_quant_plan(
+# ------------------------------------------------------------------ expert mode (formats only)
+@dataclass(frozen=True)
+class ModeDecision:
+    """The format part of a plan: expert mode and its activation path, from the checkpoint and options.
+
+    arch: the normalized arch family; family: checkpoint family; act_format: what the GEMMs consume;
+    notes: defaults taken and inert options."""
+
+    arch: str
+    family: str
+    mode: str
+    requested_mode: Optional[str]
+    act_format: str
+    humming: bool
+    mxfp8_act_scaling: bool
+    notes: Tuple[str, ...]
+
+
+def resolve_mode(
     config: MoEConfig,
     *,
     requested_mode: Optional[str] = None,
-    dispatch_dtype: str = "auto",
-    dispatcher: str = "torch",
-    experts_backend: str = "auto",
     arch: str = "cpu",
     flashinfer_version: Optional[str] = None,
     humming: bool = False,
     mxfp8_act_scaling: bool = False,
-    registered_backends: Optional[Sequence[str]] = None,
-) -> QuantPlan:
-    """Resolve the quantization plan once (see the module docstring for the order of rules).
-
-    requested_mode:    None / "auto" (default from the checkpoint) or one of EXPERT_MODES
-    dispatch_dtype:    "auto", "bf16", "nvfp4", "fp8"
-    dispatcher:        "torch", "reference", "flashinfer", "deepep", "deepep_ll"
-    experts_backend:   "auto" or one of EXPERTS_BACKEND_NAMES
-    arch:              "cpu", "sm80", "sm90", "sm100", "sm120" (`detect_arch(device)`); smXY strings
-                       are mapped to their family (`normalize_arch`: sm103 -> sm100, sm121 -> sm120)
-    flashinfer_version: installed FlashInfer version string, None when not installed
-                       (`installed_flashinfer_version()`)
-    humming:           Humming W4A8 (MXFP4 weights x FP8 activations, FlashInfer
-                       `use_wfp4afp8_humming`): SM90 only, inert on SM100/SM120, needs FlashInfer >= 0.6.18
-    mxfp8_act_scaling: MXFP4 weights x MXFP8 activations (FlashInfer `use_mxfp8_act_scaling`), Blackwell
-    registered_backends: names the experts registry has (`EXPERTS.names()`); "auto" skips table
-                       rows whose backend is not among them (None: every table row counts)
-    Raises ValueError naming the conflicting settings and the fix.
-    """
+) -> ModeDecision:
+    """Rules 1-4 of the plan: validate, checkpoint family, expert mode, MXFP4 activation options.
+    Raises ValueError / TypeError naming the conflicting settings and the fix."""
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     mode_req = None if requested_mode in (None, "auto") else requested_mode
     if mode_req is not None:
         _check_choice("quant mode", mode_req, EXPERT_MODES)
-    _check_choice("dispatch dtype", dispatch_dtype, DISPATCH_DTYPES)
-    _check_choice("dispatcher", dispatcher, DISPATCHER_NAMES)
     arch_in = arch
     arch = normalize_arch(arch)
-    if experts_backend != "auto":
-        _check_choice("experts backend", experts_backend, EXPERTS_BACKEND_NAMES)
     _check_bool("humming", humming)
     _check_bool("mxfp8_act_scaling", mxfp8_act_scaling)
     if flashinfer_version is not None:
@@ -436,7 +300,6 @@ def resolve_quant_plan(
     if arch != arch_in:
         notes.append(f"arch {arch_in} -> {arch} family")
 
-    # 2-3. checkpoint family and expert mode
     family = checkpoint_family(config.quant_method)
     if mode_req is None:
         mode, why = default_mode(family, arch)
@@ -454,7 +317,6 @@ def resolve_quant_plan(
         elif family != "none" and mode == "bf16":
             notes.append(f"{family} checkpoint dequantized to the model dtype at load")
 
-    # 4. options
     if humming and mxfp8_act_scaling:
         raise ValueError(
             "humming=True (SM90 MXFP4 x FP8) and mxfp8_act_scaling=True (Blackwell MXFP4 x MXFP8) are "
@@ -521,98 +383,9 @@ def resolve_quant_plan(
         else:
             use_mxfp8, act_format = True, "mxfp8"
             notes.append(f"mxfp4_w4a8 on {arch} uses MXFP8 activations: mxfp8_act_scaling -> True")
-
-    # 5. dispatch dtype
-    layout = LAYOUT_OF_DISPATCHER.get(dispatcher, "flat")
-    if dispatcher == "deepep_ll" and mode == "nvfp4_w4a16":
-        raise ValueError(
-            "dispatcher='deepep_ll' (DeepEP low-latency, masked layout) is W4A4-only for NVFP4 experts, "
-            "but the expert mode is 'nvfp4_w4a16'; use quant mode 'nvfp4_w4a4', or dispatcher "
-            "'flashinfer' / 'torch' / 'deepep' for W4A16"
-        )
-    supported = DISPATCH_SUPPORT[dispatcher]
-    consumable = CONSUMABLE_DISPATCH[mode]
-    if dispatch_dtype == "auto":
-        preferred = PREFERRED_DISPATCH.get(mode)
-        if preferred and preferred in supported:
-            resolved_dispatch = preferred
-            notes.append(f"dispatch auto -> {preferred} ({mode} experts consume {preferred}; quantized before the A2A)")
-        else:
-            resolved_dispatch = "bf16"
-            if preferred:
-                notes.append(
-                    f"dispatch auto -> bf16 ({dispatcher} cannot move {preferred}; experts quantize after dispatch)"
-                )
-            elif mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
-                notes.append(f"dispatch auto -> bf16 ({mode} consumes BF16 activations: one workspace, BF16 geometry)")
-            else:
-                notes.append(f"dispatch auto -> bf16 (unquantized model dtype; {mode} experts take BF16 input)")
-    else:
-        resolved_dispatch = dispatch_dtype
-        if resolved_dispatch not in supported:
-            what = "DeepEP normal mode" if dispatcher == "deepep" else f"dispatcher {dispatcher!r}"
-            raise ValueError(
-                f"dispatch_dtype={dispatch_dtype!r} is not supported by {what} (supports {supported}); "
-                f"use dispatch_dtype='auto' or one of {supported}, or another dispatcher"
-            )
-        if resolved_dispatch != "bf16" and mode == "bf16":
-            notes.append(
-                f"dispatch {resolved_dispatch} for bf16 experts: tokens are quantized before the A2A and "
-                "dequantized on arrival (lossy transport, requested explicitly)"
-            )
-        if resolved_dispatch not in consumable:
-            if mode in ("nvfp4_w4a16", "mxfp4_w4a16") and resolved_dispatch == "nvfp4":
-                raise ValueError(
-                    f"dispatch_dtype='nvfp4' conflicts with expert mode {mode!r}: W4A16 experts consume "
-                    "BF16 activations, so NVFP4 dispatch would quantize tokens the experts never use (and need "
-                    "a second workspace geometry). Use dispatch_dtype='bf16' (or 'auto'), or quant mode "
-                    "'nvfp4_w4a4' for NVFP4 dispatch"
-                )
-            needs = {"nvfp4": "'nvfp4_w4a4'", "fp8": "'fp8_block'"}[resolved_dispatch]
-            raise ValueError(
-                f"dispatch_dtype={dispatch_dtype!r} cannot feed expert mode {mode!r} (it consumes "
-                f"{consumable}); use dispatch_dtype='auto' / 'bf16', or quant mode {needs}"
-            )
-
-    # 6. experts backend
-    candidates = candidate_backends(arch, mode, layout, flashinfer_version)
-    if registered_backends is not None:
-        missing = [b for b in candidates if b not in registered_backends]
-        candidates = [b for b in candidates if b in registered_backends]
-        if missing and experts_backend == "auto":
-            notes.append(f"experts auto skipped {missing} (not registered in this build)")
-    if experts_backend == "auto":
-        backend = candidates[0] if candidates else "reference"
-        if backend == "reference" and arch != "cpu":
-            notes.append(
-                f"experts auto -> reference: no fast kernel for {mode} ({layout}) on {arch}"
-                + ("" if flashinfer_version else " without FlashInfer")
-                + " (dequantizes weights; slow)"
-            )
-        else:
-            notes.append(f"experts auto -> {backend} (first of {candidates} for {mode} on {arch})")
-    else:
-        backend = experts_backend
-        if backend not in candidates:
-            raise ValueError(
-                f"experts backend {backend!r} cannot run {mode} ({layout} layout) on {arch}: "
-                + _why_not(backend, mode, arch, layout, flashinfer_version)
-                + f"; backends that can: {candidates or ['reference']} (or experts_backend='auto')"
-            )
-
-    return QuantPlan(
-        expert_mode=mode,
-        dispatch_dtype=resolved_dispatch,
-        combine_dtype="bf16",
-        experts_backend=backend,
-        dispatcher=dispatcher,
-        arch=arch,
-        act_format=act_format or "bf16",
-        checkpoint_quant=family,
-        humming=use_humming,
-        mxfp8_act_scaling=use_mxfp8,
-        flashinfer_version=flashinfer_version,
-        notes=tuple(notes),
+    return ModeDecision(
+        arch=arch, family=family, mode=mode, requested_mode=mode_req, act_format=act_format or "bf16",
+        humming=use_humming, mxfp8_act_scaling=use_mxfp8, notes=tuple(notes),
     )
 
 

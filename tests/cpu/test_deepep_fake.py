@@ -254,13 +254,11 @@ def test_shared_buffer_and_sizing_errors():
 def _layer_worker(rank, world, seed, dispatcher, experts, tokens_per_rank):
     _install_fake()
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=32, dtype=torch.bfloat16)
-    plan = None
-    if experts == "masked_reference":  # not in the quant plan's backend table yet: pass the plan
-        from epmoe.quant.plan import QuantPlan
+    from epmoe.resolve import resolve_quant_plan
 
-        plan = QuantPlan(expert_mode="bf16", dispatch_dtype="bf16", experts_backend=experts, dispatcher=dispatcher)
-    layer = EPMoE(cfg, dispatcher=dispatcher, experts=experts if plan is None else "auto", device="cpu",
-                  max_num_tokens_per_rank=M, plan=plan)
+    # stand-in test: plan as on an sm90 host with DeepEP (the fake runs on CPU)
+    plan = resolve_quant_plan(cfg, dispatcher=dispatcher, experts_backend=experts, arch="sm90", ep_size=world)
+    layer = EPMoE(cfg, dispatcher=dispatcher, device="cpu", max_num_tokens_per_rank=M, plan=plan)
     layer.load_weights(random_weights(cfg, seed))
     g = torch.Generator().manual_seed(seed + 100 + rank)
     x = torch.randn(tokens_per_rank[rank], H, generator=g).to(torch.bfloat16)

@@ -20,7 +20,7 @@ from epmoe.dispatch import DISPATCHERS
 from epmoe.experts import EXPERTS
 from epmoe.launch import doctor
 from epmoe.launch.cli import build_parser
-from epmoe.quant import plan as quant_plan
+from epmoe.experts.base import Experts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,7 +110,13 @@ class _Raising:
         raise RuntimeError("driver exploded")
 
 
-class _ExpertsNeedsCuda:
+class _ExpertsNeedsCuda(Experts):
+    @classmethod
+    def supports(cls, request):  # what the resolver asks (static facts)
+        if request.arch == "cpu":
+            return Availability.no("needs a CUDA GPU, got device cpu", "run on an NVIDIA GPU")
+        return Availability.yes()
+
     @classmethod
     def availability(cls, spec):
         if spec.device.type != "cuda":
@@ -136,17 +142,6 @@ def fake_backends(monkeypatch, tmp_path):
     for name, target in entries.items():
         monkeypatch.setitem(DISPATCHERS._entries, name, target)
     monkeypatch.setitem(EXPERTS._entries, "zz_needs_cuda", "epmoe_doctor_fakes:ExpertsNeedsCuda")
-    # the quant plan only knows real backend names: plan the fakes like the defaults, then name them
-    real_resolve = quant_plan.resolve_quant_plan
-
-    def resolve(config, *, dispatcher="torch", experts_backend="auto", **kw):
-        fake_d, fake_e = dispatcher.startswith("zz_"), experts_backend.startswith("zz_")
-        plan = real_resolve(config, dispatcher="torch" if fake_d else dispatcher,
-                            experts_backend="auto" if fake_e else experts_backend, **kw)
-        return dataclasses.replace(plan, dispatcher=dispatcher,
-                                   experts_backend=experts_backend if fake_e else plan.experts_backend)
-
-    monkeypatch.setattr(quant_plan, "resolve_quant_plan", resolve)
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -180,7 +175,9 @@ def test_requested_unavailable_backends_give_exit_3(fake_backends):
     assert r.exit_code == 3 and not r.requested.ok
     problems = " | ".join(r.requested.problems)
     assert "--dispatcher zz_unavailable: needs 8 widgets for ep_size=1; pip install widgets" in problems
-    assert "--experts zz_needs_cuda: needs a CUDA GPU, got device cpu; run on an NVIDIA GPU" in problems
+    # the one resolver asks the class, which says why (and which backends could)
+    assert "--experts zz_needs_cuda" in problems and "needs a CUDA GPU, got device cpu" in problems, problems
+    assert "backends that can: ['reference']" in problems, problems
 
 
 def test_package_probe_reports_missing_with_hint():

@@ -18,7 +18,7 @@ from tests.cpu import flashinfer_fakes as ff
 from epmoe.dispatch.base import DispatchSpec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 
-from epmoe.quant.codec import NVFP4  # noqa: E402
+from epmoe.quant.codec import NVFP4, quantize_for_wire  # noqa: E402
 BF16 = PayloadFormat.unquantized(torch.bfloat16)
 
 
@@ -257,12 +257,12 @@ def test_nvfp4_payload_plumbing(fake_fi):
             if not (tokens.topk_ids[row] >= 0).any():
                 continue
             src = row // rt
-            qs = quantize_activation(inputs[src][0], NVFP4)
+            qs = quantize_for_wire(inputs[src][0], NVFP4)  # one global scale per token
             t = [i for i in range(qs.data.shape[0]) if torch.equal(qs.data[i], q.data[row])]
             assert t, f"seed={seed}: row {row} of rank {r} is not a token of rank {src}"
             t = t[0]
             assert torch.equal(qs.scales[t].view(torch.uint8), q.scales[row].view(torch.uint8))
-            assert float(q.global_scale[row]) == float(qs.global_scale)
+            assert float(q.global_scale[row]) == float(qs.global_scale[t])
             assert torch.equal(deq[row], dequantize_activation(qs, torch.float32)[t])
             matched += 1
         assert matched > 0 and out.shape == (counts[r], H) and (out == 0).all()

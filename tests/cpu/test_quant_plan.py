@@ -7,21 +7,18 @@ import torch
 
 from epmoe.config import MoEConfig
 from epmoe.quant import codec
-from epmoe.quant.plan import (
-    EXPERTS_BACKEND_NAMES,
-    QuantPlan,
-    candidate_backends,
-    detect_arch,
-    flashinfer_at_least,
-    format_rules_table,
-    resolve_quant_plan,
-)
+from epmoe.experts import EXPERTS
+from epmoe.quant.plan import QuantPlan, detect_arch, flashinfer_at_least
+from epmoe.resolve import experts_preference, resolve_quant_plan
+
+EXPERTS_BACKEND_NAMES = tuple(EXPERTS.names())
 
 FI = "0.7.2.post1"
 
 
 def cfg(quant_method=None, **kw):
-    base = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, quant_method=quant_method)
+    # hidden 2048: a size DeepEP's low-latency kernels are compiled for
+    base = dict(num_experts=8, top_k=2, hidden_size=2048, intermediate_size=128, quant_method=quant_method)
     base.update(kw)
     return MoEConfig(**base)
 
@@ -109,68 +106,94 @@ def test_mode_notes_online_and_dequant():
     assert "dequantized to the model dtype" in notes(resolve_quant_plan(cfg("fp8"), requested_mode="bf16"))
 
 
-# ------------------------------------------------------------------ dispatch dtype rules
+# ------------------------------------------------------------------ dispatch dtype rules (the kernel decides)
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("dispatcher", ["flashinfer", "torch", "reference", "deepep"])
+@pytest.mark.parametrize("dispatcher", ["flashinfer", "torch", "deepep"])
 def test_w4a16_auto_never_nvfp4(mode, dispatcher):
-    p = resolve_quant_plan(cfg(), requested_mode=mode, dispatcher=dispatcher, arch="sm90")
+    p = resolve_quant_plan(cfg(), requested_mode=mode, dispatcher=dispatcher, arch="sm90", ep_size=4, flashinfer_version=FI)
     assert p.dispatch_dtype == "bf16" and p.is_w4a16
-    if dispatcher == "flashinfer":
-        assert "one workspace, BF16 geometry" in notes(p)
+    assert "consumes unquantized tokens" in notes(p)
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 def test_w4a16_explicit_nvfp4_dispatch_rejected(mode):
     with pytest.raises(ValueError) as e:
-        resolve_quant_plan(cfg(), requested_mode=mode, dispatch_dtype="nvfp4", dispatcher="flashinfer", arch="sm90")
+        resolve_quant_plan(cfg(), requested_mode=mode, dispatch_dtype="nvfp4", dispatcher="flashinfer", arch="sm90",
+                           flashinfer_version=FI)
     msg = str(e.value)
-    assert "dispatch_dtype='nvfp4'" in msg and mode in msg  # names both settings
-    assert "dispatch_dtype='bf16'" in msg and "'nvfp4_w4a4'" in msg  # and the fixes
+    assert "dispatch nvfp4" in msg and mode in msg  # names both settings
+    assert "consumes bf16 activations" in msg and "dispatch dtype 'auto'" in msg  # why, and the fix
 
 
-@pytest.mark.parametrize("dispatcher", ["torch", "reference", "flashinfer"])
-def test_w4a4_auto_dispatches_nvfp4(dispatcher):
-    p = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher=dispatcher, flashinfer_version=FI)
-    assert (p.expert_mode, p.dispatch_dtype, p.act_format) == ("nvfp4_w4a4", "nvfp4", "nvfp4")
-    assert "quantized before the A2A" in notes(p)
-    assert resolve_quant_plan(cfg("nvfp4"), arch="cpu", dispatcher=dispatcher).dispatch_dtype == "nvfp4"
+def test_w4a4_wire_is_what_the_kernel_consumes():
+    # CPU: the emulating reference consumes NVFP4 -> tokens travel as NVFP4, quantized once
+    for dispatcher in ("torch",):
+        p = resolve_quant_plan(cfg("nvfp4"), arch="cpu", dispatcher=dispatcher)
+        assert (p.expert_mode, p.dispatch_dtype, p.act_format) == ("nvfp4_w4a4", "nvfp4", "nvfp4")
+        assert "quantized once, before the A2A" in notes(p)
+    # SM100: CuTe-DSL quantizes BF16 itself -> auto moves BF16 (no dequantize/requantize round trip)
+    for dispatcher in ("torch", "flashinfer"):
+        p = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher=dispatcher, flashinfer_version=FI)
+        assert (p.expert_mode, p.experts_backend, p.dispatch_dtype) == ("nvfp4_w4a4", "flashinfer_cutedsl", "bf16")
+        # explicit NVFP4 wire is accepted and says it is a round trip
+        q = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher=dispatcher, flashinfer_version=FI,
+                               dispatch_dtype="nvfp4")
+        assert q.dispatch_dtype == "nvfp4" and "quantized again by flashinfer_cutedsl" in notes(q)
 
 
 def test_w4a4_explicit_bf16_dispatch_allowed():
-    p = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatch_dtype="bf16")
+    p = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatch_dtype="bf16", flashinfer_version=FI)
     assert p.dispatch_dtype == "bf16" and p.expert_mode == "nvfp4_w4a4"
 
 
-def test_deepep_ll_w4a16_rejected():
-    with pytest.raises(ValueError, match=r"deepep_ll.*W4A4-only.*'nvfp4_w4a16'.*use quant mode 'nvfp4_w4a4'"):
-        resolve_quant_plan(cfg("nvfp4"), arch="sm90", dispatcher="deepep_ll")
-    p = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher="deepep_ll", flashinfer_version=FI)
-    assert (p.expert_mode, p.layout, p.dispatch_dtype, p.experts_backend) == (
-        "nvfp4_w4a4", "masked", "bf16", "flashinfer_cutedsl",
-    )
+def test_deepep_ll_runs_only_what_masked_experts_run():
+    # nvfp4 W4A16 and W4A4: no masked-layout experts backend runs them -> rejected with every reason
+    for arch, fi in (("sm90", None), ("sm100", FI)):
+        with pytest.raises(ValueError, match=r"no experts backend runs nvfp4_w4a\d+ \(masked layout") as e:
+            resolve_quant_plan(cfg("nvfp4"), arch=arch, dispatcher="deepep_ll", flashinfer_version=fi)
+        assert "masked_reference:" in str(e.value) and "W4A4 only" in str(e.value) or "implements" in str(e.value)
+    with pytest.raises(ValueError, match="no experts backend"):
+        resolve_quant_plan(cfg("nvfp4"), arch="sm100", requested_mode="nvfp4_w4a4", dispatcher="deepep_ll",
+                           flashinfer_version=FI)
+    p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher="deepep_ll")
+    assert (p.expert_mode, p.layout, p.dispatch_dtype, p.experts_backend) == ("fp8_block", "masked", "fp8", "masked_reference")
 
 
 def test_deepep_nvfp4_rejected_auto_bf16_or_fp8():
-    with pytest.raises(ValueError, match=r"not supported by DeepEP normal mode \(supports \('bf16', 'fp8'\)\)"):
-        resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher="deepep", dispatch_dtype="nvfp4")
+    with pytest.raises(ValueError, match=r"DeepEP moves bf16 or fp8 .* not nvfp4"):
+        resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher="deepep", dispatch_dtype="nvfp4", ep_size=4)
     with pytest.raises(ValueError, match="dispatcher 'deepep_ll'"):
         resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher="deepep_ll", dispatch_dtype="nvfp4")
-    p = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher="deepep")
-    assert p.dispatch_dtype == "bf16" and "deepep cannot move nvfp4" in notes(p)
-    p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher="deepep")
-    assert p.dispatch_dtype == "fp8"  # experts consume fp8_block
+    p = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher="deepep", ep_size=4, flashinfer_version=FI)
+    assert p.dispatch_dtype == "bf16"
+    p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher="deepep", ep_size=4)
+    assert p.dispatch_dtype == "fp8" and p.experts_backend == "triton"  # triton consumes fp8 1x128
 
 
-@pytest.mark.parametrize("dispatcher", ["torch", "flashinfer", "deepep", "deepep_ll"])
+def test_flashinfer_dispatcher_never_gets_fp8():
+    """FlashInfer's A2A has no FP8 payload layout: auto moves BF16 to FP8 experts, explicit fp8 fails."""
+    p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher="flashinfer", flashinfer_version=FI)
+    assert p.dispatch_dtype == "bf16" and "flashinfer cannot move fp8" in notes(p)
+    with pytest.raises(ValueError, match=r"dispatcher 'flashinfer' cannot run .*not fp8"):
+        resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher="flashinfer", dispatch_dtype="fp8", flashinfer_version=FI)
+
+
+def test_no_reference_dispatcher():
+    with pytest.raises(ValueError, match=r"unknown dispatcher 'reference'; choose one of"):
+        resolve_quant_plan(cfg(), dispatcher="reference")
+
+
+@pytest.mark.parametrize("dispatcher", ["torch", "deepep", "deepep_ll"])
 def test_fp8_dispatch_rules(dispatcher):
-    p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher=dispatcher)
+    p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher=dispatcher, ep_size=4)
     assert p.dispatch_dtype == "fp8"
-    assert resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher=dispatcher, dispatch_dtype="bf16").dispatch_dtype == "bf16"
+    assert resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher=dispatcher, dispatch_dtype="bf16",
+                              ep_size=4).dispatch_dtype == "bf16"
     # bf16 experts take an explicit fp8 dispatch, dequantized on arrival (noted in the plan)
-    p = resolve_quant_plan(cfg(), arch="sm90", dispatcher=dispatcher, dispatch_dtype="fp8")
+    p = resolve_quant_plan(cfg(), arch="sm90", dispatcher=dispatcher, dispatch_dtype="fp8", ep_size=4)
     assert p.dispatch_dtype == "fp8" and any("dequantized on arrival" in n for n in p.notes), p.describe()
-    with pytest.raises(ValueError, match=r"dispatch_dtype='nvfp4'|not supported"):
-        resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher=dispatcher, dispatch_dtype="nvfp4")
+    with pytest.raises(ValueError, match=r"not nvfp4|quantized for nothing|no experts backend"):
+        resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher=dispatcher, dispatch_dtype="nvfp4", ep_size=4)
 
 
 def test_combine_is_model_dtype():
@@ -295,39 +318,48 @@ def test_experts_backend_auto(method, mode, arch, fi, layout_dispatcher, backend
 def test_experts_backend_explicit_checked():
     p = resolve_quant_plan(cfg("mxfp4"), arch="sm90", experts_backend="flashinfer_cutlass", flashinfer_version=FI)
     assert p.experts_backend == "flashinfer_cutlass"
-    with pytest.raises(ValueError, match=r"'flashinfer_cutlass' cannot run mxfp4_w4a16.*needs FlashInfer, which is not installed.*\['triton', 'reference'\]"):
+    with pytest.raises(ValueError, match=r"'flashinfer_cutlass' cannot run mxfp4_w4a16.*flashinfer is not installed.*\['triton', 'reference'\]"):
         resolve_quant_plan(cfg("mxfp4"), arch="sm90", experts_backend="flashinfer_cutlass")
-    with pytest.raises(ValueError, match=r"'triton' cannot run nvfp4_w4a4.*no kernels for cpu"):
+    with pytest.raises(ValueError, match=r"'triton' cannot run nvfp4_w4a4.*sm90/sm100/sm120 GPUs, not cpu"):
         resolve_quant_plan(cfg("nvfp4"), arch="cpu", experts_backend="triton")
-    with pytest.raises(ValueError, match=r"cannot run nvfp4_w4a4.*on sm90 it runs \['bf16'"):
+    with pytest.raises(ValueError, match=r"cannot run nvfp4_w4a4.*it runs bf16 only"):
         resolve_quant_plan(cfg("nvfp4"), arch="sm90", requested_mode="nvfp4_w4a4", experts_backend="grouped_mm")
-    with pytest.raises(ValueError, match="it takes the \\['masked'\\] layout"):
+    with pytest.raises(ValueError, match="it takes the masked layout, not flat"):
         resolve_quant_plan(cfg(), arch="sm90", experts_backend="masked_reference")
-    with pytest.raises(ValueError, match="masked layout"):
+    with pytest.raises(ValueError, match="masked"):
         resolve_quant_plan(cfg(), arch="sm90", experts_backend="triton", dispatcher="deepep_ll")
     for arch in ("cpu", "sm90", "sm100", "sm120"):  # reference runs every mode everywhere
         assert resolve_quant_plan(cfg("nvfp4"), arch=arch, experts_backend="reference").experts_backend == "reference"
 
 
-def test_registered_backends_filter_auto():
-    p = resolve_quant_plan(cfg(), arch="sm90", registered_backends=["reference"])
-    assert p.experts_backend == "reference" and "skipped ['triton', 'grouped_mm'] (not registered" in notes(p)
-    assert resolve_quant_plan(cfg(), arch="sm90", registered_backends=["reference", "triton"]).experts_backend == "triton"
-    with pytest.raises(ValueError, match="'triton' cannot run"):
-        resolve_quant_plan(cfg(), arch="sm90", experts_backend="triton", registered_backends=["reference"])
+def test_auto_falls_back_when_a_backend_cannot_run_here():
+    """SM100 bf16 without FlashInfer's prebuilt fused-MoE module: auto asks the classes and falls back
+    to triton (the old table took its first row and failed at construction)."""
+    from epmoe.experts.flashinfer_cutlass import fused_moe_package
+
+    pk = {"flashinfer", "triton", "cutlass"}
+    p = resolve_quant_plan(cfg(), arch="sm100", flashinfer_version=FI, packages=frozenset(pk))
+    assert p.experts_backend == "triton", p.describe()
+    assert any(s.startswith("flashinfer_cutlass: FlashInfer's sm100 fused-MoE module is not prebuilt") for s in p.skipped)
+    assert "skipped: flashinfer_cutlass" in p.describe()  # --plan prints why
+    p = resolve_quant_plan(cfg(), arch="sm100", flashinfer_version=FI, packages=frozenset(pk | {fused_moe_package("sm100")}))
+    assert p.experts_backend == "flashinfer_cutlass"
+    p = resolve_quant_plan(cfg(), arch="sm90", packages=frozenset())  # no triton: torch's grouped_mm
+    assert p.experts_backend == "grouped_mm"
+    p = resolve_quant_plan(cfg(), arch="sm90", requested_mode="fp8_block", packages=frozenset())
+    assert p.experts_backend == "reference" and "no fast kernel" in notes(p)
 
 
-def test_rules_table_printable():
-    t = format_rules_table()
-    for b in EXPERTS_BACKEND_NAMES:
-        assert b in t
-    assert "needs >= 0.6.18" in t
-    assert candidate_backends("cpu", "mxfp8") == ["reference"]
+def test_experts_preference_lists_every_registered_backend():
+    for arch in ("cpu", "sm90", "sm100", "sm120"):
+        order = experts_preference(arch)
+        assert sorted(order) == sorted(EXPERTS_BACKEND_NAMES) and order[-1] == "reference"
 
 
 # ------------------------------------------------------------------ the plan object
 def test_describe_fingerprint_frozen_and_formats():
-    p = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher="flashinfer", flashinfer_version=FI)
+    p = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher="flashinfer", flashinfer_version=FI,
+                           dispatch_dtype="nvfp4")
     d = p.describe()
     assert d.startswith("quant plan: experts=nvfp4_w4a4") and "dispatch=nvfp4 over flashinfer" in d
     assert all(f"note: {n}" in d for n in p.notes)
@@ -359,21 +391,27 @@ def test_detect_arch_cpu():
         detect_arch("meta")
 
 
-def test_backend_table_matches_what_the_flashinfer_backends_implement():
-    """The plan's table may only promise modes the backends run (one source of truth per backend)."""
-    from epmoe.experts.flashinfer_sm100 import CUTEDSL_MODES, TRTLLM_MODES
+def test_backend_classes_agree_with_what_their_kernels_implement():
+    """supports() is the backend's own knowledge: CUTLASS asks resolve_cutlass_variant, SM100 its mode maps."""
+    from epmoe.core.capability import BackendRequest
+    from epmoe.experts.flashinfer_cutlass import FlashInferCutlassExperts, fused_moe_package
+    from epmoe.experts.flashinfer_sm100 import CUTEDSL_MODES, TRTLLM_MODES, FlashInferCuteDslExperts, FlashInferTrtllmExperts
     from epmoe.quant import flashinfer_layout
-    from epmoe.quant.plan import EXPERTS_BACKEND_RULES
+    from epmoe.quant.plan import EXPERT_MODES
 
     arch_num = {"sm90": 90, "sm100": 100, "sm120": 120}
-    for rule in EXPERTS_BACKEND_RULES:
-        for mode in rule.modes:
-            if rule.backend == "flashinfer_cutlass":
-                flashinfer_layout.resolve_cutlass_variant(mode, arch_num[rule.arch])  # raises if not
-            elif rule.backend == "flashinfer_trtllm":
-                assert mode in TRTLLM_MODES, (rule, mode)
-            elif rule.backend == "flashinfer_cutedsl":
-                assert mode in CUTEDSL_MODES, (rule, mode)
+    for arch, num in arch_num.items():
+        for mode in EXPERT_MODES:
+            req = BackendRequest(expert_mode=mode, arch=arch, flashinfer_version=FI, checkpoint="nvfp4" if "nvfp4" in mode else "none",
+                                 packages=frozenset({"flashinfer", "cutlass", fused_moe_package(arch)}))
+            try:
+                flashinfer_layout.resolve_cutlass_variant(mode, num)
+                kernel = True
+            except ValueError:
+                kernel = False
+            assert bool(FlashInferCutlassExperts.supports(req)) == kernel, (arch, mode)
+            assert bool(FlashInferTrtllmExperts.supports(req)) == (arch == "sm100" and mode in TRTLLM_MODES)
+            assert bool(FlashInferCuteDslExperts.supports(req)) == (arch == "sm100" and mode in CUTEDSL_MODES)
 
 
 def test_bf16_experts_take_explicit_quantized_dispatch_but_auto_never_picks_it():
@@ -383,14 +421,15 @@ def test_bf16_experts_take_explicit_quantized_dispatch_but_auto_never_picks_it()
     assert resolve_quant_plan(cfg(), arch="cpu").dispatch_dtype == "bf16"
 
 
-def test_masked_layout_table_matches_the_masked_experts():
-    from epmoe.experts.masked import MASKED_EXPERT_MODES
-    from epmoe.quant.plan import EXPERTS_BACKEND_RULES
+def test_masked_layout_runs_what_the_masked_experts_run():
+    from epmoe.core.capability import BackendRequest
+    from epmoe.experts.masked import REFERENCE_EXPERT_MODES, MaskedReferenceExperts
+    from epmoe.experts.reference import ReferenceExperts
+    from epmoe.quant.plan import EXPERT_MODES
 
-    for rule in EXPERTS_BACKEND_RULES:
-        if "masked" in rule.layouts and rule.backend == "masked_reference":
-            assert set(rule.modes) == set(MASKED_EXPERT_MODES), rule
-        if rule.backend == "reference":
-            assert rule.layouts == ("flat",), "ReferenceExperts takes the flat layout only"
+    for mode in EXPERT_MODES:
+        req = BackendRequest(expert_mode=mode, layout="masked", arch="sm90")
+        assert bool(MaskedReferenceExperts.supports(req)) == (mode in REFERENCE_EXPERT_MODES)
+        assert not ReferenceExperts.supports(req), "ReferenceExperts takes the flat layout only"
     p = resolve_quant_plan(cfg(), arch="sm90", dispatcher="deepep_ll")
     assert p.experts_backend == "masked_reference" and p.layout == "masked"

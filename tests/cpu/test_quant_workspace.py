@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from epmoe.config import MoEConfig
-from epmoe.quant.plan import resolve_quant_plan
+from epmoe.resolve import resolve_quant_plan
 from epmoe.quant.workspace import (
     GEMM_WORKSPACE_ALLOWANCE,
     expert_weight_bytes,
@@ -56,7 +56,7 @@ def test_flashinfer_aux_hand_computed(ep, max_tokens, eplb, expected):
 
 def test_flashinfer_workspace_hand_computed():
     # DeepSeek-V3 NVFP4 dispatch: 7168/2 + 7168/16 + 4 (global scale) + 8*4 + 8*4 = 4100 B per token
-    plan = resolve_quant_plan(dsv3(quant_method=None), requested_mode="nvfp4_w4a4", dispatcher="flashinfer",
+    plan = resolve_quant_plan(dsv3(quant_method=None), requested_mode="nvfp4_w4a4", dispatcher="flashinfer", dispatch_dtype="nvfp4",
                               arch="sm100", flashinfer_version=FI)
     ws = workspace_breakdown(plan, dsv3(quant_method=None), ep_size=8, max_tokens_per_rank=256)
     assert ws.dispatch_bytes_per_token == 4100 and ws.combine_bytes_per_token == 14336
@@ -73,7 +73,7 @@ def test_flashinfer_workspace_hand_computed():
 @pytest.mark.parametrize(
     "mode,dispatch,per_token",
     [
-        ("fp8_block", "fp8", 7168 + 56 * 4 + 64),  # e4m3 data + float32 per 128 + ids + weights
+        # (fp8 dispatch over FlashInfer is rejected by the dispatcher: it has no FP8 payload layout)
         ("fp8_block", "bf16", 7168 * 2 + 64),
         ("nvfp4_w4a16", "bf16", 7168 * 2 + 64),
         ("nvfp4_w4a4", "nvfp4", 3584 + 448 + 4 + 64),
@@ -128,13 +128,14 @@ def test_deepep_sizes_are_deepeps_own():
     from epmoe.dispatch.deepep import deepep_buffer_bytes
 
     c = small(hidden_size=2048)
-    plan = resolve_quant_plan(c, requested_mode="nvfp4_w4a4", dispatcher="deepep_ll", arch="cpu")
+    # (nvfp4_w4a4 over deepep_ll on cpu was accepted before; no masked experts run it, so it is rejected)
+    plan = resolve_quant_plan(c, requested_mode="fp8_block", dispatcher="deepep_ll", arch="sm90", ep_size=2)
     ws = workspace_breakdown(plan, c, 2, 16)
     assert ws.layout == "masked" and ws.experts_rows == 4 * 32 and ws.exact
     want = deepep_buffer_bytes(low_latency=True, hidden_size=2048, ep_size=2, num_experts=c.num_experts,
                                top_k=c.top_k, max_tokens_per_rank=16).num_rdma_bytes
     assert ws.a2a_bytes == want
-    plan = resolve_quant_plan(c, dispatcher="deepep", arch="cpu")
+    plan = resolve_quant_plan(c, dispatcher="deepep", arch="sm90", ep_size=4)
     ws = workspace_breakdown(plan, c, 4, 16)
     assert ws.exact and ws.a2a_bytes == deepep_buffer_bytes(
         low_latency=False, hidden_size=2048, ep_size=4, num_experts=c.num_experts, top_k=c.top_k,
@@ -144,7 +145,7 @@ def test_deepep_sizes_are_deepeps_own():
 
 def test_shared_workspace_max_over_layers():
     a, b = small(), small(hidden_size=512, intermediate_size=64)
-    pa = resolve_quant_plan(a, requested_mode="nvfp4_w4a4", dispatcher="flashinfer", arch="sm100", flashinfer_version=FI)
+    pa = resolve_quant_plan(a, requested_mode="nvfp4_w4a4", dispatcher="flashinfer", dispatch_dtype="nvfp4", arch="sm100", flashinfer_version=FI)
     pb = resolve_quant_plan(b, dispatcher="flashinfer", arch="sm100", flashinfer_version=FI)
     wa, wb = workspace_breakdown(pa, a, 4, 64), workspace_breakdown(pb, b, 4, 64)
     s = shared_workspace([wa, wb])
@@ -201,11 +202,11 @@ def test_workspace_errors():
     with pytest.raises(ValueError, match="max_tokens_per_rank must be a positive int"):
         workspace_breakdown(plan, c, 2, 0)
     big_k = small(num_experts=32, top_k=23)
-    pk = resolve_quant_plan(big_k, dispatcher="flashinfer")
+    pk = resolve_quant_plan(big_k, dispatcher="flashinfer", arch="sm90", flashinfer_version=FI)
     with pytest.raises(ValueError, match="top_k <= 22"):
         workspace_breakdown(pk, big_k, 2, 8)
     with pytest.raises(ValueError, match="ep_size <= 64"):
-        workspace_breakdown(resolve_quant_plan(small(num_experts=128), dispatcher="flashinfer"), small(num_experts=128), 128, 8)
+        workspace_breakdown(resolve_quant_plan(small(num_experts=128), dispatcher="flashinfer", arch="sm90", flashinfer_version=FI), small(num_experts=128), 128, 8)
     odd = small(hidden_size=2880, quant_method="fp8")
     with pytest.raises(ValueError, match="hidden_size=2880 is not a multiple of the fp8_block block size 128"):
         workspace_breakdown(resolve_quant_plan(odd), odd, 2, 8)
@@ -219,7 +220,7 @@ def test_plan_report_for_launcher():
     r = __import__("epmoe.quant.workspace", fromlist=["format_plan_report"]).format_plan_report(plan, c, 8, 256)
     assert r.startswith("quant plan:") and "sizes use 3072" in r and "x BF16" in r and "memory per rank" in r
     d = dsv3(quant_method="modelopt_fp4")
-    pd = resolve_quant_plan(d, arch="sm100", dispatcher="flashinfer", flashinfer_version=FI)
+    pd = resolve_quant_plan(d, arch="sm100", dispatcher="flashinfer", dispatch_dtype="nvfp4", flashinfer_version=FI)
     from epmoe.quant.workspace import format_plan_report
 
     assert "hidden payload 4036 = 0.282x BF16" in format_plan_report(pd, d, 8, 256, num_moe_layers=58)

@@ -21,7 +21,7 @@ import torch
 
 from epmoe.config import MoEConfig
 from epmoe.quant import e2m1, fp8_block, mxfp4, mxfp8, nvfp4
-from epmoe.quant.plan import resolve_quant_plan
+from epmoe.resolve import resolve_quant_plan
 from epmoe.quant.workspace import flashinfer_a2a_aux_bytes, workspace_breakdown
 
 pytestmark = [

@@ -11,6 +11,7 @@ rank") sort last and never reach a block.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -23,6 +24,7 @@ class ExpertSort:
     expert_ends:    [E] int64, cumulative row counts: expert e owns sorted positions
                     [expert_ends[e-1], expert_ends[e]) (positions past expert_ends[-1] are invalid)
     expert_counts:  [E] int64
+    inverse:        [N*K] sorted position of each entry (inverse[order[p]] = p), when computed
     """
 
     num_entries: int
@@ -31,6 +33,7 @@ class ExpertSort:
     sorted_expert: torch.Tensor
     expert_ends: torch.Tensor
     expert_counts: torch.Tensor
+    inverse: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,8 @@ def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
 
 
 def sort_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, launch) -> ExpertSort:
-    """`sort_by_expert` on the GPU: order / sorted_expert / expert_ends / expert_counts int32."""
+    """`sort_by_expert` on the GPU: order / sorted_expert / expert_ends / expert_counts int32, and the
+    inverse permutation (same pass)."""
     if num_experts <= 0:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
     flat = _flat_ids(topk_ids)
@@ -157,10 +161,12 @@ def sort_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, launch) -> E
     counts, starts, ends, _, _ = _count_and_plan(flat, E, 1, 0, launch)
     order = torch.empty(nk, dtype=torch.int32, device=flat.device)
     sorted_expert = torch.empty(nk, dtype=torch.int32, device=flat.device)
+    inverse = torch.empty(nk, dtype=torch.int32, device=flat.device)
     if nk:
-        launch("align_scatter_kernel", (E + 1,), (flat, starts, order, sorted_expert, nk, E),
-               dict(CHUNK=_chunk(nk), WITH_INVALID=True, WITH_EXPERT=True, num_warps=_chunk(nk) // 256))  # fmt: skip
-    return ExpertSort(nk, E, order, sorted_expert, ends, counts[:E])
+        launch("align_scatter_kernel", (E + 1,), (flat, starts, order, sorted_expert, inverse, nk, E),
+               dict(CHUNK=_chunk(nk), WITH_INVALID=True, WITH_EXPERT=True, WITH_INV=True,
+                    num_warps=_chunk(nk) // 256))  # fmt: skip
+    return ExpertSort(nk, E, order, sorted_expert, ends, counts[:E], inverse)
 
 
 def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch) -> BlockAlignment:
@@ -177,6 +183,6 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
         return BlockAlignment(block_m, 0, empty, empty, empty)
     _, starts, _, block_expert, block_rows = _count_and_plan(flat, E, block_m, max_blocks, launch)
     sorted_ids = torch.full((max_blocks * block_m,), nk, dtype=torch.int32, device=dev)
-    launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids, nk, E),
+    launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids, sorted_ids, nk, E),
            dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=False, num_warps=_chunk(nk) // 256))  # fmt: skip
     return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)

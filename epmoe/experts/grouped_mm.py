@@ -3,15 +3,15 @@
 memory-bound step. BF16 only.
 
     sort  = sort_by_expert(topk_ids)          entries by expert (offsets = cumulative counts, int32)
-    xs    = gather_rows(x, sort)              [N*K, H] bf16 rows in expert order (+ inverse permutation)
+    xs    = gather_rows(x, inv)               [N*K, H] bf16 rows in expert order (token-major: x read once)
     h     = grouped_mm(xs, w13^T, offs)       [N*K, R] bf16
     a     = act(h + b13)                      [N*K, I] fp32 math, bf16 out (one pass)
     y     = grouped_mm(a, w2^T, offs)         [N*K, H] bf16
     out   = combine(y, w, b2)                 out[n] = sum_k w[n,k] * (y[inv[n*K+k]] + b2[e]) over
                                               valid k, in k order, fp32 -> bf16 (one pass, no atomics)
 
-Bytes at the DeepSeek-V3 prefill shape (T = 4096, 32768 routed rows, H 7168, I 2048): gather 0.94 GB,
-activation 0.40 GB, combine 0.53 GB (~0.45 ms at 4.3 TB/s) where the torch composite that preceded
+Bytes at the DeepSeek-V3 prefill shape (T = 4096, 32768 routed rows, H 7168, I 2048): gather 0.53 GB,
+activation 0.40 GB, combine 0.53 GB (~0.35 ms at 4.3 TB/s) where the torch composite that preceded
 it (kept as `grouped_mm_epilogue=torch`) made ~12 fp32 passes (~5 ms). `fused_grouped_mm_forward`
 is also the bf16 prefill path of the `triton` backend (its own weights, gate/up interleaved).
 
@@ -87,16 +87,19 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
     def align_step():
         ids32 = topk_ids.to(torch.int32).contiguous()
         sort = sort_by_expert_triton(ids32, E, launch) if align == "triton" else sort_by_expert(ids32, E)
-        state.update(ids32=ids32, order=sort.order, sorted_expert=sort.sorted_expert,
+        inv = sort.inverse
+        if inv is None:
+            inv = torch.empty(N * K, dtype=torch.int32, device=dev)
+            inv[sort.order] = torch.arange(N * K, dtype=torch.int32, device=dev)
+        state.update(ids32=ids32, inv=inv, sorted_expert=sort.sorted_expert,
                      offs=sort.expert_ends.to(torch.int32))  # fmt: skip
 
     def gather():
         x = hidden.contiguous()
         xs = torch.empty(N * K, H, dtype=dt, device=dev)
-        inv = torch.empty(N * K, dtype=torch.int32, device=dev)
-        launch("gather_rows_kernel", (N * K,), (x, state["order"], state["sorted_expert"], xs, inv, H, E,
-                                                  x.stride(0), xs.stride(0)), dict(TOP_K=K, BLOCK_H=2 * BLOCK_H, num_warps=4))  # fmt: skip
-        state.update(xs=xs, inv=inv)
+        launch("gather_rows_kernel", (N,), (x, state["ids32"], state["inv"], xs, H, E, x.stride(0), xs.stride(0)),
+               dict(TOP_K=K, BLOCK_H=2 * BLOCK_H, num_warps=4))  # fmt: skip
+        state["xs"] = xs
 
     def check_rows(t):  # the epilogue kernels read rows with unit column stride
         if t.stride(-1) != 1:

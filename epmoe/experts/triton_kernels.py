@@ -556,10 +556,9 @@ def quant_fp8_rows_kernel(
 @triton.jit
 def gather_rows_kernel(
     x_ptr,  # [N, H] tokens (model dtype)
-    order_ptr,  # [N*K] int64 entry j of each sorted position p
-    sorted_expert_ptr,  # [N*K] int32 expert of each sorted position (>= num_experts: invalid)
-    xs_ptr,  # [N*K, H] out: x[order[p] // K] for valid p (invalid rows are not written)
-    inv_ptr,  # [N*K] int32 out: sorted position of each entry j (inv[order[p]] = p)
+    ids_ptr,  # [N, K] int32 local expert ids (invalid: < 0 or >= num_experts)
+    inv_ptr,  # [N*K] int32 sorted position of each entry j = n*K + k
+    xs_ptr,  # [N*K, H] out: xs[inv[n*K+k]] = x[n] for the valid slots (other rows are not written)
     H,
     num_experts,
     stride_xm,
@@ -567,17 +566,17 @@ def gather_rows_kernel(
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    p = tl.program_id(0)
-    j = tl.load(order_ptr + p)
-    tl.store(inv_ptr + j, p)
-    e = tl.load(sorted_expert_ptr + p)
-    if e < num_experts:
-        src = x_ptr + (j // TOP_K).to(tl.int64) * stride_xm
-        dst = xs_ptr + p.to(tl.int64) * stride_sm
-        for h0 in range(0, H, BLOCK_H):
-            offs = h0 + tl.arange(0, BLOCK_H)
-            ok = offs < H
-            tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+    """Token-major gather: each token row is read once and written to its K sorted positions."""
+    n = tl.program_id(0).to(tl.int64)
+    src = x_ptr + n * stride_xm
+    for h0 in range(0, H, BLOCK_H):
+        offs = h0 + tl.arange(0, BLOCK_H)
+        v = tl.load(src + offs, mask=offs < H)
+        for k in tl.static_range(TOP_K):
+            e = tl.load(ids_ptr + n * TOP_K + k)
+            lim = tl.where((e >= 0) & (e < num_experts), H, 0)
+            p = tl.load(inv_ptr + n * TOP_K + k).to(tl.int64)
+            tl.store(xs_ptr + p * stride_sm + offs, v, mask=offs < lim)
 
 
 @triton.jit
@@ -739,11 +738,13 @@ def align_scatter_kernel(
     starts_ptr,  # [num_experts + 1] int32 from align_plan_kernel
     sorted_ids_ptr,  # out: entry j at padded row starts[e] + rank (rank = order among e's entries)
     sorted_expert_ptr,  # out (WITH_EXPERT): key of each written row
+    inv_ptr,  # out (WITH_INV): [N*K] int32 row of each entry j (the inverse permutation)
     NK,
     num_experts,
     CHUNK: tl.constexpr,
     WITH_INVALID: tl.constexpr,  # also place the invalid entries (after every expert's rows)
     WITH_EXPERT: tl.constexpr,
+    WITH_INV: tl.constexpr = False,
 ):
     e = tl.program_id(0)
     if (e < num_experts) | WITH_INVALID:
@@ -756,4 +757,6 @@ def align_scatter_kernel(
             tl.store(sorted_ids_ptr + pos, offs, mask=m > 0)
             if WITH_EXPERT:
                 tl.store(sorted_expert_ptr + pos, key, mask=m > 0)
+            if WITH_INV:
+                tl.store(inv_ptr + offs, pos, mask=m > 0)
             base += tl.sum(m, axis=0)

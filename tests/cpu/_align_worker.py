@@ -40,6 +40,7 @@ def run_case(E: int, K: int, N: int, bm: int, seed: int) -> dict:
         sorted_expert=bool(torch.equal(srt.sorted_expert, ref_sort.sorted_expert)),
         expert_ends=bool(torch.equal(srt.expert_ends.long(), ref_sort.expert_ends)),
         expert_counts=bool(torch.equal(srt.expert_counts.long(), ref_sort.expert_counts)),
+        inverse=bool(torch.equal(srt.inverse.long()[ref_sort.order], torch.arange(N * K))),
         invalid=int(((ids < 0) | (ids >= E)).sum()),
     )
     res["all_equal"] = all(v for k, v in res.items() if isinstance(v, bool)) and res["max_blocks"][0] == res["max_blocks"][1]

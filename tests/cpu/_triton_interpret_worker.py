@@ -122,6 +122,8 @@ def run_case(mode: str, shape: str, opts: tuple, seed: int) -> dict:
     options = (("triton_gate_up", "blocked"),) if "blocked" in opts else ()
     if "gmm" in opts:  # the bf16 torch._grouped_mm path of the triton backend (fused epilogues)
         options += (("triton_grouped_mm", "on"),)
+    if "talign" in opts:  # the torch routing alignment instead of the alignment kernels
+        options += (("triton_align", "torch"),)
     backend = mode
     if mode == "grouped_mm":  # GroupedMMExperts with its fused Triton epilogues
         GroupedMMExperts.availability = classmethod(lambda c, s: Availability.yes("interpreter test"))

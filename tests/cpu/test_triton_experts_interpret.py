@@ -46,6 +46,8 @@ CASES = [
     "bf16:swiglu:gmm",  # the triton backend's grouped_mm path (gate/up interleaved weights)
     "bf16:oai:gmm+blocked",
     "bf16:ragged:gmm",
+    "bf16:ragged:gmm+talign",  # grouped_mm path with the torch alignment (inverse by torch scatter)
+    "bf16:ragged:talign",
 ]
 BOUND = 8e-3
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton_interpret_worker.py")

@@ -387,3 +387,4 @@ def test_triton_alignment_equals_torch(E, K, N, block_m):
     assert torch.equal(srt.order.long(), ref_sort.order), f"{msg}: order"
     assert torch.equal(srt.sorted_expert, ref_sort.sorted_expert), f"{msg}: sorted_expert"
     assert torch.equal(srt.expert_ends.long(), ref_sort.expert_ends), f"{msg}: expert_ends"
+    assert torch.equal(srt.inverse.long()[ref_sort.order], torch.arange(N * K, device="cuda")), f"{msg}: inverse"

@@ -184,5 +184,6 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     _, starts, _, block_expert, block_rows = _count_and_plan(flat, E, block_m, max_blocks, launch)
     sorted_ids = torch.full((max_blocks * block_m,), nk, dtype=torch.int32, device=dev)
     launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids, sorted_ids, nk, E),
-           dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=False, num_warps=_chunk(nk) // 256))  # fmt: skip
+           dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=False, WITH_INV=False,
+                num_warps=_chunk(nk) // 256))  # fmt: skip
     return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)

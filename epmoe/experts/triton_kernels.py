@@ -328,7 +328,7 @@ def moe_gemm1_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    FP4_PACKED: tl.constexpr = False,  # fp4 weights: _fp4_dequant_packed instead of _fp4_dequant
+    FP4_PACKED: tl.constexpr,  # fp4 weights: _fp4_dequant_packed instead of _fp4_dequant
 ):
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -470,7 +470,7 @@ def moe_gemm2_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    FP4_PACKED: tl.constexpr = False,  # fp4 weights: _fp4_dequant_packed instead of _fp4_dequant
+    FP4_PACKED: tl.constexpr,  # fp4 weights: _fp4_dequant_packed instead of _fp4_dequant
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -744,7 +744,7 @@ def align_scatter_kernel(
     CHUNK: tl.constexpr,
     WITH_INVALID: tl.constexpr,  # also place the invalid entries (after every expert's rows)
     WITH_EXPERT: tl.constexpr,
-    WITH_INV: tl.constexpr = False,
+    WITH_INV: tl.constexpr,
 ):
     e = tl.program_id(0)
     if (e < num_experts) | WITH_INVALID:

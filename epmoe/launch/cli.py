@@ -22,7 +22,9 @@ import torch
 
 from epmoe.config import MoEConfig, dtype_name, parse_dtype
 from epmoe.core import dist as edist
-from epmoe.launch.env import available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown
+from epmoe.launch.env import (
+    available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown,
+)
 from epmoe.launch.presets import PRESETS
 from epmoe.launch.synthetic import SyntheticLayer, read_gate, write_checkpoint
 from epmoe.layer import EPMoE
@@ -69,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deterministic", action="store_true", help="bitwise-reproducible reductions")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--ranks-per-gpu", type=int, default=1, metavar="N",
+                   help="run N ranks on each GPU (local ranks 0..N-1 on GPU 0, ...) over a gloo group; an explicit "
+                        "opt-in for testing on fewer GPUs: results are real, timings measure no link "
+                        "(docs/shared-gpu.md)")
     return p
 
 
@@ -140,6 +146,10 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
           f"I={cfg.intermediate_size} activation={cfg.activation} routing={cfg.routing} "
           f"bias={cfg.has_bias} dtype={dtype_name(cfg.dtype)} layers={cfg.num_layers}")
     print(f"placement: ep={ep}, {E_local} experts per rank (contiguous)")
+    rpg = getattr(args, "ranks_per_gpu", 1)
+    if rpg > 1:
+        print(f"shared GPU: --ranks-per-gpu {rpg}: {ep} ranks on {-(-ep // rpg)} GPU(s), gloo control group; "
+              "real kernels and results, but timings are local cost only (no link is measured)")
     for r in range(ep):
         print(f"  rank {r}: experts [{r * E_local}, {(r + 1) * E_local})")
     from epmoe.quant.workspace import format_plan_report
@@ -229,7 +239,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
         cfg = apply_scale(cfg, args.scale, ep)
         return print_plan(cfg, args, ep, device) if le.rank == 0 else 0
 
-    le = init_distributed(device.type, args.timeout)
+    le = init_distributed(device.type, args.timeout, args.ranks_per_gpu)
+    shared_gpu = args.ranks_per_gpu > 1
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     ep = le.world_size
@@ -289,13 +300,17 @@ def _main(argv: Optional[List[str]] = None) -> int:
     for L in range(num_layers):
         layer = EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=max_tokens,
                       experts=args.experts, quant=args.quant, dispatch_dtype=args.dispatch_dtype,
-                      deterministic=args.deterministic, timeout_s=args.timeout, name=f"EPMoE[layer {L}]")
+                      deterministic=args.deterministic, timeout_s=args.timeout, shared_gpu=shared_gpu,
+                      name=f"EPMoE[layer {L}]")
         layer.load_weights(wdir, layer_idx=L)
         layers.append(layer)
         gates.append(read_gate(wdir, L).to(device))
     if rank0:
-        print(f"epmoe launch: {cfg.model_type} ep={ep} ({le.launcher}, {'nccl' if device.type == 'cuda' else 'gloo'} "
-              f"on {device}) layers={num_layers} tokens/rank={args.tokens} jitter={args.tokens_jitter} "
+        comm = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
+        where = f"{device}, {args.ranks_per_gpu} ranks per GPU: shared-GPU mode, no link measured" if shared_gpu \
+            else str(device)
+        print(f"epmoe launch: {cfg.model_type} ep={ep} ({le.launcher}, {comm} "
+              f"on {where}) layers={num_layers} tokens/rank={args.tokens} jitter={args.tokens_jitter} "
               f"max_tokens_per_rank={max_tokens} dtype={dtype_name(cfg.dtype)}")
         print(layers[0].plan.describe())
 
@@ -332,7 +347,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             stats.tokens.append(T)
             stats.bytes_sent.append(step_bytes)
         if args.check:
-            err = _check_step(cfg, synthetic, records, rank0, layers[0].plan)
+            err = _check_step(cfg, synthetic, records, rank0, layers[0].plan, layers[0].max_num_tokens_per_rank)
             if rank0:
                 stats.max_err = max(stats.max_err, err)
                 stats.checked += len(layers) * ep
@@ -359,23 +374,31 @@ def _main(argv: Optional[List[str]] = None) -> int:
     return 1 if failed_check else 0
 
 
-def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool, plan=None) -> float:
+def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool, plan=None,
+                round_tokens: Optional[int] = None) -> float:
     """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference,
-    which models the plan's path (lossy wire, weight and activation quantization)."""
+    which models the plan's path (lossy wire, weight and activation quantization). With a quantized
+    wire each rank quantizes each dispatch round of `round_tokens` rows with its own dynamic scale,
+    so the reference runs per rank and round."""
     from epmoe.reference import reference_moe
 
     everything = edist.all_gather_objects(records)
     if not rank0:
         return 0.0
     worst = 0.0
+    per_round = plan is not None and plan.dispatch_dtype != "bf16" and round_tokens
     for L, layer in synthetic.items():
         xs = torch.cat([r[L][0] for r in everything])
         if xs.shape[0] == 0:
             continue
         logits = torch.cat([r[L][1] for r in everything])
         ys = torch.cat([r[L][2] for r in everything])
-        ref = reference_moe(cfg, xs, layer.experts, logits, e_score_correction_bias=layer.e_score_correction_bias,
-                            plan=plan)
+        chunks = [(xs, logits)]
+        if per_round:
+            chunks = [(r[L][0][i:i + round_tokens], r[L][1][i:i + round_tokens])
+                      for r in everything for i in range(0, r[L][0].shape[0], round_tokens)]
+        ref = torch.cat([reference_moe(cfg, x, layer.experts, lg, e_score_correction_bias=layer.e_score_correction_bias,
+                                       plan=plan) for x, lg in chunks])
         err = float((ys.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         if not torch.isfinite(ys).all():
             err = float("inf")

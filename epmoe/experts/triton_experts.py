@@ -207,6 +207,11 @@ def _owned(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
     return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
 
 
+def _mx_scales_packable(params: Dict[str, torch.Tensor]) -> bool:
+    """Every mxfp4 e8m0 scale exponent <= 128 (the packed conversion's range; one host sync, at load)."""
+    return all(int(params[k].max()) <= 128 for k in ("w13_scale", "w2_scale") if params[k].numel())
+
+
 def _activation_args(config):
     """(ACT, HAS_LIMIT, alpha, beta, limit) for the kernels."""
     if config.activation == "relu2":
@@ -441,6 +446,13 @@ class TritonExperts(Experts):
         if cfg.has_bias:
             new["b13"] = _owned(weights.b13, dev, torch.float32)
             new["b2"] = _owned(weights.b2, dev, torch.float32)
+        if self.mode == "mxfp4_w4a16" and self._params and self.fp4_packed and not _mx_scales_packable(new):
+            # captured CUDA graphs keep the packed conversion: refuse rather than compute garbage
+            raise ValueError(
+                "reloaded mxfp4 weights have scale exponents > 128 (weights above 2 * 6), which the packed "
+                "fp4 conversion this backend was loaded with cannot represent; construct it with "
+                "triton_fp4_convert=legacy"
+            )
         expected = self._expected_shapes()
         for name, shape in expected.items():
             if tuple(new[name].shape) != shape:
@@ -454,7 +466,7 @@ class TritonExperts(Experts):
         if self.mode == "mxfp4_w4a16":
             # the packed conversion folds 2^126 into a bf16 scale 2^(e-1): exact for e <= 128
             # (weights up to 6 * 2); larger exponents take the legacy conversion (a reload re-checks)
-            self._fp4_scales_ok = all(int(prepared[k].max()) <= 128 for k in ("w13_scale", "w2_scale"))
+            self._fp4_scales_ok = _mx_scales_packable(prepared)
         if not self._params:
             self._params = prepared
             return

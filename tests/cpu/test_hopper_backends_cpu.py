@@ -237,3 +237,21 @@ def test_grouped_mm_epilogue_option(force_available, monkeypatch):
         GroupedMMExperts(ExpertsSpec(_spec().config, 1, 2, CPU, options=(("grouped_mm_epilogue", "triton"),)))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert GroupedMMExperts(_spec()).epilogue == "triton"
+
+
+def test_mxfp4_packed_conversion_range_at_load(force_available):
+    """mxfp4 scale exponents above 128 fall back to the legacy fp4 conversion at the first load and
+    are refused on a reload of a backend running the packed one (its graphs keep the conversion)."""
+    spec = _spec("mxfp4_w4a16")
+    w = T.random_expert_weights(spec.config, spec.num_local_experts, first_expert=spec.first_local_expert)
+    q = kf.quantize_expert_weights(w, "mxfp4_w4a16")
+    ex = TritonExperts(spec)
+    ex.load_weights(q)
+    assert ex.fp4_packed, "random weights are in the packed range"
+    big = T.ExpertWeights(**{**q.__dict__, "w2_scale": q.w2_scale.clone().fill_(140)})
+    with pytest.raises(ValueError, match="triton_fp4_convert=legacy"):
+        ex.load_weights(big)
+    assert ex.fp4_packed
+    fresh = TritonExperts(spec)
+    fresh.load_weights(big)
+    assert not fresh.fp4_packed, "first load with exponents > 128: legacy conversion"

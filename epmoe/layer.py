@@ -23,6 +23,7 @@ from epmoe.core.fault import FaultWatch
 from epmoe.dispatch import DISPATCHERS, Agreement, Dispatcher, DispatchSpec
 from epmoe.experts import EXPERTS, Experts, ExpertsSpec
 from epmoe.quant.payload import PayloadFormat
+from epmoe.quant.checkpoint_formats import check_fits_plan
 from epmoe.quant.plan import QuantPlan
 from epmoe.resolve import detect_environment, resolve_plan
 from epmoe.quant.weights import ExpertWeights
@@ -346,6 +347,7 @@ class EPMoE(torch.nn.Module):
             if tuple(corr.shape) != (self.config.num_experts,):
                 raise ValueError(
                     f"e_score_correction_bias has shape {list(corr.shape)}; expected [{self.config.num_experts}]")
+        check_fits_plan(local.format, self.plan)
         dtypes = {name: t.dtype for name, t in local.tensors().items()}
         if update:
             changed = {n: (self._loaded_dtypes.get(n), d) for n, d in dtypes.items() if self._loaded_dtypes.get(n) != d}

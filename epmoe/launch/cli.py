@@ -26,8 +26,9 @@ from epmoe.launch.env import (
     available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown,
 )
 from epmoe.launch.presets import PRESETS
-from epmoe.launch.synthetic import SyntheticLayer, read_gate, write_checkpoint
+from epmoe.launch.synthetic import SyntheticLayer, read_gate, reference_layers, write_checkpoint
 from epmoe.layer import EPMoE
+from epmoe.quant.checkpoint_formats import CHECKPOINT_FORMATS, QUANT_METHOD_OF_FORMAT
 from epmoe.quant.plan import EXPERT_MODES
 
 CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default=None, choices=list(EXPERT_MODES), help="expert quant mode (default: unquantized)")
     p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "bf16", "nvfp4"],
                    help="how tokens travel (auto: decided by the quant plan)")
+    p.add_argument("--checkpoint-format", default=None, choices=list(CHECKPOINT_FORMATS),
+                   help="layout of the synthetic checkpoint written and loaded back (default bf16); with --plan: "
+                        "the checkpoint's quantization (default: config.json's quantization_config)")
     p.add_argument("--dtype", default=None, help="activation dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank per step")
     p.add_argument("--tokens-jitter", type=float, default=0.0, metavar="FRAC",
@@ -94,10 +98,18 @@ def load_config(args: argparse.Namespace, device: torch.device) -> "tuple[MoECon
         dtype = MoEConfig.from_hf_config(hf).dtype  # plan for the model as deployed (its own dtype)
     else:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: float32 keeps --check tight
-    cfg = MoEConfig.from_hf_config(hf, dtype=dtype)
-    if args.quant is None and cfg.quant_method is not None:
-        cfg = cfg.replace(quant_method=None)  # synthetic weights are unquantized unless --quant asks
-    return cfg, hf
+    cfg = MoEConfig.from_hf_config(args.config or hf, dtype=dtype)
+    if args.plan and args.checkpoint_format is None:
+        return cfg, hf  # plan for the checkpoint config.json describes
+    # the synthetic checkpoint is written in --checkpoint-format: its quantization is the model's
+    return cfg.replace(quant_method=QUANT_METHOD_OF_FORMAT[args.checkpoint_format or "bf16"]), hf
+
+
+def _read_hf(path: str) -> dict:
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        return json.load(f)
 
 
 def apply_scale(cfg: MoEConfig, scale: Optional[float], ep: int) -> MoEConfig:
@@ -145,6 +157,12 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "
           f"I={cfg.intermediate_size} activation={cfg.activation} routing={cfg.routing} "
           f"bias={cfg.has_bias} dtype={dtype_name(cfg.dtype)} layers={cfg.num_layers}")
+    from epmoe.config import hf_routing
+
+    if args.config:
+        print(f"routing: {hf_routing(_read_hf(args.config)).reason}")
+    print(f"checkpoint: quant_method={cfg.quant_method} ({plan.checkpoint_quant} family)"
+          + (f", --checkpoint-format {args.checkpoint_format}" if args.checkpoint_format else ""))
     print(f"placement: ep={ep}, {E_local} experts per rank (contiguous)")
     rpg = getattr(args, "ranks_per_gpu", 1)
     if rpg > 1:
@@ -251,6 +269,15 @@ def _main(argv: Optional[List[str]] = None) -> int:
         print(f"--scale {args.scale}: experts {unscaled.num_experts} -> {cfg.num_experts} "
               f"(top_k {cfg.top_k}, expert shape H={cfg.hidden_size} I={cfg.intermediate_size} unchanged)")
     num_layers = args.layers
+    from epmoe.launch.synthetic import check_format_fits
+
+    try:
+        check_format_fits(cfg, args.checkpoint_format or "bf16")
+    except ValueError as e:
+        if rank0:
+            print(f"error: {e}", file=sys.stderr)
+        shutdown()
+        return 2
     need = weight_bytes_per_rank(cfg, ep, num_layers)
     have = available_memory_bytes(device)
     if have is not None and need > 0.8 * have and args.scale is None:
@@ -275,8 +302,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
     synthetic: dict = {}
     if le.local_rank == 0 and wdir is not None:
         try:
-            synthetic = write_checkpoint(wdir, cfg, hf, num_layers, args.seed)
-        except OSError as e:  # reported below through the agreement, not by leaving the others waiting
+            write_checkpoint(wdir, cfg, hf, num_layers, args.seed, args.checkpoint_format or "bf16", device=device)
+        except (OSError, ValueError) as e:  # reported below through the agreement, not by leaving the others waiting
             print(f"error: rank {le.rank} could not write the synthetic checkpoint to {wdir}: {e}; "
                   "pass --weights-dir DIR on a writable filesystem", file=sys.stderr)
     edist.barrier()  # the files exist (or their writer failed) before anyone looks
@@ -293,8 +320,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
         if tmp is not None:
             tmp.cleanup()
         return 2
-    if not rank0:
-        synthetic = {}
+    if rank0 and args.check:  # the reference: the checkpoint's own (dequantized) values
+        synthetic = reference_layers(wdir, cfg, num_layers)
 
     layers, gates = [], []
     for L in range(num_layers):

@@ -9,6 +9,8 @@ workspace sizing, expert-weight containers and layout conversion.
     workspace                              workspace and memory sizing from a plan
     expert_map                             ExpertPlacement: global <-> local expert ids, per-expert slicing
     weights                                ExpertWeights (canonical expert tensors)
+    checkpoint_formats                     how shipped checkpoints store experts (FP8 block, ModelOpt /
+                                           compressed-tensors NVFP4, GPT-OSS MXFP4) -> ExpertWeights
 
 Imports only `epmoe.core` and `epmoe.config`; submodules are imported explicitly
 (`from epmoe.quant import nvfp4`), nothing optional is imported here.

@@ -110,15 +110,17 @@ def dequantize_weight(
     if data.dim() < 2:
         raise ValueError(f"fp8_block weights must be at least 2D [N, K], got shape {list(data.shape)}")
     N, K = data.shape[-2:]
-    if N % bn or K % bk:
-        raise ValueError(f"fp8_block weight shape [{N}, {K}] is not a multiple of the block {list(block)}")
     lead = data.shape[:-2]
-    if scale_inv.shape != (*lead, N // bn, K // bk):
+    nb, kb = -(-N // bn), -(-K // bk)  # partial edge blocks (checkpoints such as H = 2880) are allowed
+    if scale_inv.shape != (*lead, nb, kb):
         raise ValueError(
             f"fp8_block weight_scale_inv has shape {list(scale_inv.shape)}; expected "
-            f"{[*lead, N // bn, K // bk]} for weight shape {list(data.shape)} and block {list(block)}"
+            f"{[*lead, nb, kb]} for weight shape {list(data.shape)} and block {list(block)}"
         )
     _check_scales(scale_inv)
+    if N % bn or K % bk:
+        s = scale_inv.repeat_interleave(bn, dim=-2)[..., :N, :].repeat_interleave(bk, dim=-1)[..., :K]
+        return (data.to(torch.float32) * s).to(dtype)
     vals = data.to(torch.float32).reshape(*lead, N // bn, bn, K // bk, bk)
     return (vals * scale_inv.unsqueeze(-1).unsqueeze(-3)).reshape(data.shape).to(dtype)
 

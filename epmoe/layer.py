@@ -428,7 +428,8 @@ class EPMoE(torch.nn.Module):
         for r in range(rounds):
             lo, hi = min(r * M, T), min((r + 1) * M, T)
             # the one agreement of this call, handed down: the dispatcher neither validates nor agrees again
-            agreement = Agreement(tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank), inputs_checked=True)
+            agreement = Agreement(tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank), inputs_checked=True,
+                                  want_bytes=return_stats)
             with watch.phase("dispatch" if rounds == 1 else f"dispatch[round {r}]"):
                 tokens, handle = self.dispatcher.dispatch(
                     hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi], agreement=agreement,

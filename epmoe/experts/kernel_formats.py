@@ -164,29 +164,8 @@ def quantize_expert_weights(weights: ExpertWeights, mode: str) -> ExpertWeights:
     return replace(weights, format=fmt, **fields)
 
 
-def dequantize_expert_weights(weights: ExpertWeights, dtype: torch.dtype = torch.float32) -> ExpertWeights:
-    """Quantized canonical `ExpertWeights` -> float (`dtype`) ones (unquantized container)."""
-    if not weights.is_quantized:
-        return weights
-    out = {}
-    for name in ("w1", "w3", "w2"):
-        q, s = getattr(weights, name), getattr(weights, name + "_scale")
-        if q is None:
-            continue
-        if weights.format == "fp8_block":
-            out[name] = dequantize_fp8_block(q.view(torch.float8_e4m3fn) if q.dtype == torch.uint8 else q, s)
-        elif weights.format == "mxfp4":
-            out[name] = mxfp4.dequantize(q, s, torch.float32)
-        elif weights.format == "nvfp4":
-            g = getattr(weights, name + "_global_scale").float()
-            rows = q.shape[:-1]
-            out[name] = nvfp4.dequantize(q, s, (1.0 / g)[:, None].expand(rows).contiguous(), torch.float32)
-        else:
-            raise ValueError(f"format {weights.format!r} is not one the triton backend reads")
-        out[name] = out[name].to(dtype)
-    cleared = {f: None for f in ("w1_scale", "w3_scale", "w2_scale", "w1_global_scale", "w3_global_scale",
-                                 "w2_global_scale", "w13_input_scale", "w2_input_scale")}  # fmt: skip
-    return replace(weights, format=None, **cleared, **out)
+# One dequantization of canonical expert weights for every format: epmoe.quant.weights (re-exported).
+from epmoe.quant.weights import dequantize_expert_weights  # noqa: E402,F401
 
 
 def kernel_tensors(weights: ExpertWeights, gated: bool, device: torch.device) -> dict:

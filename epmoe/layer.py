@@ -153,7 +153,10 @@ class EPMoE(torch.nn.Module):
                     humming=humming, mxfp8_act_scaling=mxfp8_act_scaling,
                     environment=detect_environment(self.device), ep_size=self.ep_size,
                 )
-            d_options = DISPATCHERS.get(plan.dispatcher).Options.parse(dispatcher_options, f"dispatcher {plan.dispatcher!r}")
+            d_cls = DISPATCHERS.get(plan.dispatcher)
+            if plan.layout != getattr(d_cls, "layout", "flat"):  # a hand-built plan: the class says
+                plan = replace(plan, layout=d_cls.layout)
+            d_options = d_cls.Options.parse(dispatcher_options, f"dispatcher {plan.dispatcher!r}")
             e_options = EXPERTS.get(plan.experts_backend).Options.parse(
                 experts_options, f"experts backend {plan.experts_backend!r}")
         except (ValueError, TypeError) as e:

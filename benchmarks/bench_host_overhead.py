@@ -41,11 +41,11 @@ def _git_rev() -> str:
 def _weights(cfg, device, seed=0):
     from epmoe.quant.weights import ExpertWeights
 
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: 5e9 values are slow on a CPU
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
 
     def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * 0.02).to(device=device, dtype=cfg.dtype)
+        return torch.randn(*shape, generator=g, device=device, dtype=cfg.dtype).mul_(0.02)
 
     return ExpertWeights(w1=rnd(E, I, H), w3=rnd(E, I, H), w2=rnd(E, H, I))
 
@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--label", default=None, help="name this run in the JSON (e.g. before / after)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, reference experts (CI)")
     args = p.parse_args(argv)
 
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
                 results.append({"dispatcher": d, "experts": experts, "tokens": T, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(results[-1]), file=sys.stderr)
     report = {
-        "bench": "host_overhead", "revision": _git_rev(), "date": time.strftime("%Y-%m-%d"),
+        "bench": "host_overhead", "label": args.label, "revision": _git_rev(), "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "shape": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
                                               "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,

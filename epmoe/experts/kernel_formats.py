@@ -45,46 +45,23 @@ def _cdiv(a: int, b: int) -> int:
 # --------------------------------------------------------------------------- fp8 block (padded)
 
 
-def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    # As epmoe.quant.fp8_block: divide by a device tensor (a Python scalar becomes a reciprocal
-    # multiply on CUDA and the last bit would differ from CPU).
-    denom = torch.tensor(fp8_block.E4M3_MAX, dtype=torch.float32, device=amax.device)
-    return amax.clamp(min=fp8_block.DEFAULT_EPS) / denom
-
-
 def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK):
-    """w [..., R, C] float -> (q e4m3 [..., R, C], scale f32 [..., ceil(R/b), ceil(C/b)]); partial
-    edge blocks are padded with zeros. Equals `epmoe.quant.fp8_block.quantize_weight` when R and C
-    are multiples of the block."""
-    *lead, R, C = w.shape
-    Rp, Cp = _cdiv(R, block) * block, _cdiv(C, block) * block
-    wf = torch.zeros(*lead, Rp, Cp, dtype=torch.float32, device=w.device)
-    wf[..., :R, :C] = w.float()
-    b = wf.view(*lead, Rp // block, block, Cp // block, block)
-    scale = _fp8_scale(b.abs().amax(dim=(-3, -1)))
-    q = (b / scale[..., :, None, :, None]).clamp(-fp8_block.E4M3_MAX, fp8_block.E4M3_MAX)
-    q = q.view(*lead, Rp, Cp)[..., :R, :C].to(torch.float8_e4m3fn).contiguous()
-    return q, scale.contiguous()
+    """w [..., R, C] float -> (q e4m3 [..., R, C], scale f32 [..., ceil(R/b), ceil(C/b)]); partial edge
+    blocks padded with zeros (epmoe.quant.fp8_block.quantize_weight, the format's one quantizer)."""
+    q = fp8_block.quantize_weight(w.float(), (block, block), pad_edges=True)
+    return q.data, q.scales
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """Inverse of `quantize_fp8_block` (float32); any R, C."""
-    R, C = q.shape[-2:]
-    s = scale.repeat_interleave(block, dim=-2)[..., :R, :].repeat_interleave(block, dim=-1)[..., :C]
-    return q.float() * s
+    return fp8_block.dequantize_weight(q, scale, torch.float32, (block, block))
 
 
 def quantize_fp8_tokens(x: torch.Tensor, group: int = FP8_BLOCK):
-    """x [N, C] -> (q e4m3 [N, C], scale f32 [N, ceil(C/group)]), 1 x group blocks, any C (the
-    `fp8_block` activation payload; equals `fp8_block.quantize_activation` for C % 128 == 0)."""
-    N, C = x.shape
-    Cp = _cdiv(C, group) * group
-    xf = torch.zeros(N, Cp, dtype=torch.float32, device=x.device)
-    xf[:, :C] = x.float()
-    g = xf.view(N, Cp // group, group)
-    scale = _fp8_scale(g.abs().amax(dim=2))
-    q = (g / scale[:, :, None]).clamp(-fp8_block.E4M3_MAX, fp8_block.E4M3_MAX).view(N, Cp)[:, :C]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+    """x [N, C] -> (q e4m3 [N, C], scale f32 [N, ceil(C/group)]), 1 x group blocks, any C
+    (epmoe.quant.fp8_block.quantize_activation, the format's one quantizer)."""
+    q = fp8_block.quantize_activation(x.float(), group, pad_edges=True)
+    return q.data, q.scales
 
 
 def dequantize_fp8_tokens(q: torch.Tensor, scale: torch.Tensor, group: int = FP8_BLOCK) -> torch.Tensor:

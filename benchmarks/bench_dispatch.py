@@ -4,6 +4,9 @@
     python benchmarks/bench_dispatch.py --dispatchers flashinfer,torch
     # ep ranks, one GPU each
     torchrun --nproc-per-node 2 benchmarks/bench_dispatch.py --dispatchers flashinfer,torch
+    # ep ranks sharing one GPU (gloo control group; docs/shared-gpu.md): real kernels, but the
+    # figures are LOCAL cost (ranks time-slice one GPU, nothing crosses a link): labelled shared-GPU
+    torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --ranks-per-gpu 4
     # CPU: the plan only (payload bytes per token, expected link bytes for the routing), no GPU
     python benchmarks/bench_dispatch.py --dry-run
 
@@ -50,6 +53,7 @@ class Result:
     combine_gbps: float
     mode: str  # "eager" / "graph"
     note: str = ""
+    placement: str = "one GPU per rank"  # or "shared GPU (N ranks per GPU): local cost, no link"
 
 
 def parse_args(argv=None):
@@ -66,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results to this JSON file (rank 0)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and expected bytes; no GPU")
+    p.add_argument("--ranks-per-gpu", type=int, default=1, metavar="N",
+                   help="N ranks share each GPU over a gloo group (shared-GPU mode): figures are local cost, "
+                        "no link; GB/s is not reported")
     return p.parse_args(argv)
 
 
@@ -164,7 +171,8 @@ def _max_over_ranks(values, world):
         return values
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64, device="cuda")
+    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -178,11 +186,26 @@ def run(args) -> List[Result]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
+    rpg = args.ranks_per_gpu
+    if rpg < 1:
+        raise SystemExit(f"--ranks-per-gpu {rpg}: must be >= 1")
+    shared = rpg > 1
+    gpu = local // rpg
+    if gpu >= torch.cuda.device_count():
+        raise SystemExit(f"local rank {local} with --ranks-per-gpu {rpg} needs GPU {gpu}; "
+                         f"{torch.cuda.device_count()} visible")
+    torch.cuda.set_device(gpu)
+    dev = torch.device("cuda", gpu)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=dev)
+        if shared:  # NCCL refuses two ranks on one GPU
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("nccl", device_id=dev)
     group = dist.group.WORLD if world > 1 else None
+    placement = f"shared GPU ({rpg} ranks per GPU): local cost, no link" if shared else "one GPU per rank"
+    if rank == 0 and shared:
+        print(f"[bench] shared-GPU mode: {world} ranks, {rpg} per GPU, gloo control group. Times are the local cost "
+              "of the real kernels with the ranks time-slicing one GPU; nothing crosses a link (no GB/s).")
     E, K, H = args.experts, args.topk, args.hidden
     results: List[Result] = []
     for name in args.dispatchers.split(","):
@@ -192,7 +215,7 @@ def run(args) -> List[Result]:
             if rank == 0:
                 print(f"[bench] {name}: skipped ({e})")
             continue
-        avail = cls.availability(dev, world)
+        avail = cls.availability(dev, world, shared) if shared else cls.availability(dev, world)
         if not avail:
             if rank == 0:
                 print(f"[bench] {name}: {avail.describe()}")
@@ -202,7 +225,7 @@ def run(args) -> List[Result]:
                 opts = TIMING_OPTIONS.get(name, ())
                 spec = DispatchSpec(group=group, ep_rank=rank, ep_size=world, num_experts=E, top_k=K, hidden_size=H,
                                     max_tokens_per_rank=T, payload=FORMATS[fmt], combine_dtype=torch.bfloat16,
-                                    device=dev, options=opts)
+                                    device=dev, shared_gpu=shared, options=opts)
                 try:
                     d = cls(spec)
                 except Exception as e:  # noqa: BLE001 - report and go on with the next configuration
@@ -230,11 +253,14 @@ def run(args) -> List[Result]:
                     calls = args.warmup + args.iters  # stats were reset right before these calls
                     db, cb = st.dispatch_bytes_sent / calls, st.combine_bytes_sent / calls
                     td, tc, db, cb = _max_over_ranks([td, tc, db, cb], world)
+                    link_ok = not shared and world > 1  # bytes per second over a link only when one was crossed
                     results.append(Result(name, fmt, T, world, td, tc, int(db), int(cb),
-                                          db / (td * 1e3) if td else 0.0, cb / (tc * 1e3) if tc else 0.0, mode, note))
+                                          db / (td * 1e3) if td and link_ok else 0.0,
+                                          cb / (tc * 1e3) if tc and link_ok else 0.0, mode, note, placement))
                     r = results[-1]
                     if rank == 0:
-                        link = "n/a (ep=1)" if world == 1 else f"{r.dispatch_gbps:6.1f} / {r.combine_gbps:6.1f} GB/s"
+                        link = ("n/a (ep=1)" if world == 1 else "n/a (shared GPU: no link)" if shared
+                                else f"{r.dispatch_gbps:6.1f} / {r.combine_gbps:6.1f} GB/s")
                         print(f"[bench] {name:10s} {fmt:5s} T={T:5d} ep={world}: dispatch {td:8.1f} us, "
                               f"combine {tc:8.1f} us, link {link} [{mode}]{' ' + note if note else ''}")
                 finally:

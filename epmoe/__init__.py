@@ -2,7 +2,7 @@
 
 Import direction (one way; nothing imports upwards):
 
-    launch -> layer, resolve -> {dispatch, experts} -> quant -> core (epmoe.core, epmoe.config)
+    nightly -> launch -> layer, resolve -> {dispatch, experts} -> quant -> core (epmoe.core, epmoe.config)
 
 `dispatch` and `experts` never import each other: the experts backend declares the
 `PayloadFormat` it consumes and the layer hands that to the dispatcher. Optional packages

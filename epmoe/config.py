@@ -188,15 +188,23 @@ class MoEConfig:
     ) -> "MoEConfig":
         """Read a HuggingFace `config.json` (path, directory or dict).
 
-        Understands Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 (and V2 with noaux routing),
-        GPT-OSS and Nemotron-H (relu2) field names. `overrides` replace any field afterwards.
+        Understands Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 (and V2 with noaux routing), Kimi-K2,
+        GLM-4-MoE, GPT-OSS and Nemotron-H (relu2) field names; the router is decided by `hf_routing`,
+        the checkpoint quantization by `hf_quant_method` (also from a ModelOpt `hf_quant_config.json`
+        beside config.json). `overrides` replace any field afterwards.
         """
+        quant_file = None
         if not isinstance(config, Mapping):
             path = os.fspath(config)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             with open(path) as f:
                 config = json.load(f)
+            # ModelOpt writes its quantization to hf_quant_config.json beside config.json
+            qpath = os.path.join(os.path.dirname(path), "hf_quant_config.json")
+            if os.path.isfile(qpath):
+                with open(qpath) as f:
+                    quant_file = {"quant_method": "modelopt", **json.load(f)}
         cfg = dict(config)
         if isinstance(cfg.get("text_config"), Mapping):  # multimodal wrappers
             cfg = {**cfg, **cfg["text_config"]}
@@ -236,15 +244,14 @@ class MoEConfig:
         )
         act = str(first("mlp_hidden_act", "hidden_act", default="silu")).lower()
         kwargs["activation"] = "relu2" if act in ("relu2", "relu_squared", "squared_relu") else "swiglu"
-        scoring = str(first("scoring_func", default="softmax")).lower()
-        if scoring == "sigmoid":
-            kwargs["routing"] = "sigmoid_grouped"
+        decision = hf_routing(cfg)
+        kwargs["routing"] = decision.routing
+        if decision.routing == "sigmoid_grouped":
             kwargs["n_group"] = int(first("n_group", default=1))
             kwargs["topk_group"] = int(first("topk_group", default=kwargs["n_group"]))
             kwargs["routed_scaling_factor"] = float(first("routed_scaling_factor", default=1.0))
             kwargs["renormalize"] = bool(first("norm_topk_prob", default=True))
         else:
-            kwargs["routing"] = "softmax"
             if model_type == "mixtral" or model_type == "gpt_oss":
                 kwargs["renormalize"] = True  # Mixtral renormalises; GPT-OSS softmaxes its top-k
             else:
@@ -261,7 +268,106 @@ class MoEConfig:
             except ValueError:
                 pass  # e.g. "auto"; keep the default
         qc = cfg.get("quantization_config")
-        if isinstance(qc, Mapping) and qc.get("quant_method"):
-            kwargs["quant_method"] = str(qc["quant_method"]).lower()
+        if not isinstance(qc, Mapping) and quant_file is not None:
+            qc = quant_file
+        if isinstance(qc, Mapping) and (qc.get("quant_method") or qc.get("quantization")):
+            kwargs["quant_method"] = hf_quant_method(qc)
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------- routing and quantization
+# Families whose router is DeepSeek-V3's (sigmoid scores + e_score_correction_bias, grouped top-k),
+# whose config.json (as transformers writes it) has no `scoring_func`.
+DEEPSEEK_STYLE_ROUTERS = ("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe", "glm4v_moe", "nemotron_h", "dots1")
+# Families known to route with softmax top-k.
+SOFTMAX_ROUTERS = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe", "gpt_oss", "olmoe",
+                   "phimoe", "granitemoe", "dbrx", "jamba", "deepseek_v2", "custom")
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """How `from_hf_config` chose the router: routing ("softmax" / "sigmoid_grouped") and why."""
+
+    routing: str
+    reason: str
+
+
+def hf_routing(cfg: Mapping[str, Any]) -> RoutingDecision:
+    """The router of a HF config: explicit `scoring_func` first, then `topk_method: noaux_tc`, then
+    the model type (DEEPSEEK_STYLE_ROUTERS / SOFTMAX_ROUTERS). An unknown model type without
+    `scoring_func` gets softmax, and says so (a checkpoint that then holds `e_score_correction_bias`
+    is refused at load, naming the missing field)."""
+    if isinstance(cfg.get("text_config"), Mapping):
+        cfg = {**cfg, **cfg["text_config"]}
+    model_type = str(cfg.get("model_type", "custom"))
+    scoring = cfg.get("scoring_func")
+    if str(cfg.get("topk_method", "")).lower() == "group_limited_greedy" and str(scoring or "softmax").lower() == "softmax":
+        raise ValueError(
+            "config.json topk_method='group_limited_greedy' (DeepSeek-V2 grouped softmax routing) is not "
+            "supported: epmoe groups experts only for sigmoid routing (noaux_tc)"
+        )
+    if scoring is not None:
+        key = str(scoring).lower()
+        if key not in ("sigmoid", "softmax"):
+            raise ValueError(f"config.json scoring_func={scoring!r} is not supported; epmoe routes 'softmax' or 'sigmoid'")
+        return RoutingDecision("sigmoid_grouped" if key == "sigmoid" else "softmax", f"scoring_func={key!r} in config.json")
+    if str(cfg.get("topk_method", "")).lower() == "noaux_tc":
+        return RoutingDecision("sigmoid_grouped", "topk_method='noaux_tc' in config.json (DeepSeek-V3 router)")
+    if model_type in DEEPSEEK_STYLE_ROUTERS:
+        return RoutingDecision(
+            "sigmoid_grouped", f"model_type {model_type!r} routes like DeepSeek-V3 (sigmoid + e_score_correction_bias)"
+        )
+    if model_type in SOFTMAX_ROUTERS:
+        return RoutingDecision("softmax", f"model_type {model_type!r} routes with softmax top-k")
+    return RoutingDecision(
+        "softmax",
+        f"model_type {model_type!r} is not a known MoE family and config.json has no 'scoring_func': softmax "
+        "assumed (a checkpoint holding e_score_correction_bias is refused at load; add scoring_func to config.json)",
+    )
+
+
+def hf_quant_method(qc: Mapping[str, Any]) -> str:
+    """`quantization_config` (or ModelOpt's hf_quant_config.json) -> MoEConfig.quant_method.
+
+    fp8 with weight_block_size [128, 128] -> "fp8"; fp8 without blocks -> "fp8_per_tensor" (refused by
+    the plan); ModelOpt NVFP4 -> "modelopt_fp4"; compressed-tensors NVFP4 -> "compressed_tensors_nvfp4";
+    anything else -> the method name, lower case (the plan says whether it can run it)."""
+    method = str(qc.get("quant_method") or "modelopt").lower().replace("-", "_")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block is None:
+            return "fp8_per_tensor"
+        if [int(b) for b in block] != [128, 128]:
+            raise ValueError(
+                f"FP8 checkpoint with weight_block_size={list(block)} is not supported: the fp8_block experts "
+                "use 128x128 weight blocks (weight_scale_inv [ceil(out/128), ceil(in/128)])"
+            )
+        scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+        if scheme != "dynamic":
+            raise ValueError(
+                f"FP8 checkpoint with activation_scheme={scheme!r} is not supported: fp8_block experts quantize "
+                "activations dynamically (1x128 groups); use a checkpoint with activation_scheme 'dynamic'"
+            )
+        return "fp8"
+    if method == "modelopt":
+        inner = qc.get("quantization") if isinstance(qc.get("quantization"), Mapping) else qc
+        algo = str(inner.get("quant_algo") or "").upper()
+        if algo == "NVFP4":
+            group = inner.get("group_size", 16)
+            if group is not None and int(group) != 16:
+                raise ValueError(f"ModelOpt NVFP4 with group_size={group} is not supported: NVFP4 uses 16-value groups")
+            return "modelopt_fp4"
+        return f"modelopt_{algo.lower() or 'unknown'}"
+    if method == "compressed_tensors":
+        fmts = {str(qc.get("format", "")).lower()}
+        groups = qc.get("config_groups") or {}
+        for g in groups.values() if isinstance(groups, Mapping) else ():
+            fmts.add(str(g.get("format", "")).lower())
+            w = g.get("weights") or {}
+            if w.get("num_bits") == 4 and str(w.get("type")) == "float" and w.get("group_size") == 16:
+                fmts.add("nvfp4-pack-quantized")
+        if "nvfp4-pack-quantized" in fmts:
+            return "compressed_tensors_nvfp4"
+        return "compressed_tensors"
+    return method

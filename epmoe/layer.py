@@ -23,6 +23,7 @@ from epmoe.core.fault import FaultWatch
 from epmoe.dispatch import DISPATCHERS, Agreement, Dispatcher, DispatchSpec
 from epmoe.experts import EXPERTS, Experts, ExpertsSpec
 from epmoe.quant.payload import PayloadFormat
+from epmoe.quant.checkpoint_formats import check_fits_plan
 from epmoe.quant.plan import QuantPlan
 from epmoe.resolve import detect_environment, resolve_plan
 from epmoe.quant.weights import ExpertWeights
@@ -72,6 +73,24 @@ def _default_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_shared_gpu(device: torch.device, group: Any, ep_size: int) -> None:
+    """shared_gpu=True needs a GPU device and, with several ranks, a gloo group."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"shared_gpu=True puts several ranks on one GPU, but device is {device}; pass device='cuda:N' "
+            "or drop shared_gpu (CPU ranks need no opt-in)"
+        )
+    if ep_size > 1:
+        import torch.distributed as dist
+
+        backend = dist.get_backend(group)
+        if backend != "gloo":
+            raise ValueError(
+                f"shared_gpu=True needs a gloo process group (NCCL refuses two ranks on one GPU), got backend "
+                f"{backend!r}; init_process_group('gloo', ...) or launch with --ranks-per-gpu N"
+            )
+
+
 class EPMoE(torch.nn.Module):
     """One MoE layer over the ranks of `group` (default: the world; None without torch.distributed).
 
@@ -88,6 +107,10 @@ class EPMoE(torch.nn.Module):
     timeout_s:     wait at most this long in any collective of this layer (gloo; on NCCL the process
                    group's timeout applies); past it every rank raises CollectiveTimeoutError with a
                    FaultReport (layer, call number, phase, which rank waits on which)
+    shared_gpu:    the ranks of `group` share one GPU (explicit opt-in, docs/shared-gpu.md): `group` must be
+                   gloo (NCCL refuses two ranks on one device) and `device` a GPU (default: the current
+                   one); dispatchers that check for a link between GPUs skip that check. Correct
+                   results, but timings measure local cost only, never a link.
 
     `dispatcher` may also be a Dispatcher built for another layer: several layers (a model) then
     share one dispatcher and its workspace (it must match this layer's group and shape).
@@ -112,6 +135,7 @@ class EPMoE(torch.nn.Module):
         dispatcher_options: Optional[Mapping[str, Any]] = None,
         experts_options: Optional[Mapping[str, Any]] = None,
         timeout_s: Optional[float] = None,
+        shared_gpu: bool = False,
         name: str = "EPMoE",
     ):
         super().__init__()
@@ -122,7 +146,15 @@ class EPMoE(torch.nn.Module):
         self.name = name
         self.ep_rank = edist.group_rank(group)
         self.ep_size = edist.group_size(group)
-        self.device = torch.device(device) if device is not None else _default_device(group)
+        if not isinstance(shared_gpu, bool):
+            raise TypeError(f"shared_gpu={shared_gpu!r}; pass True or False")
+        self.shared_gpu = shared_gpu
+        if device is not None:
+            self.device = torch.device(device)
+        elif shared_gpu and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = _default_device(group)
         self.strict = strict
         self.deterministic = deterministic
         self.timeout_s = timeout_s
@@ -143,6 +175,8 @@ class EPMoE(torch.nn.Module):
                 )
             if timeout_s is not None and not timeout_s > 0:
                 raise ValueError(f"timeout_s={timeout_s!r}; pass a positive number of seconds or None")
+            if shared_gpu:
+                _check_shared_gpu(self.device, group, self.ep_size)
             if dispatcher_name not in DISPATCHERS:
                 raise ValueError(f"unknown dispatcher {dispatcher_name!r}; choose one of {DISPATCHERS.names()}")
             if experts != "auto" and experts not in EXPERTS:
@@ -166,7 +200,7 @@ class EPMoE(torch.nn.Module):
         fingerprint = dict(config.fingerprint())
         fingerprint.update(
             dispatcher=dispatcher_name, experts=experts, timeout_s=repr(timeout_s), max_num_tokens_per_rank=repr(max_num_tokens_per_rank),
-            deterministic=repr(deterministic), ep_size=repr(self.ep_size),
+            deterministic=repr(deterministic), ep_size=repr(self.ep_size), shared_gpu=repr(shared_gpu),
         )
         if plan is not None:
             fingerprint.update(plan.fingerprint())
@@ -227,7 +261,7 @@ class EPMoE(torch.nn.Module):
 
     def _build_dispatcher(self, plan: QuantPlan, options) -> Dispatcher:
         cls = DISPATCHERS.get(plan.dispatcher)
-        avail = cls.availability(self.device, self.ep_size)
+        avail = cls.availability(self.device, self.ep_size, self.shared_gpu)
         if not avail:
             raise BackendUnavailableError(plan.dispatcher, avail.reason, avail.hint)
         from epmoe.quant.workspace import workspace_breakdown
@@ -242,7 +276,7 @@ class EPMoE(torch.nn.Module):
             hidden_size=self.config.hidden_size, max_tokens_per_rank=self.max_num_tokens_per_rank,
             payload=self.experts.payload_format, wire=self._wire_format(plan),
             combine_dtype=self.config.dtype, device=self.device, deterministic=self.deterministic,
-            timeout_s=self._watch.collective_timeout, options=options,
+            timeout_s=self._watch.collective_timeout, shared_gpu=self.shared_gpu, options=options,
         )
         return cls(spec)
 
@@ -251,6 +285,8 @@ class EPMoE(torch.nn.Module):
         problems = []
         if s.group is not self.group:
             problems.append("it serves another process group")
+        if s.shared_gpu != self.shared_gpu:
+            problems.append(f"shared_gpu {s.shared_gpu} != {self.shared_gpu}")
         for field, mine in (("num_experts", c.num_experts), ("top_k", c.top_k), ("hidden_size", c.hidden_size),
                             ("combine_dtype", c.dtype)):
             if getattr(s, field) != mine:
@@ -314,6 +350,7 @@ class EPMoE(torch.nn.Module):
             if tuple(corr.shape) != (self.config.num_experts,):
                 raise ValueError(
                     f"e_score_correction_bias has shape {list(corr.shape)}; expected [{self.config.num_experts}]")
+        check_fits_plan(local.format, self.plan)
         dtypes = {name: t.dtype for name, t in local.tensors().items()}
         if update:
             changed = {n: (self._loaded_dtypes.get(n), d) for n, d in dtypes.items() if self._loaded_dtypes.get(n) != d}

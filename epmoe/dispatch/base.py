@@ -42,6 +42,10 @@ class DispatchSpec:
                          None: block). Raise epmoe.core.fault.CollectiveTimeoutError past it.
     static_shapes:       CUDA-graph mode: every call has exactly max_tokens_per_rank rows (padding rows
                          have all ids -1), buffers keep their shapes and nothing syncs with the host
+    shared_gpu:          several ranks of the group run on ONE GPU (explicit opt-in, docs/shared-gpu.md):
+                         the group is gloo (NCCL refuses duplicate devices), backends that check for a
+                         link between GPUs skip that check, and nothing measured in this mode says
+                         anything about a link
     options:             the backend's typed options (`cls.Options`; a tuple of pairs is parsed)
     """
 
@@ -60,6 +64,7 @@ class DispatchSpec:
     wire: Optional[PayloadFormat] = None
     timeout_s: Optional[float] = None
     static_shapes: bool = False
+    shared_gpu: bool = False
     options: Any = ()
 
     @property
@@ -176,7 +181,8 @@ class Dispatcher(abc.ABC):
         self.stats = DispatcherStats()
 
     @classmethod
-    def availability(cls, device: torch.device, ep_size: int = 1) -> Availability:
+    def availability(cls, device: torch.device, ep_size: int = 1, shared_gpu: bool = False) -> Availability:
+        """Can this backend run `ep_size` ranks on `device`? `shared_gpu`: the ranks share one GPU."""
         return Availability.yes()
 
     @abc.abstractmethod

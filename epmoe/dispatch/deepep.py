@@ -360,12 +360,12 @@ class _DeepEPBase(Dispatcher):
         return Availability.yes()
 
     @classmethod
-    def availability(cls, device: torch.device, ep_size: int = 1) -> Availability:
+    def availability(cls, device: torch.device, ep_size: int = 1, shared_gpu: bool = False) -> Availability:
         return _availability(device, ep_size, cls.low_latency)
 
     def __init__(self, spec: DispatchSpec):
         super().__init__(spec)
-        avail = type(self).availability(spec.device, spec.ep_size)
+        avail = type(self).availability(spec.device, spec.ep_size, spec.shared_gpu)
         if not avail:
             raise BackendUnavailableError(self.name, avail.reason, avail.hint)
         ok = deepep_wire_support(spec.wire_format, spec.payload, spec.combine_dtype, low_latency=self.low_latency)

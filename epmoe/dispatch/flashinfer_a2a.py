@@ -34,6 +34,11 @@ token's first valid expert (no extra destination) or, for a token with none, thi
 FlashInfer's `moe_a2a_sanitize_expert_ids` (run inside `MoeAlltoAll.dispatch`) sets padded rows to -1,
 and we convert to LOCAL ids (-1 where the expert lives on another rank) for `DispatchedTokens`.
 
+Several ranks on one GPU (`spec.shared_gpu`, docs/shared-gpu.md): every process maps the others'
+workspaces on the same device, so there is no peer access to prove and `availability` skips that
+check; the control group is gloo. Only with the explicit flag: without it, ranks that cannot prove
+peer access are refused.
+
 Per-call agreement. All ranks must pass the same `runtime_max_tokens_per_rank`. With
 `spec.static_shapes` (CUDA-graph mode) it is always max_tokens_per_rank and nothing syncs with the
 host; otherwise option `runtime_max_tokens`:
@@ -229,7 +234,7 @@ class FlashInferA2ADispatcher(Dispatcher):
         return Availability.yes()
 
     @classmethod
-    def availability(cls, device: torch.device, ep_size: int = 1) -> Availability:
+    def availability(cls, device: torch.device, ep_size: int = 1, shared_gpu: bool = False) -> Availability:
         if importlib.util.find_spec("flashinfer") is None:
             return Availability.no("flashinfer is not installed", INSTALL_HINT)
         device = torch.device(device)
@@ -241,13 +246,16 @@ class FlashInferA2ADispatcher(Dispatcher):
         for mod, pkg in (("cuda", "cuda-python"), ("pynvml", "nvidia-ml-py")):
             if importlib.util.find_spec(mod) is None:
                 return Availability.no(f"FlashInfer's MNNVL memory needs {pkg}", f"pip install {pkg}")
-        if ep_size > 1:
+        if ep_size > 1 and not shared_gpu:
             ok, why = _peer_access(device)
             if not ok:
                 return Availability.no(
                     f"ep_size={ep_size} needs peer (NVLink/P2P) access between the GPUs: {why}",
-                    "run EP ranks on GPUs of one NVLink domain, or use dispatcher 'torch' (NCCL)",
+                    "run EP ranks on GPUs of one NVLink domain, or use dispatcher 'torch' (NCCL); for "
+                    "several ranks on one GPU opt in with shared_gpu=True (launcher: --ranks-per-gpu N)",
                 )
+        # shared_gpu: every rank maps the others' workspaces on the same device (no link is crossed,
+        # so there is no peer access to check); measured on one H200 with 2 and 4 ranks.
         return Availability.yes()
 
     def __init__(self, spec: DispatchSpec):
@@ -281,7 +289,8 @@ class FlashInferA2ADispatcher(Dispatcher):
             _check_codec(self.wire)
         self.handle_bytes = bool(self.options.handle_bytes) and not self.static_shapes
 
-        avail = self.availability(spec.device, spec.ep_size) if self.options.check_availability else Availability.yes()
+        avail = (self.availability(spec.device, spec.ep_size, spec.shared_gpu) if self.options.check_availability
+                 else Availability.yes())
         if not avail:
             raise BackendUnavailableError(self.name, avail.reason, avail.hint)
 
@@ -367,7 +376,14 @@ class FlashInferA2ADispatcher(Dispatcher):
             backend = dist.get_backend(self.spec.group)
             dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
             t = torch.tensor(values, dtype=torch.int64, device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.spec.group)
+            from epmoe.core.fault import run_collective
+
+            # through run_collective: on gloo a lost peer or the layer's timeout becomes a
+            # CollectiveFailure (the layer turns it into a FaultReport) instead of a bare RuntimeError
+            run_collective(
+                lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.spec.group, async_op=True),
+                self.spec.timeout_s if backend == "gloo" else None, "all_reduce of runtime max tokens",
+            )
             return [int(v) for v in t.tolist()]
         gathered = self._comm.allgather(list(values))
         return [max(g[i] for g in gathered) for i in range(len(values))]

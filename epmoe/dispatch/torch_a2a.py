@@ -10,6 +10,12 @@ dispatch (per call, three collectives):
      of three; FP8 scales travel as bytes, which gloo needs anyway).
 combine: all_to_all of the expert outputs back (model dtype), then each rank adds its partial sums
   per source rank in rank order, in fp32: deterministic on every device.
+
+CUDA tensors over a gloo group (several ranks sharing one GPU, `spec.shared_gpu`, where NCCL refuses
+duplicate devices): every collective stages its tensors through host memory (device -> host copy,
+gloo all_to_all, host -> device copy). The bytes and the arithmetic are those of the NCCL path, so
+results compare bit for bit with other dispatchers; the time is host-bound and says nothing about a
+link. Staging syncs with the host, so this path cannot be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -89,16 +95,39 @@ class TorchA2ADispatcher(Dispatcher):
 
         self._codec = _RowCodec(spec)
         self._distributed = edist.is_distributed(spec.group)
+        # gloo moves host memory only: CUDA tensors are staged through the host (shared-GPU mode)
+        self._host_staging = self._distributed and dist.get_backend(spec.group) == "gloo"
 
     # ------------------------------------------------------------------ helpers
-    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> None:
-        if self._distributed:
-            run_collective(
-                lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.spec.group, async_op=True),
-                self.spec.timeout_s, "all_to_all of token rows",
-            )
-        else:
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, what: str) -> None:
+        """all_to_all_single over the group (a copy for one rank); CUDA tensors over gloo go through
+        host buffers."""
+        if not self._distributed:
             out.copy_(inp)
+            return
+        if self._host_staging and (out.is_cuda or inp.is_cuda):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "the torch dispatcher over a gloo group stages CUDA tensors through host memory and cannot "
+                    "be captured in a CUDA graph; use dispatcher 'flashinfer' (shared_gpu=True) or "
+                    "decode_runner(..., cuda_graph=False)"
+                )
+            host_in = inp.cpu()
+            host_out = torch.empty(out.shape, dtype=out.dtype)
+            run_collective(
+                lambda: dist.all_to_all_single(host_out, host_in, out_splits, in_splits, group=self.spec.group,
+                                               async_op=True),
+                self.spec.timeout_s, what,
+            )
+            out.copy_(host_out)
+            return
+        run_collective(
+            lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.spec.group, async_op=True),
+            self.spec.timeout_s, what,
+        )
+
+    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int]) -> None:
+        self._all_to_all(out, inp, out_splits, in_splits, "all_to_all of token rows")
 
     def _validate(self, hidden, topk_ids, topk_weights) -> Tuple[Optional[BaseException], Optional[torch.Tensor]]:
         """Local checks. Returns (error or None, device flag tensor for id range)."""
@@ -211,13 +240,7 @@ class TorchA2ADispatcher(Dispatcher):
         return DispatchedTokens(hidden=recv_hidden, topk_ids=recv_ids, topk_weights=recv_w), handle
 
     def _a2a_meta(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        if self._distributed:
-            run_collective(
-                lambda: dist.all_to_all_single(out, inp, group=self.spec.group, async_op=True),
-                self.spec.timeout_s, "all_to_all of split sizes",
-            )
-        else:
-            out.copy_(inp)
+        self._all_to_all(out, inp, None, None, "all_to_all of split sizes")
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_output: torch.Tensor, handle: TorchA2AHandle) -> torch.Tensor:

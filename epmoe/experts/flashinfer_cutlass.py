@@ -494,6 +494,10 @@ class FlashInferCutlassExperts(Experts):
             weights = _truncate_nongated(weights, self.config.intermediate_size)
         self.check_local_weights(weights)
         want = MODE_WEIGHT_FORMAT[self.mode]
+        if want is None and weights.is_quantized:  # bf16 experts over a quantized checkpoint
+            from epmoe.quant.weights import dequantize_expert_weights
+
+            weights = dequantize_expert_weights(weights, self.act_dtype)
         if weights.format != want:
             if weights.format is not None or not self.spec.option("quantize_online", True):
                 raise ValueError(

@@ -138,6 +138,10 @@ class MaskedReferenceExperts(Experts):
 
     def load_weights(self, weights: ExpertWeights) -> None:
         self.check_local_weights(weights)
+        if weights.is_quantized:  # a quantized checkpoint: its own values, dequantized
+            from epmoe.quant.weights import dequantize_expert_weights
+
+            weights = dequantize_expert_weights(weights, torch.float32)
         dev, dt = self.spec.device, self.config.dtype
         new = {"w13": weights.w13(), "w2": weights.w2}
         if self.config.has_bias:

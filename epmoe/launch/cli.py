@@ -22,10 +22,13 @@ import torch
 
 from epmoe.config import MoEConfig, dtype_name, parse_dtype
 from epmoe.core import dist as edist
-from epmoe.launch.env import available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown
+from epmoe.launch.env import (
+    available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown,
+)
 from epmoe.launch.presets import PRESETS
-from epmoe.launch.synthetic import SyntheticLayer, read_gate, write_checkpoint
+from epmoe.launch.synthetic import SyntheticLayer, read_gate, reference_layers, write_checkpoint
 from epmoe.layer import EPMoE
+from epmoe.quant.checkpoint_formats import CHECKPOINT_FORMATS, QUANT_METHOD_OF_FORMAT
 from epmoe.quant.plan import EXPERT_MODES
 
 CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -46,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default=None, choices=list(EXPERT_MODES), help="expert quant mode (default: unquantized)")
     p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "bf16", "nvfp4", "fp8"],
                    help="how tokens travel (auto: what the chosen experts kernel consumes, if the dispatcher moves it)")
+    p.add_argument("--checkpoint-format", default=None, choices=list(CHECKPOINT_FORMATS),
+                   help="layout of the synthetic checkpoint written and loaded back (default bf16); with --plan: "
+                        "the checkpoint's quantization (default: config.json's quantization_config)")
     p.add_argument("--dtype", default=None, help="activation dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank per step")
     p.add_argument("--tokens-jitter", type=float, default=0.0, metavar="FRAC",
@@ -72,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deterministic", action="store_true", help="bitwise-reproducible reductions")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--ranks-per-gpu", type=int, default=1, metavar="N",
+                   help="run N ranks on each GPU (local ranks 0..N-1 on GPU 0, ...) over a gloo group; an explicit "
+                        "opt-in for testing on fewer GPUs: results are real, timings measure no link "
+                        "(docs/shared-gpu.md)")
     return p
 
 
@@ -91,10 +101,18 @@ def load_config(args: argparse.Namespace, device: torch.device) -> "tuple[MoECon
         dtype = MoEConfig.from_hf_config(hf).dtype  # plan for the model as deployed (its own dtype)
     else:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: float32 keeps --check tight
-    cfg = MoEConfig.from_hf_config(hf, dtype=dtype)
-    if args.quant is None and cfg.quant_method is not None:
-        cfg = cfg.replace(quant_method=None)  # synthetic weights are unquantized unless --quant asks
-    return cfg, hf
+    cfg = MoEConfig.from_hf_config(args.config or hf, dtype=dtype)
+    if args.plan and args.checkpoint_format is None:
+        return cfg, hf  # plan for the checkpoint config.json describes
+    # the synthetic checkpoint is written in --checkpoint-format: its quantization is the model's
+    return cfg.replace(quant_method=QUANT_METHOD_OF_FORMAT[args.checkpoint_format or "bf16"]), hf
+
+
+def _read_hf(path: str) -> dict:
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        return json.load(f)
 
 
 def apply_scale(cfg: MoEConfig, scale: Optional[float], ep: int) -> MoEConfig:
@@ -152,7 +170,17 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "
           f"I={cfg.intermediate_size} activation={cfg.activation} routing={cfg.routing} "
           f"bias={cfg.has_bias} dtype={dtype_name(cfg.dtype)} layers={cfg.num_layers}")
+    from epmoe.config import hf_routing
+
+    if args.config:
+        print(f"routing: {hf_routing(_read_hf(args.config)).reason}")
+    print(f"checkpoint: quant_method={cfg.quant_method} ({plan.checkpoint_quant} family)"
+          + (f", --checkpoint-format {args.checkpoint_format}" if args.checkpoint_format else ""))
     print(f"placement: ep={ep}, {E_local} experts per rank (contiguous)")
+    rpg = getattr(args, "ranks_per_gpu", 1)
+    if rpg > 1:
+        print(f"shared GPU: --ranks-per-gpu {rpg}: {ep} ranks on {-(-ep // rpg)} GPU(s), gloo control group; "
+              "real kernels and results, but timings are local cost only (no link is measured)")
     for r in range(ep):
         print(f"  rank {r}: experts [{r * E_local}, {(r + 1) * E_local})")
     from epmoe.quant.workspace import format_plan_report
@@ -242,7 +270,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
         cfg = apply_scale(cfg, args.scale, ep)
         return print_plan(cfg, args, ep, device) if le.rank == 0 else 0
 
-    le = init_distributed(device.type, args.timeout)
+    le = init_distributed(device.type, args.timeout, args.ranks_per_gpu)
+    shared_gpu = args.ranks_per_gpu > 1
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     ep = le.world_size
@@ -253,6 +282,15 @@ def _main(argv: Optional[List[str]] = None) -> int:
         print(f"--scale {args.scale}: experts {unscaled.num_experts} -> {cfg.num_experts} "
               f"(top_k {cfg.top_k}, expert shape H={cfg.hidden_size} I={cfg.intermediate_size} unchanged)")
     num_layers = args.layers
+    from epmoe.launch.synthetic import check_format_fits
+
+    try:
+        check_format_fits(cfg, args.checkpoint_format or "bf16")
+    except ValueError as e:
+        if rank0:
+            print(f"error: {e}", file=sys.stderr)
+        shutdown()
+        return 2
     need = weight_bytes_per_rank(cfg, ep, num_layers)
     have = available_memory_bytes(device)
     if have is not None and need > 0.8 * have and args.scale is None:
@@ -277,8 +315,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
     synthetic: dict = {}
     if le.local_rank == 0 and wdir is not None:
         try:
-            synthetic = write_checkpoint(wdir, cfg, hf, num_layers, args.seed)
-        except OSError as e:  # reported below through the agreement, not by leaving the others waiting
+            write_checkpoint(wdir, cfg, hf, num_layers, args.seed, args.checkpoint_format or "bf16", device=device)
+        except (OSError, ValueError) as e:  # reported below through the agreement, not by leaving the others waiting
             print(f"error: rank {le.rank} could not write the synthetic checkpoint to {wdir}: {e}; "
                   "pass --weights-dir DIR on a writable filesystem", file=sys.stderr)
     edist.barrier()  # the files exist (or their writer failed) before anyone looks
@@ -295,20 +333,24 @@ def _main(argv: Optional[List[str]] = None) -> int:
         if tmp is not None:
             tmp.cleanup()
         return 2
-    if not rank0:
-        synthetic = {}
+    if rank0 and args.check:  # the reference: the checkpoint's own (dequantized) values
+        synthetic = reference_layers(wdir, cfg, num_layers)
 
     layers, gates = [], []
     for L in range(num_layers):
         layer = EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=max_tokens,
                       experts=args.experts, quant=args.quant, dispatch_dtype=args.dispatch_dtype,
-                      deterministic=args.deterministic, timeout_s=args.timeout, name=f"EPMoE[layer {L}]")
+                      deterministic=args.deterministic, timeout_s=args.timeout, shared_gpu=shared_gpu,
+                      name=f"EPMoE[layer {L}]")
         layer.load_weights(wdir, layer_idx=L)
         layers.append(layer)
         gates.append(read_gate(wdir, L).to(device))
     if rank0:
-        print(f"epmoe launch: {cfg.model_type} ep={ep} ({le.launcher}, {'nccl' if device.type == 'cuda' else 'gloo'} "
-              f"on {device}) layers={num_layers} tokens/rank={args.tokens} jitter={args.tokens_jitter} "
+        comm = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
+        where = f"{device}, {args.ranks_per_gpu} ranks per GPU: shared-GPU mode, no link measured" if shared_gpu \
+            else str(device)
+        print(f"epmoe launch: {cfg.model_type} ep={ep} ({le.launcher}, {comm} "
+              f"on {where}) layers={num_layers} tokens/rank={args.tokens} jitter={args.tokens_jitter} "
               f"max_tokens_per_rank={max_tokens} dtype={dtype_name(cfg.dtype)}")
         print(layers[0].plan.describe())
 
@@ -345,7 +387,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
             stats.tokens.append(T)
             stats.bytes_sent.append(step_bytes)
         if args.check:
-            err = _check_step(cfg, synthetic, records, rank0, layers[0].plan)
+            err = _check_step(cfg, synthetic, records, rank0, layers[0].plan, layers[0].max_num_tokens_per_rank)
             if rank0:
                 stats.max_err = max(stats.max_err, err)
                 stats.checked += len(layers) * ep
@@ -372,23 +414,31 @@ def _main(argv: Optional[List[str]] = None) -> int:
     return 1 if failed_check else 0
 
 
-def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool, plan=None) -> float:
+def _check_step(cfg: MoEConfig, synthetic: dict, records, rank0: bool, plan=None,
+                round_tokens: Optional[int] = None) -> float:
     """Gather every rank's (input, logits, output) per layer; rank 0 compares with the reference,
-    which models the plan's path (lossy wire, weight and activation quantization)."""
+    which models the plan's path (lossy wire, weight and activation quantization). With a quantized
+    wire each rank quantizes each dispatch round of `round_tokens` rows with its own dynamic scale,
+    so the reference runs per rank and round."""
     from epmoe.reference import reference_moe
 
     everything = edist.all_gather_objects(records)
     if not rank0:
         return 0.0
     worst = 0.0
+    per_round = plan is not None and plan.dispatch_dtype != "bf16" and round_tokens
     for L, layer in synthetic.items():
         xs = torch.cat([r[L][0] for r in everything])
         if xs.shape[0] == 0:
             continue
         logits = torch.cat([r[L][1] for r in everything])
         ys = torch.cat([r[L][2] for r in everything])
-        ref = reference_moe(cfg, xs, layer.experts, logits, e_score_correction_bias=layer.e_score_correction_bias,
-                            plan=plan)
+        chunks = [(xs, logits)]
+        if per_round:
+            chunks = [(r[L][0][i:i + round_tokens], r[L][1][i:i + round_tokens])
+                      for r in everything for i in range(0, r[L][0].shape[0], round_tokens)]
+        ref = torch.cat([reference_moe(cfg, x, layer.experts, lg, e_score_correction_bias=layer.e_score_correction_bias,
+                                       plan=plan) for x, lg in chunks])
         err = float((ys.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         if not torch.isfinite(ys).all():
             err = float("inf")

@@ -136,6 +136,7 @@ class RequestedConfig:
     ep_size: int
     ok: bool
     problems: Tuple[str, ...]
+    ranks_per_gpu: int = 1  # > 1: shared-GPU mode (--ranks-per-gpu), gloo control group, no link measured
 
 
 @dataclass(frozen=True)
@@ -401,14 +402,17 @@ def _status_of(kind: str, name: str, avail: Any) -> BackendStatus:
     return BackendStatus(kind, name, NO, getattr(avail, "reason", "") or "unavailable", getattr(avail, "hint", "") or "")
 
 
-def dispatcher_status(name: str, device: torch.device, ep_size: int) -> BackendStatus:
+def dispatcher_status(name: str, device: torch.device, ep_size: int, shared_gpu: bool = False) -> BackendStatus:
     from epmoe.dispatch import DISPATCHERS
 
     cls, failed, kind = _load_class(DISPATCHERS, name)
     if failed:
         return failed
     try:
-        return _status_of(kind, name, cls.availability(device, ep_size))
+        # the flag is passed only when set, so a backend registered with the older
+        # availability(device, ep_size) signature is still judged for the usual placement
+        return _status_of(kind, name, cls.availability(device, ep_size, shared_gpu) if shared_gpu
+                          else cls.availability(device, ep_size))
     except Exception as e:  # noqa: BLE001
         return BackendStatus(kind, name, ERROR, f"availability() raised {_short(e)}", "")
 
@@ -465,8 +469,14 @@ def _ep_size(args, launch: Dict[str, Any]) -> int:
 def judge_requested(args, cfg, device: torch.device, device_problems: List[str], ep_size: int, arch: str,
                     distributed: Dict[str, bool], backends: Sequence[BackendStatus]) -> RequestedConfig:
     problems = list(device_problems)
+    rpg = getattr(args, "ranks_per_gpu", 1)
+    if rpg < 1:
+        problems.append(f"--ranks-per-gpu {rpg}: must be >= 1")
+    elif rpg > 1 and device.type != "cuda":
+        problems.append(f"--ranks-per-gpu {rpg} shares GPUs between ranks, but the device is {device.type}; "
+                        "use --device cuda or drop --ranks-per-gpu")
     if ep_size > 1:
-        need = "nccl" if device.type == "cuda" else "gloo"
+        need = "nccl" if device.type == "cuda" and rpg == 1 else "gloo"
         if not distributed.get(need):
             problems.append(f"ep={ep_size} on {device.type} needs the torch.distributed '{need}' backend, which this "
                             f"torch build lacks; install a torch build with {need}")
@@ -480,7 +490,7 @@ def judge_requested(args, cfg, device: torch.device, device_problems: List[str],
     if not known_dispatcher:
         problems.append(f"--dispatcher {args.dispatcher!r} is not a dispatcher; choose one of {DISPATCHERS.names()}")
     else:
-        d = by_key.get(("dispatcher", args.dispatcher)) or dispatcher_status(args.dispatcher, device, ep_size)
+        d = by_key.get(("dispatcher", args.dispatcher)) or dispatcher_status(args.dispatcher, device, ep_size, rpg > 1)
         if d.status != OK:
             problems.append(f"--dispatcher {args.dispatcher}: {d.reason}" + (f"; {d.hint}" if d.hint else ""))
     experts = args.experts
@@ -500,7 +510,7 @@ def judge_requested(args, cfg, device: torch.device, device_problems: List[str],
     if cfg.num_experts % ep_size:
         problems.append(f"num_experts={cfg.num_experts} is not divisible by ep={ep_size}; use an EP size dividing it")
     return RequestedConfig(device=str(device), dispatcher=args.dispatcher, experts=experts, quant=args.quant or "bf16",
-                           ep_size=ep_size, ok=not problems, problems=tuple(problems))
+                           ep_size=ep_size, ok=not problems, problems=tuple(problems), ranks_per_gpu=rpg)
 
 
 # ---------------------------------------------------------------------------- assemble
@@ -544,13 +554,15 @@ def collect(args: argparse.Namespace) -> DoctorReport:
     from epmoe.experts import EXPERTS
 
     backends: List[BackendStatus] = []
+    shared_gpu = getattr(args, "ranks_per_gpu", 1) > 1
     for name in _names(DISPATCHERS, "dispatcher"):
-        backends.append(dispatcher_status(name, device, ep_size))
+        backends.append(dispatcher_status(name, device, ep_size, shared_gpu))
     for name in _names(EXPERTS, "experts"):
         backends.append(experts_status(name, cfg, args, device, ep_size, arch))
     context = (f"judged for device={device.type} ({arch}), ep={ep_size}, model {cfg.model_type} "
                f"H={cfg.hidden_size} I={cfg.intermediate_size} E={cfg.num_experts} dtype={str(cfg.dtype).replace('torch.', '')}, "
-               f"quant={args.quant or 'bf16'}")
+               f"quant={args.quant or 'bf16'}"
+               + (f", shared GPU ({args.ranks_per_gpu} ranks per GPU)" if shared_gpu else ""))
     requested = judge_requested(args, cfg, device, device_problems, ep_size, arch, distributed, backends)
 
     if cuda.available and cuda.device_count > 1 and any(v is False for row in cuda.peer_access for v in row):
@@ -639,8 +651,12 @@ def format_report(r: DoctorReport) -> str:
     L += _table([(b.kind, b.name, b.status, b.reason + (f"  -> {b.hint}" if b.hint else "")) for b in r.backends])
     q = r.requested
     L += ["", "requested configuration"]
-    L.append(f"  device={q.device} dispatcher={q.dispatcher} experts={q.experts} quant={q.quant} ep={q.ep_size}: "
+    L.append(f"  device={q.device} dispatcher={q.dispatcher} experts={q.experts} quant={q.quant} ep={q.ep_size}"
+             + (f" ranks-per-gpu={q.ranks_per_gpu}" if q.ranks_per_gpu > 1 else "") + ": "
              + ("CAN RUN" if q.ok else "CANNOT RUN"))
+    if q.ranks_per_gpu > 1:
+        L.append(f"  shared-GPU mode (--ranks-per-gpu {q.ranks_per_gpu}, explicit opt-in): ranks share a GPU over a "
+                 "gloo group; real kernels and results, timings are local cost only (no link is measured)")
     L += [f"  - {p}" for p in q.problems]
     if r.notes:
         L += ["", "notes"] + [f"  - {n}" for n in r.notes]

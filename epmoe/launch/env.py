@@ -1,5 +1,6 @@
 """Process groups for the launcher: torchrun (env://), mpirun (via mpi4py or OMPI/PMI variables),
-or a single process. The backend follows the device: NCCL on CUDA, gloo on CPU."""
+or a single process. The backend follows the device: NCCL on CUDA, gloo on CPU, and gloo when several
+ranks share one GPU (`--ranks-per-gpu N`, an explicit opt-in: NCCL refuses two ranks on one device)."""
 
 from __future__ import annotations
 
@@ -68,18 +69,44 @@ def _mpi_rendezvous(le: LaunchEnv) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
 
 
-def init_distributed(device_kind: str, timeout_s: float = 300.0) -> LaunchEnv:
-    """Initialise the default process group if this is a multi-process launch; returns the env."""
+def check_ranks_per_gpu(ranks_per_gpu: int, device_kind: str) -> None:
+    """--ranks-per-gpu N: N >= 1; N > 1 only on CUDA (raises SystemExit naming the value and the fix)."""
+    if isinstance(ranks_per_gpu, bool) or not isinstance(ranks_per_gpu, int) or ranks_per_gpu < 1:
+        raise SystemExit(f"--ranks-per-gpu {ranks_per_gpu!r}: must be an integer >= 1")
+    if ranks_per_gpu > 1 and device_kind != "cuda":
+        raise SystemExit(f"--ranks-per-gpu {ranks_per_gpu} shares GPUs between ranks, but the device is "
+                         f"{device_kind}; use --device cuda, or drop --ranks-per-gpu on CPU")
+
+
+def gpu_of_local_rank(local_rank: int, ranks_per_gpu: int, device_count: int) -> int:
+    """The GPU of a local rank: ranks 0..N-1 on GPU 0, N..2N-1 on GPU 1, ... (N = ranks_per_gpu).
+    Raises SystemExit when the node's ranks need more GPUs than it has."""
+    gpu = local_rank // ranks_per_gpu
+    if gpu >= device_count:
+        raise SystemExit(
+            f"local rank {local_rank} with --ranks-per-gpu {ranks_per_gpu} needs GPU {gpu}, but {device_count} "
+            f"GPU(s) are visible; launch at most {ranks_per_gpu * device_count} ranks per node or raise "
+            "--ranks-per-gpu"
+        )
+    return gpu
+
+
+def init_distributed(device_kind: str, timeout_s: float = 300.0, ranks_per_gpu: int = 1) -> LaunchEnv:
+    """Initialise the default process group if this is a multi-process launch; returns the env.
+    ranks_per_gpu > 1 (CUDA only): local ranks share GPUs in blocks of that size over a gloo group."""
+    check_ranks_per_gpu(ranks_per_gpu, device_kind)
     le = detect_launch_env()
+    if device_kind == "cuda" and ranks_per_gpu > 1:
+        torch.cuda.set_device(gpu_of_local_rank(le.local_rank, ranks_per_gpu, torch.cuda.device_count()))
     if le.world_size == 1 or (dist.is_available() and dist.is_initialized()):
         return le
-    if device_kind == "cuda":
+    if device_kind == "cuda" and ranks_per_gpu == 1:
         torch.cuda.set_device(le.local_rank % max(1, torch.cuda.device_count()))
     if le.launcher == "mpirun":
         _mpi_rendezvous(le)
-    backend = "nccl" if device_kind == "cuda" else "gloo"
+    backend = "nccl" if device_kind == "cuda" and ranks_per_gpu == 1 else "gloo"
     kwargs = {}
-    if device_kind == "cuda":
+    if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(
         backend, init_method="env://", rank=le.rank, world_size=le.world_size,

@@ -23,7 +23,7 @@ PRESETS = {
         "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_hidden_layers": 58,
         "torch_dtype": "bfloat16",
     },
-    # gpt-oss-120b (hidden 2880; kernels pad it to 3072)
+    # gpt-oss-120b (hidden 2880: the layer runs at 2880; FlashInfer CUTLASS pads only its own weight geometry)
     "gpt-oss": {
         "model_type": "gpt_oss", "num_local_experts": 128, "experts_per_token": 4, "hidden_size": 2880,
         "intermediate_size": 2880, "swiglu_limit": 7.0, "num_hidden_layers": 36, "torch_dtype": "bfloat16",

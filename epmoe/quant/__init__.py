@@ -9,6 +9,8 @@ is not here: the backend classes say (`supports()`), `epmoe.resolve` asks them.
     plan                                   QuantPlan record, expert modes, checkpoint families, resolve_mode
     workspace                              workspace and memory sizing from a plan
     weights                                ExpertWeights (canonical expert tensors)
+    checkpoint_formats                     how shipped checkpoints store experts (FP8 block, ModelOpt /
+                                           compressed-tensors NVFP4, GPT-OSS MXFP4) -> ExpertWeights
 
 Imports only `epmoe.core` and `epmoe.config`; submodules are imported explicitly
 (`from epmoe.quant import nvfp4`), nothing optional is imported here.

@@ -350,6 +350,11 @@ def convert_for_cutlass(
             f"CUTLASS variant {variant!r} takes {want or 'unquantized'} expert weights, got "
             f"{weights.format or 'unquantized'}; quantize the checkpoint (or pick the matching mode)"
         )
+    if variant == "nvfp4":
+        # one fused gate/up GEMM has one dequantization factor per expert: shared max, rescaled blocks
+        from epmoe.quant.checkpoint_formats import shared_gate_up_global_scale
+
+        weights = shared_gate_up_global_scale(weights)
     geo = cutlass_geometry(config, variant)
     out = canonical_cutlass_tensors(weights, geo, act_dtype)
     E = weights.num_experts
@@ -410,8 +415,7 @@ def _nvfp4_global_scales(weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         bad = (weights.w3_global_scale != g1).nonzero().flatten()[:4].tolist()
         raise ValueError(
             f"NVFP4 gate and up weights of local experts {bad} have different global scales; "
-            "CUTLASS fuses them into one GEMM with one scale per expert: requantize w1/w3 with a "
-            "shared weight_scale_2"
+            "pass them through quant.checkpoint_formats.shared_gate_up_global_scale first"
         )
     s1 = weights.w13_input_scale.float().max()
     s2 = weights.w2_input_scale.float().max()

@@ -123,8 +123,7 @@ def dequantize_weight(
     dtype: torch.dtype = torch.bfloat16,
     block: Tuple[int, int] = WEIGHT_BLOCK,
 ) -> torch.Tensor:
-    """data e4m3 [..., N, K], scale_inv float32 [..., N/bn, K/bk] -> [..., N, K] `dtype`. N and K that are
-    not block multiples take ceil(N/bn) x ceil(K/bk) scales (partial edge blocks)."""
+    """data e4m3 [..., N, K], scale_inv float32 [..., N/bn, K/bk] -> [..., N, K] `dtype`."""
     check_dequant_dtype(dtype, "fp8_block")
     data = _as_e4m3(data)
     bn, bk = block
@@ -132,22 +131,16 @@ def dequantize_weight(
         raise ValueError(f"fp8_block weights must be at least 2D [N, K], got shape {list(data.shape)}")
     N, K = data.shape[-2:]
     lead = data.shape[:-2]
-    if N % bn or K % bk:  # partial edge blocks (a kernel layout padded them with zeros): any N, K
-        nb, kb = -(-N // bn), -(-K // bk)
-        if scale_inv.shape != (*lead, nb, kb):
-            raise ValueError(
-                f"fp8_block weight_scale_inv has shape {list(scale_inv.shape)}; expected {[*lead, nb, kb]} "
-                f"for weight shape {list(data.shape)} and block {list(block)} (edge blocks partial)"
-            )
-        _check_scales(scale_inv)
-        s_full = scale_inv.repeat_interleave(bn, dim=-2)[..., :N, :].repeat_interleave(bk, dim=-1)[..., :K]
-        return (data.to(torch.float32) * s_full).to(dtype)
-    if scale_inv.shape != (*lead, N // bn, K // bk):
+    nb, kb = -(-N // bn), -(-K // bk)  # partial edge blocks (checkpoints such as H = 2880) are allowed
+    if scale_inv.shape != (*lead, nb, kb):
         raise ValueError(
             f"fp8_block weight_scale_inv has shape {list(scale_inv.shape)}; expected "
-            f"{[*lead, N // bn, K // bk]} for weight shape {list(data.shape)} and block {list(block)}"
+            f"{[*lead, nb, kb]} for weight shape {list(data.shape)} and block {list(block)}"
         )
     _check_scales(scale_inv)
+    if N % bn or K % bk:
+        s = scale_inv.repeat_interleave(bn, dim=-2)[..., :N, :].repeat_interleave(bk, dim=-1)[..., :K]
+        return (data.to(torch.float32) * s).to(dtype)
     vals = data.to(torch.float32).reshape(*lead, N // bn, bn, K // bk, bk)
     return (vals * scale_inv.unsqueeze(-1).unsqueeze(-3)).reshape(data.shape).to(dtype)
 

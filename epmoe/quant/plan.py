@@ -38,7 +38,15 @@ CHECKPOINT_METHODS: Dict[Optional[str], str] = {
     "mxfp4": "mxfp4",
     "modelopt_fp4": "nvfp4",
     "nvfp4": "nvfp4",
+    "compressed_tensors_nvfp4": "nvfp4",
     "mxfp8": "mxfp8",
+}
+# Checkpoint quant methods recognised (config.hf_quant_method) but not runnable, with the reason.
+UNSUPPORTED_CHECKPOINT_METHODS: Dict[str, str] = {
+    "fp8_per_tensor": "per-tensor / per-channel FP8 (no weight_block_size): no epmoe experts backend runs it; "
+                      "fp8_block needs 128x128 weight_scale_inv blocks",
+    "modelopt_fp8": "ModelOpt per-tensor FP8: no epmoe experts backend runs it; fp8_block needs 128x128 blocks",
+    "compressed_tensors": "compressed-tensors schemes other than NVFP4 (nvfp4-pack-quantized) are not supported",
 }
 # Modes a checkpoint family can run as ("bf16" = dequantize at load; unquantized checkpoints can be
 # quantized online to any mode).
@@ -232,6 +240,8 @@ def flashinfer_at_least(version: Optional[str], minimum: str) -> bool:
 
 def checkpoint_family(quant_method: Optional[str]) -> str:
     key = None if quant_method is None else str(quant_method).lower()
+    if key in UNSUPPORTED_CHECKPOINT_METHODS:
+        raise ValueError(f"checkpoint quant_method={quant_method!r} is not supported: {UNSUPPORTED_CHECKPOINT_METHODS[key]}")
     if key not in CHECKPOINT_METHODS:
         known = sorted(k for k in CHECKPOINT_METHODS if k)
         raise ValueError(

@@ -255,8 +255,11 @@ def test_nvfp4_global_factors(rec):
     assert len(rec.named("block_scale_interleave")) == 2
     from dataclasses import replace
 
-    with pytest.raises(ValueError, match="different global scales"):
-        convert_for_cutlass(replace(w, w3_global_scale=torch.tensor([0.5, 0.3])), c, "nvfp4")
+    # gate and up with different weight_scale_2: the shared max per expert, the smaller side's block
+    # scales rescaled (as vLLM / SGLang do; quant.checkpoint_formats.shared_gate_up_global_scale)
+    rec.calls.clear()
+    out = convert_for_cutlass(replace(w, w3_global_scale=torch.tensor([0.5, 0.3])), c, "nvfp4")
+    torch.testing.assert_close(out["fc1_dequant_scale"], torch.tensor([0.2 * 0.5, 0.2 * 0.3]))
     with pytest.raises(ValueError, match="static activation scales"):
         convert_for_cutlass(replace(w, w13_input_scale=None), c, "nvfp4")
 

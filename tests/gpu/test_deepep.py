@@ -427,6 +427,15 @@ def _ll_two_rank_worker(rank, world, seed):
     return results
 
 
+@pytest.mark.skipif(not SHARED_GPU, reason="opt-in experiment: set EPMOE_DEEPEP_SHARED_GPU=1 (two ranks on one GPU)")
+@pytest.mark.timeout(200)
+def test_ll_two_ranks_sharing_one_gpu():
+    """Low latency with both ranks on GPU 0 (two NVSHMEM PEs on one device)."""
+    seed = fresh_seed()
+    res = run_group(_ll_two_rank_worker, 2, seed, timeout=150, pg_timeout=150)
+    _assert_all(seed, res, ["ll_bf16", "ll_fp8"])
+
+
 @pytest.mark.multigpu(2)
 @pytest.mark.timeout(300)
 def test_ll_two_ranks_vs_float64():

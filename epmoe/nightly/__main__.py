@@ -1,0 +1,5 @@
+import sys
+
+from epmoe.nightly.cli import main
+
+sys.exit(main())

@@ -1,0 +1,289 @@
+"""The nightly's baseline/compare logic, reports and step runner (fast, no process groups): the gate
+judges every figure by its kind and band; a step past its limit is killed with everything it started
+and reported with the fault report it printed; JUnit XML is well formed and counts right."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from types import SimpleNamespace
+
+import pytest
+
+from epmoe.nightly import baseline as B
+from epmoe.nightly.cli import bench_figures, count_figures, experts_figures, plan_steps
+from epmoe.nightly.report import format_table, layer_series, plot_layer, write_junit
+from epmoe.nightly.steps import Runner, Step, StepResult, _alive, extract_fault_reports, run_step
+
+
+def _base(figs, bands=None, fingerprint="m1", overrides=None):
+    return B.Baseline("cpu", {"fingerprint": fingerprint}, "2026-12-01", bands or B.DEFAULT_BANDS["gpu"],
+                      {f.name: f for f in figs}, overrides or {})
+
+
+def _verdicts(comps):
+    return {c.name: c.verdict for c in comps}
+
+
+def test_ratio_band_lower_is_better():
+    base = _base([B.Figure("r", 2.0, kind="ratio")])  # band 0.25
+    assert _verdicts(B.compare([B.Figure("r", 2.49, kind="ratio")], base, True)) == {"r": "ok"}
+    assert _verdicts(B.compare([B.Figure("r", 2.51, kind="ratio")], base, True)) == {"r": "regressed"}
+    assert _verdicts(B.compare([B.Figure("r", 1.59, kind="ratio")], base, True)) == {"r": "improved"}
+    assert _verdicts(B.compare([B.Figure("r", 1.61, kind="ratio")], base, True)) == {"r": "ok"}
+
+
+def test_higher_is_better_and_worse_factor():
+    base = _base([B.Figure("g", 100.0, better="higher", kind="ratio")])
+    c = B.compare([B.Figure("g", 79.0, better="higher", kind="ratio")], base, False)[0]
+    assert c.verdict == "regressed" and c.failed and math.isclose(c.worse, 100 / 79)
+    assert "worse" in c.describe() and "band 25%" in c.describe()
+    assert B.compare([B.Figure("g", 81.0, better="higher", kind="ratio")], base, False)[0].verdict == "ok"
+    assert B.worse_factor(0.0, 0.0, "lower") == 1.0 and B.worse_factor(1.0, 0.0, "lower") == math.inf
+    assert B.worse_factor(float("nan"), 1.0, "lower") is None
+
+
+def test_absolute_figures_gated_only_on_the_same_hardware():
+    base = _base([B.Figure("t", 1.0, unit="ms", kind="time")])  # band 0.5
+    slow = [B.Figure("t", 10.0, unit="ms", kind="time")]
+    assert B.compare(slow, base, same_machine=True)[0].verdict == "regressed"
+    c = B.compare(slow, base, same_machine=False)[0]
+    assert c.verdict == "not gated" and not c.failed and "other hardware" in c.note
+
+
+def test_bytes_and_count_have_no_band():
+    base = _base([B.Figure("b", 1000, kind="bytes"), B.Figure("c.passed", 1, better="higher", kind="count")])
+    v = _verdicts(B.compare([B.Figure("b", 1001, kind="bytes"), B.Figure("c.passed", 0, better="higher", kind="count")],
+                            base, False))
+    assert v == {"b": "regressed", "c.passed": "regressed"}
+    v = _verdicts(B.compare([B.Figure("b", 1000, kind="bytes"), B.Figure("c.passed", 1, better="higher", kind="count")],
+                            base, False))
+    assert v == {"b": "ok", "c.passed": "ok"}
+
+
+def test_missing_new_info_nonfinite_and_overrides():
+    base = _base([B.Figure("gone", 1.0), B.Figure("abs_gone", 1.0, kind="time"), B.Figure("i", 1.0, kind="info"),
+                  B.Figure("nan", 1.0), B.Figure("loose", 1.0)], overrides={"loose": 3.0})
+    cur = [B.Figure("i", 50.0, kind="info"), B.Figure("fresh", 2.0), B.Figure("nan", float("nan")),
+           B.Figure("loose", 3.9)]
+    v = _verdicts(B.compare(cur, base, same_machine=False))
+    assert v == {"gone": "missing", "abs_gone": "not gated", "i": "not gated", "fresh": "new", "nan": "regressed",
+                 "loose": "ok"}
+
+
+def test_baseline_round_trip_and_bad_files(tmp_path):
+    figs = [B.Figure("a", 1.5, "x", "lower", "ratio", "bench/layer"), B.Figure("z", float("inf")),
+            B.Figure("b", 7.0, "GB/s", "higher", "throughput", "bench/layer")]
+    base = B.make_baseline(figs, "cpu", {"fingerprint": "m"}, "2026-12-01")
+    assert set(base.figures) == {"a", "b"} and base.bands == B.DEFAULT_BANDS["cpu"]  # non-finite left out
+    path = str(tmp_path / "sub" / "cpu.json")
+    B.save_baseline(base, path)
+    again = B.load_baseline(path)
+    assert again == base
+    # bands a person tuned survive an update
+    tuned = B.Baseline.from_json(dict(base.to_json(), bands={"ratio": 0.1}))
+    assert B.make_baseline(figs, "cpu", {}, "d", previous=tuned).bands == {"ratio": 0.1}
+    assert B.load_baseline(str(tmp_path / "none.json")) is None
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json.*--update-baseline"):
+        B.load_baseline(str(tmp_path / "bad.json"))
+    (tmp_path / "nokind.json").write_text(json.dumps({"figures": {}, "bands": {}}))
+    with pytest.raises(ValueError, match="machine_kind"):
+        B.load_baseline(str(tmp_path / "nokind.json"))
+    with pytest.raises(ValueError, match="unknown kinds"):
+        B.Baseline.from_json({"machine_kind": "x", "figures": {}, "bands": {"speed": 1}})
+    with pytest.raises(ValueError, match="better"):
+        B.Figure("f", 1.0, better="up")
+
+
+def test_bench_and_experts_figures():
+    rows = {"rows": [{"dispatcher": "torch", "tokens_per_rank": 64, "baseline_ms": 2.0, "layer_ms": 1.0,
+                      "layer_vs_baseline": 0.5, "dispatch_us": 10.0, "combine_us": 5.0,
+                      "dispatch_bytes_max_rank": 4096, "dispatch_gbps": 0.4}]}
+    figs = {f.name: f for f in bench_figures(rows)}
+    assert figs["layer.torch.T64.vs_baseline"].kind == "ratio" and figs["layer.torch.T64.vs_baseline"].value == 0.5
+    assert figs["dispatch.torch.T64.bytes"].kind == "bytes" and figs["dispatch.torch.T64.GBps"].better == "higher"
+    ex = {"results": [
+        {"run": {"backend": "torch_loop", "mode": "bf16", "phase": "decode", "preset": "auto"}, "ms": 10.0, "pct_matmul": 5.0},
+        {"run": {"backend": "triton", "mode": "bf16", "phase": "decode", "preset": "auto"}, "ms": 2.0, "pct_matmul": 40.0},
+        {"run": {"backend": "triton", "mode": "fp8_block", "phase": "decode", "preset": "auto"}, "ms": float("nan"),
+         "pct_matmul": float("nan")}]}
+    figs = {f.name: f for f in experts_figures(ex)}
+    assert figs["experts.triton.bf16.decode.vs_torch_loop"].value == 0.2
+    assert figs["experts.triton.bf16.decode.pct_matmul"].better == "higher"
+    assert not any("fp8_block" in n for n in figs)  # a failed run gives no figure (the gate calls it missing)
+
+
+def test_fault_report_extraction():
+    text = textwrap.dedent("""\
+        noise
+        [rank0]: epmoe fault report: layer 'EPMoE[x]#1', call 3, phase 'dispatch': rank 0 timed out after 3 s waiting on ranks [1]
+          rank 0: timed out in call 3, phase 'dispatch': ...
+          rank 1: no report: alive elsewhere or gone
+        more noise
+        epmoe fault report: layer 'EPMoE[x]#1', call 3, phase 'dispatch': rank 0 timed out after 3 s waiting on ranks [1]
+          rank 0: timed out in call 3, phase 'dispatch': ...
+          rank 1: no report: alive elsewhere or gone
+        """)
+    blocks = extract_fault_reports(text)
+    assert len(blocks) == 1 and blocks[0].startswith("epmoe fault report:") and blocks[0].count("\n") == 2
+
+
+def test_hung_step_is_killed_with_its_children_and_reported(tmp_path):
+    """A step that prints a fault report and then hangs (with a child of its own in another session, as
+    torchrun's workers are) is stopped at its limit; nothing it started survives."""
+    pidfile = tmp_path / "child.pid"
+    code = textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        open({str(pidfile)!r}, "w").write(str(child.pid))
+        print("epmoe fault report: layer 'L', call 1, phase 'combine': rank 0 timed out after 1 s waiting on ranks [1]")
+        print("  rank 1: no report: alive elsewhere or gone", flush=True)
+        time.sleep(600)
+    """)
+    t0 = time.monotonic()
+    r = run_step(Step("bench/hang", (sys.executable, "-c", code), limit_s=3.0), str(tmp_path))
+    assert time.monotonic() - t0 < 15
+    assert r.status == "timed out" and "limit of 3 s" in r.message
+    assert r.fault_report.startswith("epmoe fault report: layer 'L'") and "rank 1: no report" in r.fault_report
+    child = int(pidfile.read_text())
+    for _ in range(50):
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child), "the hung step's child survived"
+
+
+def test_step_statuses(tmp_path):
+    py = sys.executable
+    ok = run_step(Step("a/ok", (py, "-c", "print('hi')")), str(tmp_path))
+    bad = run_step(Step("a/bad", (py, "-c", "import sys; print('error: bad value 3; use 4'); sys.exit(2)")), str(tmp_path))
+    refused = run_step(Step("a/refused", (py, "-c", "import sys; print('BackendUnavailableError: x'); sys.exit(1)"),
+                            skip_if_output=("BackendUnavailableError",)), str(tmp_path))
+    skipped = run_step(Step("a/skip", (py, "-c", ""), skip="needs a GPU"), str(tmp_path))
+    unreadable = run_step(Step("a/figs", (py, "-c", ""), figures=lambda res: json.load(open("/nonexistent"))), str(tmp_path))
+    assert ok.status == "passed" and os.path.exists(ok.log_path)
+    assert bad.status == "failed" and bad.returncode == 2 and "error: bad value 3; use 4" in bad.message
+    assert refused.status == "skipped" and "refused here" in refused.message
+    assert skipped.status == "skipped" and skipped.message == "needs a GPU"
+    assert unreadable.status == "failed" and "could not be read" in unreadable.message
+
+
+def test_runner_progress_order_and_budget(tmp_path):
+    import io
+
+    out = io.StringIO()
+    py = sys.executable
+    steps = [Step(f"correctness/{i}", (py, "-c", "import time; time.sleep(0.3)"), parallel=True) for i in range(3)]
+    steps.append(Step("bench/x", (py, "-c", "")))
+    results = Runner(str(tmp_path), jobs=2, out=out).run(steps)
+    assert [r.name for r in results] == [s.name for s in steps] and all(r.status == "passed" for r in results)
+    log = out.getvalue()
+    assert "step 4/4 start  bench/x" in log and log.count("passed") == 4 and "[4/4 done]" in log
+    late = Runner(str(tmp_path), deadline=time.monotonic() - 1, out=io.StringIO()).run([Step("soak/x", (py, "-c", ""))])
+    assert late[0].status == "skipped" and "time budget" in late[0].message
+
+
+def test_junit_table_and_plot(tmp_path):
+    results = [
+        StepResult(Step("correctness/torch/bf16"), "passed", 1.0, 0, "", "", "", "", []),
+        StepResult(Step("bench/layer"), "timed out", 9.0, None, "/x.log", "killed after its limit of 9 s",
+                   "epmoe fault report: layer 'L'\n  rank 1: no report", "tail\x1b[0m\x07"),
+        StepResult(Step("bench/experts"), "skipped", 0.0, message="needs a CUDA GPU"),
+    ]
+    base = _base([B.Figure("r", 1.0), B.Figure("t", 1.0, kind="time")])
+    comps = B.compare([B.Figure("r", 2.0), B.Figure("t", 1.0, kind="time")], base, False)
+    path = str(tmp_path / "junit.xml")
+    write_junit(path, results, comps, properties={"machine_kind": "cpu"})
+    suite = ET.parse(path).getroot()
+    assert suite.get("tests") == "5" and suite.get("failures") == "2" and suite.get("skipped") == "2"
+    fail = suite.find("testcase[@name='bench/layer']/failure")
+    assert fail.get("type") == "timeout" and "rank 1: no report" in fail.text
+    assert suite.find("testcase[@name='r']/failure").get("type") == "regressed"
+    table = format_table(results, comps, "failed", 10.0)
+    assert "TIMED OUT" in table and "FAIL r:" in table and table.rstrip().splitlines()[-1].startswith("NIGHTLY FAILED")
+    series = layer_series([{"dispatcher": "torch", "tokens_per_rank": t, "layer_ms": t / 10, "baseline_ms": t / 5}
+                           for t in (16, 64, 256)])
+    p, note = plot_layer(str(tmp_path / "plot"), series, "title <x>")
+    assert p and os.path.getsize(p) > 0
+    if p.endswith(".svg"):
+        ET.parse(p)  # well-formed
+        assert "matplotlib" in note
+    assert plot_layer(str(tmp_path / "empty"), {}, "t") == (None, "no layer timings to plot")
+
+
+def _args(**kw):
+    d = dict(gpus=0, ranks_per_gpu=1, cpu_ranks=2, limit_scale=1.0, collective_timeout=60.0, only=None,
+             dispatchers=None, modes=None, bench_tokens=None, iters=None, soak_steps=None, plant_sleep_ms=None,
+             plant_dispatcher=None, availability=lambda d, g, r: "", mode_refusal=lambda d, m, a, w, shape: "")
+    d.update(kw)
+    return SimpleNamespace(**d)
+
+
+def test_plan_steps_cpu_and_shared_gpu(tmp_path):
+    steps = plan_steps(_args(), {"arch": "cpu"}, str(tmp_path))
+    names = [s.name for s in steps]
+    assert names == ["correctness/torch/bf16", "correctness/torch/fp8_block", "correctness/torch/nvfp4_w4a4",
+                     "correctness/launch/torch", "bench/layer/torch", "bench/experts", "soak/short"]
+    assert "--nproc-per-node" in steps[0].argv and steps[0].argv[steps[0].argv.index("--nproc-per-node") + 1] == "2"
+    assert steps[5].skip  # expert stage: GPU only
+    # 4 ranks on one GPU: world 4 everywhere; unavailable dispatchers and refused modes skipped with the reason
+    avail = {"torch": "", "flashinfer": "", "deepep": "unavailable: deep_ep is not installed", "deepep_ll": "unavailable: x"}
+    steps = plan_steps(_args(gpus=1, ranks_per_gpu=4, plant_sleep_ms="7", availability=lambda d, g, r: avail[d],
+                             mode_refusal=lambda d, m, a, w, shape: "needs sm100" if m == "mxfp8" else ""),
+                       {"arch": "sm90"}, str(tmp_path))
+    by = {s.name: s for s in steps}
+    w = by["correctness/flashinfer/bf16+nvfp4"].argv
+    assert w[w.index("--nproc-per-node") + 1] == "4" and w[w.index("--ranks-per-gpu") + 1] == "4"
+    assert w[w.index("--dispatch-dtype") + 1] == "nvfp4" and w[w.index("--quant") + 1] == "none"
+    assert by["correctness/torch/mxfp8"].skip == "needs sm100"
+    assert by["correctness/deepep/bf16"].skip.startswith("unavailable")
+    b, f = by["bench/layer/torch"], by["bench/layer/flashinfer"]
+    assert b.argv[b.argv.index("--dispatchers") + 1] == "torch" and f.argv[f.argv.index("--dispatchers") + 1] == "flashinfer"
+    assert ("EPMOE_NIGHTLY_PLANT_SLEEP_MS", "7") in b.env  # the plant slows the first runnable dispatcher only
+    assert not any(k.startswith("EPMOE_NIGHTLY_PLANT") for k, _ in f.env)
+    assert by["bench/layer/deepep"].skip.startswith("unavailable")
+    assert not by["bench/experts"].skip or "not found" in by["bench/experts"].skip
+
+
+def test_count_figures_per_case():
+    rs = [StepResult(Step("correctness/torch/bf16"), "passed"), StepResult(Step("correctness/deepep/bf16"), "skipped"),
+          StepResult(Step("bench/layer"), "passed")]
+    assert {f.name: f.value for f in count_figures(rs)} == {"correctness.torch.bf16.passed": 1.0,
+                                                            "correctness.deepep.bf16.passed": 0.0}
+
+
+def test_cpu_bands_leave_absolute_figures_ungated():
+    base = _base([B.Figure("t", 1.0, kind="time"), B.Figure("r", 1.0)], bands=B.DEFAULT_BANDS["cpu"])
+    v = _verdicts(B.compare([B.Figure("t", 9.0, kind="time"), B.Figure("r", 2.1)], base, same_machine=True))
+    assert v == {"t": "not gated", "r": "regressed"}
+    assert _verdicts(B.compare([], base, same_machine=True)) == {"t": "not gated", "r": "missing"}
+    with pytest.raises(ValueError, match="noise band"):
+        B.Baseline.from_json({"machine_kind": "x", "figures": {}, "bands": {"ratio": -1}})
+
+
+def test_selection_typos_are_errors_not_skips():
+    from epmoe.nightly.cli import validate_selection
+
+    assert validate_selection("torch,flashinfer", "bf16,fp8_block,bf16+nvfp4", "bench,soak") == ""
+    assert "unknown dispatcher 'nccl'" in validate_selection("nccl", None, None)
+    assert "unknown mode 'fp8'" in validate_selection(None, "fp8", None)
+    assert "unknown mode 'bf16+int4'" in validate_selection(None, "bf16+int4", None)
+    assert "unknown step group 'benchmarks'" in validate_selection(None, None, "benchmarks")
+
+
+def test_committed_cpu_baseline_matches_the_cpu_plan(tmp_path):
+    """Every figure of benchmarks/baselines/cpu.json belongs to a step the CPU subset still runs (a
+    renamed step would silently drop its figures from the gate)."""
+    from epmoe.nightly.cli import REPO
+
+    base = B.load_baseline(str(REPO / "benchmarks" / "baselines" / "cpu.json"))
+    names = {s.name for s in plan_steps(_args(), {"arch": "cpu"}, str(tmp_path)) if not s.skip}
+    assert base is not None and base.machine_kind == "cpu" and base.bands == B.DEFAULT_BANDS["cpu"]
+    assert {f.step for f in base.figures.values()} == names
+    assert any(f.kind == "ratio" for f in base.figures.values())

@@ -1,0 +1,69 @@
+"""One rank of the shared-GPU fault test (tests/gpu/test_shared_gpu.py; not collected by pytest).
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=.. MASTER_PORT=.. python shared_gpu_fault_worker.py DISPATCHER WHERE TIMEOUT OUT
+
+All ranks on cuda:0 with a gloo group and shared_gpu=True. The last rank SIGKILLs itself at step 3:
+WHERE="forward" on entering the step, "kernel" inside FlashInfer's dispatch (after the per-call
+agreement, so the others are already in the kernel). Every other rank writes one line to OUT:
+"FAULT <error type> after=<s>s report=<bool> ..." or "ERROR ..." or "DONE", then leaves at once
+(os._exit: a peer is gone, so no collective teardown).
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    dispatcher, where, timeout_s, out_path = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+    from epmoe import EPMoE, MoEConfig
+    from epmoe.core.fault import CollectiveFailure
+    from tests.cpu.helpers import random_inputs, random_weights
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    victim = rank == world - 1
+    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16)
+    layer = EPMoE(cfg, dispatcher=dispatcher, device="cuda:0", experts="reference", max_num_tokens_per_rank=32,
+                  shared_gpu=True, timeout_s=timeout_s, name="fault-test")
+    layer.load_weights(random_weights(cfg, 5))
+    x, logits = random_inputs(cfg, 24, 11 + rank)
+    x, logits = x.cuda(), logits.cuda()
+
+    def die(*_a, **_k):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    for step in range(6):
+        if victim and step == 3:
+            if where == "forward":
+                die()
+            layer.dispatcher._a2a.dispatch = die  # FlashInfer's MoeAlltoAll: after the agreement
+        t0 = time.monotonic()
+        try:
+            layer(x, logits)
+            torch.cuda.synchronize()
+        except CollectiveFailure as e:
+            dt = time.monotonic() - t0
+            first = str(e).splitlines()[0]
+            with open(out_path, "w") as f:
+                f.write(f"FAULT {type(e).__name__} after={dt:.2f}s step={step} report={e.report is not None} "
+                        f"phase={getattr(e.report, 'phase', None)!r} | {first}\n")
+            os._exit(0)
+        except BaseException as e:  # noqa: BLE001
+            dt = time.monotonic() - t0
+            with open(out_path, "w") as f:
+                f.write(f"ERROR {type(e).__name__} after={dt:.2f}s step={step} | {str(e).splitlines()[0][:300]}\n")
+            os._exit(0)
+    with open(out_path, "w") as f:
+        f.write("DONE\n")
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

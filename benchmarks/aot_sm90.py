@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from epmoe.config import MoEConfig  # noqa: E402
 from epmoe.core.availability import Availability  # noqa: E402
 from epmoe.dispatch.base import DispatchedTokens  # noqa: E402
-from epmoe.experts import testing as T  # noqa: E402
+from tests import experts_testing as T  # noqa: E402
 from epmoe.experts import triton_experts as TE  # noqa: E402
 from epmoe.experts.base import ExpertsSpec  # noqa: E402
 from epmoe.quant.plan import QuantPlan  # noqa: E402

@@ -357,7 +357,7 @@ def run_plan(args, plan: List[Run]) -> int:
     from epmoe.config import MoEConfig
     from epmoe.dispatch.base import DispatchedTokens
     from epmoe.experts import EXPERTS
-    from epmoe.experts import testing as T
+    from tests import experts_testing as T
     from epmoe.experts.base import ExpertsSpec
     from epmoe.experts.graphs import CapturedExperts
     from epmoe.experts.triton_experts import pick_config, presets_for

@@ -45,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda if present, else cpu with gloo")
     p.add_argument("--dispatcher", default="torch", help="torch | flashinfer | deepep | deepep_ll")
-    p.add_argument("--experts", default="auto", help="experts backend (auto: chosen by the quant plan)")
+    p.add_argument("--experts", default="auto", help="experts backend (auto: the first, in preference order, that can run the plan)")
     p.add_argument("--quant", default=None, choices=list(EXPERT_MODES), help="expert quant mode (default: unquantized)")
-    p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "bf16", "nvfp4"],
-                   help="how tokens travel (auto: decided by the quant plan)")
+    p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "bf16", "nvfp4", "fp8"],
+                   help="how tokens travel (auto: what the chosen experts kernel consumes, if the dispatcher moves it)")
     p.add_argument("--checkpoint-format", default=None, choices=list(CHECKPOINT_FORMATS),
                    help="layout of the synthetic checkpoint written and loaded back (default bf16); with --plan: "
                         "the checkpoint's quantization (default: config.json's quantization_config)")
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preflight report of what this host can run (GPUs, NVLink, NCCL, packages, backends); with "
                         "--dispatcher/--experts/--device/--quant/--ep, exit 3 if that configuration cannot run here")
     p.add_argument("--ep", type=int, default=None, help="EP size for --plan / --doctor (default: the launch's world size)")
+    p.add_argument("--arch", default=None,
+                   help="--plan for another machine: cpu, sm90, sm100, sm120 (assumes every optional package, "
+                        "FlashInfer as installed here or 0.7.2.post1); default: this machine")
     p.add_argument("--json", metavar="PATH", help="write per-step latency, tokens/s and per-expert load")
     p.add_argument("--weights-dir", metavar="DIR", help="where the synthetic checkpoint goes (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
@@ -149,9 +152,19 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
     if cfg.num_experts % ep:
         print(f"error: num_experts={cfg.num_experts} is not divisible by ep={ep}", file=sys.stderr)
         return 2
-    # the one resolver, against this host (FlashInfer version, packages, prebuilt modules), as EPMoE does
-    plan = resolve_plan(cfg, dispatcher=args.dispatcher, experts=args.experts, quant=args.quant,
-                        dispatch_dtype=args.dispatch_dtype, environment=detect_environment(device), ep_size=ep)
+    # the one resolver, against this host (FlashInfer version, packages, prebuilt modules) as EPMoE does,
+    # or against a machine of --arch with every optional package
+    from epmoe.quant.plan import installed_flashinfer_version
+    from epmoe.resolve import Environment
+
+    try:
+        env = (detect_environment(device) if args.arch is None
+               else Environment.hypothetical(args.arch, installed_flashinfer_version() or "0.7.2.post1"))
+        plan = resolve_plan(cfg, dispatcher=args.dispatcher, experts=args.experts, quant=args.quant,
+                            dispatch_dtype=args.dispatch_dtype, environment=env, ep_size=ep)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
     E_local = cfg.num_experts // ep
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "

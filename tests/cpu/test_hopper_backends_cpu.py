@@ -15,7 +15,7 @@ from epmoe.core.errors import BackendUnavailableError
 from epmoe.dispatch.base import DispatchedTokens
 from epmoe.experts import EXPERTS
 from epmoe.experts import kernel_formats as kf
-from epmoe.experts import testing as T
+from tests import experts_testing as T
 from epmoe.experts.base import ExpertsSpec
 from epmoe.experts.grouped_mm import GroupedMMExperts
 from epmoe.experts.triton_experts import AUTO_PRESETS, TritonExperts, pick_config, presets_for

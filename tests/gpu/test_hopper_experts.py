@@ -33,7 +33,7 @@ import torch
 from epmoe.config import MoEConfig
 from epmoe.dispatch.base import DispatchedTokens
 from epmoe.experts import kernel_formats as kf
-from epmoe.experts import testing as T
+from tests import experts_testing as T
 from epmoe.experts.base import ExpertsSpec
 from epmoe.experts.triton_experts import FP8_BLOCK_PAYLOAD
 from epmoe.quant.payload import QuantizedActivation

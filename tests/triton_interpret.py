@@ -1,7 +1,7 @@
 """Make the Triton interpreter (TRITON_INTERPRET=1, CPU) round like the GPU, for CPU runs of the
 `triton` backend's kernels (tests/cpu, `benchmarks/tune_hopper.py --cpu-smoke`).
 
-    from epmoe.experts.triton_interpret import match_gpu_rounding
+    from tests.triton_interpret import match_gpu_rounding
     match_gpu_rounding()          # once, after triton is imported with TRITON_INTERPRET=1
 
 The interpreter (seen in Triton 3.9) multiplies bf16 dot operands and bf16 elementwise operands as raw

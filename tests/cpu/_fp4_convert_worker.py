@@ -15,7 +15,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from epmoe.experts import triton_kernels as K  # noqa: E402
-from epmoe.experts.triton_interpret import match_gpu_rounding  # noqa: E402
+from tests.triton_interpret import match_gpu_rounding  # noqa: E402
 
 match_gpu_rounding()
 
@@ -72,7 +72,7 @@ def convert_case(fmt: str, seed: int) -> dict:
 def forward_case(mode: str, seed: int) -> dict:
     from epmoe.config import MoEConfig
     from epmoe.dispatch.base import DispatchedTokens
-    from epmoe.experts import testing as T
+    from tests import experts_testing as T
     from epmoe.experts.base import ExpertsSpec
     from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts
     from epmoe.quant.plan import QuantPlan

@@ -3,7 +3,7 @@ interpreter: bit for bit the legacy conversion (`_fp4_dequant`) on every byte va
 e4m3 scale (nvfp4, where the packed weights carry 2^-7 that the global scale takes back) and e8m0
 exponents 0..128 (mxfp4); and the nvfp4 / mxfp4 experts forward (biases, clamped swiglu, invalid
 slots) gives the same output bits with either conversion. The interpreter is patched to do bf16
-arithmetic like the GPU (`epmoe.experts.triton_interpret`: RNE, subnormals kept)."""
+arithmetic like the GPU (`tests/triton_interpret.py`: RNE, subnormals kept)."""
 
 import importlib.util
 import os

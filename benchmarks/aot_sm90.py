@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from epmoe.config import MoEConfig  # noqa: E402
 from epmoe.core.availability import Availability  # noqa: E402
 from epmoe.dispatch.base import DispatchedTokens  # noqa: E402
-from epmoe.experts import testing as T  # noqa: E402
+from tests import experts_testing as T  # noqa: E402
 from epmoe.experts import triton_experts as TE  # noqa: E402
 from epmoe.experts.base import ExpertsSpec  # noqa: E402
 from epmoe.quant.plan import QuantPlan  # noqa: E402
@@ -52,8 +52,9 @@ class Launch:
     kwargs: tuple
 
 
-def record_launches(config: MoEConfig, mode: str, num_tokens: int, num_experts: int, preset=None):
-    """Run TritonExperts.forward on CPU with the kernel launches recorded instead of run."""
+def record_launches(config: MoEConfig, mode: str, num_tokens: int, num_experts: int, preset=None, grouped=False):
+    """Run TritonExperts.forward on CPU with the kernel launches recorded instead of run (grouped:
+    the bf16 torch._grouped_mm path with its fused gather / activation / combine kernels)."""
     launches = []
     # A few local experts are enough: strides and shapes per expert are the real ones.
     ep_size = config.num_experts // num_experts
@@ -68,6 +69,8 @@ def record_launches(config: MoEConfig, mode: str, num_tokens: int, num_experts: 
     ex.load_weights(T.random_expert_weights(config, num_experts, seed=0))
     if preset is not None:
         ex.config_override = TE.presets_for(mode)[preset]
+    if grouped:
+        ex._grouped_mm_ok, ex.grouped_mm = True, "on"
     x = torch.randn(num_tokens, config.hidden_size).to(config.dtype)
     ids, w = T.random_local_routing(num_tokens, config.top_k, num_experts, seed=1)
     ex(DispatchedTokens(x, ids, w))
@@ -168,13 +171,17 @@ def main(argv=None) -> int:
                 continue
             for preset in presets:
                 jobs.append((case, mode, preset))
+            if mode == "bf16":
+                jobs.append((case, mode, "grouped_mm"))
     seen = {}
     failures = 0
     print(f"triton {triton.__version__}, target sm90")
     print(f"{'case':7} {'mode':12} {'preset':13} {'kernel':22} {'regs':>4} {'spill':>5} {'smem':>6} {'wgmma':>5} {'mma':>4} {'s':>5}")
     for case, mode, preset in jobs:
         cfg = CASES[case]
-        launches = record_launches(cfg, mode, num_tokens=16, num_experts=2, preset=preset)
+        grouped = preset == "grouped_mm"
+        launches = record_launches(cfg, mode, num_tokens=16, num_experts=2, preset=None if grouped else preset,
+                                   grouped=grouped)  # fmt: skip
         for launch in launches:
             src, opts = to_source(launch)
             key = (launch.kernel, repr(sorted(src.signature.items())), repr(launch.kwargs), repr(launch.args[-3:]))

@@ -5,6 +5,12 @@ top-8, every routed entry local, uniform random routing) at T=128 (decode) and T
     python benchmarks/bench_experts.py --dry-run       # validate arguments, print the plan (no GPU)
     python benchmarks/bench_experts.py --quick         # default configs only
 
+Peers measured in the same run (GEMMs only, on rows already grouped by expert with the routing's
+counts): `torch._grouped_mm` bf16 and `torch._scaled_grouped_mm` fp8 e4m3 with row-wise scales
+(gate-up + down), at both token counts; the `ratios` block of the JSON (and the last table) sets our
+rows against them and against the targets. The bf16 path that the triton backend takes at prefill
+(torch._grouped_mm + fused gather / activation / combine) is also timed step by step (`stages`).
+
 Ceilings measured in the same run: an 8192^3 bf16 torch.matmul (TFLOP/s) and a 4 GiB device copy
 (bandwidth = bytes read + written / time). Decode is also compared with the HBM weight-read limit:
 bytes of all local experts' weights (in the backend's format) / copy bandwidth.
@@ -31,13 +37,21 @@ MODES = ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")
 # layout / preset sweep with verification and fp8 diagnostics is benchmarks/tune_hopper.py.
 SWEEP = {
     ("bf16", "decode"): ["auto", "decode_wide", "decode_deep", "small"],
-    ("bf16", "prefill"): ["auto", "prefill_nosplit", "prefill_m64", "medium"],
+    ("bf16", "prefill"): ["auto", "prefill", "prefill_nosplit", "prefill_m64", "medium"],
     ("fp8_block", "decode"): ["auto"],
     ("fp8_block", "prefill"): ["auto", "prefill"],
-    ("nvfp4_w4a16", "decode"): ["auto"],
-    ("nvfp4_w4a16", "prefill"): ["auto"],
-    ("mxfp4_w4a16", "decode"): ["auto"],
-    ("mxfp4_w4a16", "prefill"): ["auto"],
+    ("nvfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
+    ("nvfp4_w4a16", "prefill"): ["auto", "legacy_fp4"],
+    ("mxfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
+    ("mxfp4_w4a16", "prefill"): ["auto", "legacy_fp4"],
+}
+# Pseudo presets (configuration switches, not tile presets): "legacy_fp4" = triton with
+# triton_fp4_convert=legacy; "torch_epilogue" = grouped_mm with grouped_mm_epilogue=torch.
+QUICK_SWEEP = {
+    ("triton", "bf16", "prefill"): ["auto", "prefill"],  # the grouped_mm path and the Triton GEMMs
+    ("triton", "nvfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
+    ("triton", "mxfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
+    ("grouped_mm", "bf16", "prefill"): ["auto", "torch_epilogue"],
 }
 
 
@@ -71,6 +85,9 @@ class Report:
     copy_gbps: float = 0.0
     shape: dict = field(default_factory=dict)
     results: List[Result] = field(default_factory=list)
+    peers: List[dict] = field(default_factory=list)  # torch grouped GEMMs only: name, phase, ms, tflops
+    stages: dict = field(default_factory=dict)  # grouped_mm path, prefill: step -> ms
+    ratios: List[dict] = field(default_factory=list)  # what / value / target / met
 
 
 def build_plan(args) -> List[Run]:
@@ -91,7 +108,12 @@ def build_plan(args) -> List[Run]:
             for phase, T in phases:
                 if T <= 0:
                     continue
-                presets = ["auto"] if (backend != "triton" or args.quick) else SWEEP[(mode, phase)]
+                if args.quick or backend != "triton":
+                    presets = QUICK_SWEEP.get((backend, mode, phase), ["auto"])
+                    if not args.quick and backend == "grouped_mm":
+                        presets = ["auto", "torch_epilogue"] if phase == "prefill" else ["auto"]
+                else:
+                    presets = SWEEP[(mode, phase)]
                 for p in presets:
                     plan.append(Run(backend, mode, phase, T, p))
     return plan
@@ -137,6 +159,139 @@ def measure_ceilings(dev):
     return tflops, gbps
 
 
+def measure_peers(dev, E, H, I, K, phases, flops_per_entry, routing) -> List[dict]:
+    """torch's own grouped GEMMs (gate-up then down) on rows pre-grouped with the benchmark routing's
+    per-expert counts: bf16 `torch._grouped_mm` and fp8 e4m3 row-wise `torch._scaled_grouped_mm`
+    (per-row activation scales, per-output-channel weight scales, bf16 out)."""
+    import torch
+
+    out = []
+    g = torch.Generator(device=dev).manual_seed(7)
+    w13 = torch.randn(E, 2 * I, H, generator=g, device=dev, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, I, generator=g, device=dev, dtype=torch.bfloat16) * 0.02
+    Mmax = max(T for _, T in phases) * K
+    xs = torch.randn(Mmax, H, generator=g, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(Mmax, I, generator=g, device=dev, dtype=torch.bfloat16)
+
+    def rowwise(t):  # e4m3 with one fp32 scale per row of the last-but-one axis
+        amax = t.abs().amax(dim=-1).float().clamp_min(1e-12)
+        s = amax / 448.0
+        return (t.float() / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+    fp8 = None
+    try:
+        w13_8, s13 = rowwise(w13)
+        w2_8, s2 = rowwise(w2)
+        xs_8, sx = rowwise(xs)
+        a_8, sa = rowwise(a)
+        fp8 = (w13_8, s13, w2_8, s2, xs_8, sx, a_8, sa)
+    except Exception as e:  # noqa: BLE001
+        print(f"peer fp8 quantization failed: {type(e).__name__}: {str(e)[:200]}")
+    for phase, T in phases:
+        M = T * K
+        ids = routing(T)
+        counts = torch.bincount(ids.reshape(-1).long(), minlength=E)[:E]
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        variants = [("torch._grouped_mm bf16", lambda: (
+            torch._grouped_mm(xs[:M], w13.transpose(1, 2), offs=offs),
+            torch._grouped_mm(a[:M], w2.transpose(1, 2), offs=offs)))]  # fmt: skip
+        if fp8 is not None and hasattr(torch, "_scaled_grouped_mm"):
+            w13_8, s13, w2_8, s2, xs_8, sx, a_8, sa = fp8
+            variants.append(("torch._scaled_grouped_mm fp8 rowwise", lambda: (
+                torch._scaled_grouped_mm(xs_8[:M], w13_8.transpose(1, 2), sx[:M].contiguous(), s13, offs=offs,
+                                         out_dtype=torch.bfloat16),
+                torch._scaled_grouped_mm(a_8[:M], w2_8.transpose(1, 2), sa[:M].contiguous(), s2, offs=offs,
+                                         out_dtype=torch.bfloat16))))  # fmt: skip
+        for name, fn in variants:
+            try:
+                fn()
+                torch.cuda.synchronize()
+                ms = _bench(fn)
+            except Exception as e:  # noqa: BLE001
+                print(f"peer {name} {phase} failed: {type(e).__name__}: {str(e)[:300]}")
+                out.append(dict(name=name, phase=phase, num_tokens=T, ms=float("nan"), tflops=float("nan"), note=str(e)[:300]))
+                continue
+            tflops = M * flops_per_entry / (ms * 1e-3) / 1e12
+            out.append(dict(name=name, phase=phase, num_tokens=T, ms=ms, tflops=tflops))
+            print(f"  peer {name:38} {phase:7} T={T:5d} {ms:8.3f} ms {tflops:6.1f} TFLOP/s (GEMMs only)", flush=True)
+    del w13, w2, xs, a, fp8
+    torch.cuda.empty_cache()
+    return out
+
+
+def grouped_stage_ms(ex, tokens) -> dict:
+    """Step times of the grouped_mm path (align, gather, gemm1, act, gemm2, combine), each timed alone
+    after one full pass has filled its inputs."""
+    import torch
+
+    from epmoe.experts.grouped_mm import grouped_mm_steps
+
+    if ex.name == "grouped_mm":
+        params, il, launch = ex.parameters(), False, ex._launch
+    else:
+        params, il, launch = ex.parameters(), ex.gate_up_interleaved, ex._launch
+    state = {}
+    steps = grouped_mm_steps(tokens.hidden, tokens.topk_ids, tokens.topk_weights, params, ex.config,
+                             ex.num_experts, il, launch, state, keep=True)  # fmt: skip
+    for _, f in steps:
+        f()
+    torch.cuda.synchronize()
+    res = {name: _bench(f, warmup_ms=20, rep_ms=100) for name, f in steps}
+    res["sum"] = sum(res.values())
+    return res
+
+
+def compute_ratios(report) -> List[dict]:
+    """Our rows against the peers of the same run and the targets."""
+
+    def ours(backend, mode, phase, preset="auto"):
+        for r in report.results:
+            if (r.run.backend, r.run.mode, r.run.phase, r.run.preset) == (backend, mode, phase, preset) and r.ms == r.ms:
+                return r
+        return None
+
+    def peer(prefix, phase):
+        for p in report.peers:
+            if p["name"].startswith(prefix) and p["phase"] == phase and p["ms"] == p["ms"]:
+                return p["ms"]
+        return None
+
+    out = []
+
+    def add(what, num, den, target, le=True):
+        if num is None or den is None:
+            return
+        v = num / den
+        out.append(dict(what=what, value=v, target=target, met=(v <= target) if le else (v >= target)))
+
+    bf16_gemms = peer("torch._grouped_mm", "prefill")
+    fp8_gemms = peer("torch._scaled_grouped_mm", "prefill")
+    t = lambda *k: (ours(*k).ms if ours(*k) else None)  # noqa: E731
+    add("triton bf16 prefill (auto) / torch._grouped_mm GEMMs", t("triton", "bf16", "prefill"), bf16_gemms, 1.15)
+    add("triton bf16 prefill (Triton GEMMs, preset prefill) / torch._grouped_mm GEMMs",
+        t("triton", "bf16", "prefill", "prefill"), bf16_gemms, 1.15)  # fmt: skip
+    add("grouped_mm backend prefill / its GEMMs (torch._grouped_mm)", t("grouped_mm", "bf16", "prefill"), bf16_gemms, 1.25)
+    add("triton fp8_block prefill / torch._scaled_grouped_mm rowwise GEMMs", t("triton", "fp8_block", "prefill"),
+        fp8_gemms, 1.25)  # fmt: skip
+    for mode, target in (("bf16", 0.7), ("fp8_block", 0.9), ("nvfp4_w4a16", 0.7), ("mxfp4_w4a16", 0.7)):
+        r = ours("triton", mode, "decode")
+        if r is not None and r.pct_hbm is not None:
+            out.append(dict(what=f"triton {mode} decode: fraction of the HBM weight-read limit", value=r.pct_hbm / 100,
+                            target=target, met=r.pct_hbm / 100 >= target))  # fmt: skip
+    add("grouped_mm backend prefill, torch epilogue (before) / its GEMMs", t("grouped_mm", "bf16", "prefill", "torch_epilogue"),
+        bf16_gemms, 1.25)  # fmt: skip
+    for mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
+        for phase in ("decode", "prefill"):
+            new, old = t("triton", mode, phase), t("triton", mode, phase, "legacy_fp4")
+            if new is not None and old is not None:
+                out.append(dict(what=f"triton {mode} {phase}: legacy fp4 conversion / packed (speed-up)", value=old / new,
+                                target=1.0, met=old / new >= 1.0))  # fmt: skip
+        add(f"triton bf16 decode / triton {mode} decode (speed-up)", t("triton", "bf16", "decode"),
+            t("triton", mode, "decode"), 2.5, le=False)  # fmt: skip
+        add(f"triton {mode} prefill / triton bf16 prefill", t("triton", mode, "prefill"), t("triton", "bf16", "prefill"), 1.0)
+    return out
+
+
 class TorchLoopExperts:
     """Plain baseline: a Python loop over experts (host sync per expert), bf16 matmuls."""
 
@@ -174,6 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--no-peers", action="store_true", help="skip the torch grouped-GEMM peers")
     ap.add_argument("--json", default=None, help="output JSON (default $OUT/bench_experts.json or bench_results/)")
     args = ap.parse_args(argv)
     for name in ("experts", "hidden", "inter", "top_k"):
@@ -201,7 +357,7 @@ def run_plan(args, plan: List[Run]) -> int:
     from epmoe.config import MoEConfig
     from epmoe.dispatch.base import DispatchedTokens
     from epmoe.experts import EXPERTS
-    from epmoe.experts import testing as T
+    from tests import experts_testing as T
     from epmoe.experts.base import ExpertsSpec
     from epmoe.experts.graphs import CapturedExperts
     from epmoe.experts.triton_experts import pick_config, presets_for
@@ -228,7 +384,19 @@ def run_plan(args, plan: List[Run]) -> int:
         ids, w = T.random_local_routing(T_, K, E, dev, seed + 1)  # all K entries local, distinct
         return DispatchedTokens(x, ids, w)
 
+    path = args.json or os.path.join(os.environ.get("OUT", "bench_results"), "bench_experts.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+    def save():  # after every row: a run cut short by a time limit keeps what it measured
+        with open(path, "w") as f:
+            json.dump(asdict(report), f, indent=1, default=str)
+
     t_start = time.time()
+    phases = [(p, n) for p, n in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens)) if n > 0]
+    if not args.no_peers and hasattr(torch, "_grouped_mm"):
+        report.peers = measure_peers(dev, E, H, I, K, phases, flops_per_entry,
+                                     lambda T_: inputs(T_, 100).topk_ids)  # fmt: skip
+    save()
     current = {}  # (backend, mode) -> experts object (weights resident for its runs only)
     for run in plan:
         key = (run.backend, run.mode)
@@ -251,8 +419,15 @@ def run_plan(args, plan: List[Run]) -> int:
         entries = run.num_tokens * K
         preset_used = ""
         if run.backend == "triton":
-            ex.config_override = None if run.preset == "auto" else presets_for(run.mode)[run.preset]
+            tile = run.preset not in ("auto", "legacy_fp4")
+            ex.config_override = presets_for(run.mode)[run.preset] if tile else None
+            ex.fp4_convert = "legacy" if run.preset == "legacy_fp4" else "packed"
             preset_used = (ex.config_override or pick_config(run.mode, entries, E)).describe()
+            if run.mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
+                preset_used += f" fp4 convert {'packed' if ex.fp4_packed else 'legacy'}"
+        elif run.backend == "grouped_mm":
+            ex.epilogue = "torch" if run.preset == "torch_epilogue" else "triton"
+            preset_used = f"epilogue {ex.epilogue}"
         sets = [inputs(run.num_tokens, 100 + i) for i in range(3)]
         note = ""
         try:
@@ -272,6 +447,16 @@ def run_plan(args, plan: List[Run]) -> int:
             print(f"FAILED {run}: {type(e).__name__}: {str(e)[:300]}")
             report.results.append(Result(run, float("nan"), float("nan"), float("nan"), note=f"failed: {e}"[:500]))
             continue
+        if run.backend == "triton" and run.preset == "auto" and ex.uses_grouped_mm(entries):
+            preset_used = "grouped_mm path (torch._grouped_mm + fused gather / activation / combine)"
+        if run.phase == "prefill" and run.mode == "bf16" and run.preset == "auto" and run.backend != "torch_loop":
+            if run.backend == "grouped_mm" or ex.uses_grouped_mm(entries):
+                try:
+                    st = grouped_stage_ms(ex, sets[0])
+                    report.stages[run.backend] = st
+                    print("    stages: " + ", ".join(f"{k} {v:.3f}" for k, v in st.items()) + " ms", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"    stages failed: {type(e).__name__}: {str(e)[:200]}")
         tflops = entries * flops_per_entry / (ms * 1e-3) / 1e12
         res = Result(run, ms, tflops, 100 * tflops / report.matmul_tflops, preset_used=preset_used, note=note)
         if run.phase == "decode":
@@ -281,16 +466,16 @@ def run_plan(args, plan: List[Run]) -> int:
             res.weight_gbps = wbytes / (ms * 1e-3) / 1e9
             res.pct_hbm = 100 * res.weight_gbps / report.copy_gbps
         report.results.append(res)
+        report.ratios = compute_ratios(report)
+        save()
         extra = f" weights {res.weight_gbps:6.0f} GB/s = {res.pct_hbm:5.1f}% of HBM" if res.weight_gbps else ""
         print(f"  {run.backend:10} {run.mode:12} {run.phase:7} T={run.num_tokens:5d} {run.preset:13} "
               f"{ms:8.3f} ms {tflops:6.1f} TFLOP/s ({res.pct_matmul:5.1f}% of matmul){extra}", flush=True)  # fmt: skip
         del sets
     print(f"benchmark time {time.time() - t_start:.0f} s")
+    report.ratios = compute_ratios(report)
     print_table(report)
-    path = args.json or os.path.join(os.environ.get("OUT", "bench_results"), "bench_experts.json")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(asdict(report), f, indent=1, default=str)
+    save()
     print(f"wrote {path}")
     return 0
 
@@ -312,6 +497,16 @@ def print_table(report: Report) -> None:
             k = (r.run.backend, r.run.mode, r.run.phase)
             if k not in best or r.ms < best[k].ms:
                 best[k] = r
+    if report.peers:
+        print("peers (GEMMs only, rows pre-grouped): " + "; ".join(
+            f"{p['name']} {p['phase']} {p['ms']:.3f} ms ({p['tflops']:.0f} TFLOP/s)" for p in report.peers))  # fmt: skip
+    for backend, st in report.stages.items():
+        print(f"stages ({backend}, prefill): " + ", ".join(f"{k} {v:.3f}" for k, v in st.items()) + " ms")
+    if report.ratios:
+        print(f"{'ratio':82} {'value':>7} {'target':>7} met")
+        for r in report.ratios:
+            cmp = "<=" if "speed-up" not in r["what"] and "fraction" not in r["what"] else ">="
+            print(f"{r['what']:82} {r['value']:7.3f} {cmp}{r['target']:5.2f} {'yes' if r['met'] else 'NO'}")
     print("best per backend/mode/phase: " + "; ".join(
         f"{b}/{m}/{p}: {r.run.preset} {r.ms:.3f} ms" for (b, m, p), r in sorted(best.items())))  # fmt: skip
 

@@ -187,7 +187,7 @@ def reference(rt: Runtime, ex, w, x, ids, tw, x_deq=None):
     """out [N, H] in rt.ref_dtype (fp32 on GPU, TF32 off; float64 on CPU). fp8_block: x quantized by
     the torch codec (or `x_deq`, already dequantized), the intermediate round-tripped 1x128."""
     from epmoe.experts import kernel_formats as kf
-    from epmoe.experts import testing as T
+    from tests import experts_testing as T
 
     dt = rt.ref_dtype
     cfg = ex.config
@@ -289,7 +289,7 @@ def diag_quant(rt: Runtime, ex, N: int, H: int) -> dict:
 def diag_e2e(rt: Runtime, ex, w, N: int, legacy: bool) -> dict:
     from epmoe.dispatch.base import DispatchedTokens
     from epmoe.experts import kernel_formats as kf
-    from epmoe.experts import testing as T
+    from tests import experts_testing as T
     from epmoe.experts.triton_experts import FP8_BLOCK_PAYLOAD
     from epmoe.quant.payload import QuantizedActivation
 
@@ -320,7 +320,7 @@ def diag_e2e(rt: Runtime, ex, w, N: int, legacy: bool) -> dict:
 def diag_gemm1(rt: Runtime, ex, preset: str, N: int, max_check_rows: int = 1024) -> dict:
     """gemm1's fp8 output (bytes, 1x128 scales) vs float64 math on the same quantized operands."""
     from epmoe.experts import kernel_formats as kf
-    from epmoe.experts import testing as T
+    from tests import experts_testing as T
     from epmoe.experts.triton_experts import presets_for
 
     cfg = presets_for("fp8_block")[preset]
@@ -363,7 +363,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def make_inputs(rt: Runtime, T_: int, H: int, K: int, E: int, seed: int):
     from epmoe.dispatch.base import DispatchedTokens
-    from epmoe.experts import testing as T
+    from tests import experts_testing as T
 
     g = torch.Generator(device=rt.device).manual_seed(seed)
     x = torch.randn(T_, H, generator=g, device=rt.device).bfloat16()
@@ -461,12 +461,12 @@ def main(argv=None) -> int:
     import triton
 
     if rt.smoke:
-        from epmoe.experts.triton_interpret import match_gpu_rounding
+        from tests.triton_interpret import match_gpu_rounding
 
         match_gpu_rounding()
 
     from epmoe.config import MoEConfig
-    from epmoe.experts import testing as T
+    from tests import experts_testing as T
     from epmoe.experts import triton_experts as TE
     from epmoe.experts.base import ExpertsSpec
     from epmoe.quant.plan import QuantPlan

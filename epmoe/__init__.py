@@ -3,10 +3,12 @@
 Import direction (one way; nothing imports upwards):
 
     nightly -> launch -> layer, resolve -> {dispatch, experts} -> quant -> core (epmoe.core, epmoe.config)
+    integrations (epmoe.integrations.transformers: transformers models) -> layer
 
 `dispatch` and `experts` never import each other: the experts backend declares the
 `PayloadFormat` it consumes and the layer hands that to the dispatcher. Optional packages
-(flashinfer, deep_ep, mpi4py, triton) are imported only when a backend that needs them is built.
+(flashinfer, deep_ep, mpi4py, triton) are imported only when a backend that needs them is built;
+transformers only by `epmoe.integrations.transformers`.
 
 Public API:
     MoEConfig                   shape and math of a layer (epmoe.config)

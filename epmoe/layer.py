@@ -196,7 +196,10 @@ class EPMoE(torch.nn.Module):
                     humming=humming, mxfp8_act_scaling=mxfp8_act_scaling,
                     environment=detect_environment(self.device), ep_size=self.ep_size,
                 )
-            d_options = DISPATCHERS.get(plan.dispatcher).Options.parse(dispatcher_options, f"dispatcher {plan.dispatcher!r}")
+            d_cls = DISPATCHERS.get(plan.dispatcher)
+            if plan.layout != getattr(d_cls, "layout", "flat"):  # a hand-built plan: the class says
+                plan = replace(plan, layout=d_cls.layout)
+            d_options = d_cls.Options.parse(dispatcher_options, f"dispatcher {plan.dispatcher!r}")
             e_options = EXPERTS.get(plan.experts_backend).Options.parse(
                 experts_options, f"experts backend {plan.experts_backend!r}")
         except (ValueError, TypeError) as e:
@@ -504,7 +507,8 @@ class EPMoE(torch.nn.Module):
         for r in range(rounds):
             lo, hi = min(r * M, T), min((r + 1) * M, T)
             # the one agreement of this call, handed down: the dispatcher neither validates nor agrees again
-            agreement = Agreement(tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank), inputs_checked=True)
+            agreement = Agreement(tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank), inputs_checked=True,
+                                  want_bytes=return_stats)
             with watch.phase("dispatch" if rounds == 1 else f"dispatch[round {r}]"):
                 tokens, handle = self.dispatcher.dispatch(
                     hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi], agreement=agreement,

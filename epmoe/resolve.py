@@ -18,10 +18,8 @@ format rules stay in `epmoe.quant.plan`.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
-
-import torch
 
 from epmoe.config import MoEConfig, dtype_name
 from epmoe.core.availability import Availability
@@ -321,8 +319,6 @@ def enumerate_combinations(
 ) -> Iterator[Combination]:
     """Every (arch, mode, dispatcher, experts, wire) asked of the resolver, accepted or not (with the
     reason). Quantized modes are requested as online quantization of an unquantized checkpoint."""
-    from epmoe.quant.plan import ARCHES as _  # noqa: F401
-
     for arch in arches:
         env = Environment.hypothetical(arch, flashinfer_version)
         for mode in EXPERT_MODES:

@@ -89,10 +89,12 @@ class DispatchSpec:
 class Agreement:
     """What the layer agreed on for one dispatch round, handed to the dispatcher so it does not
     agree a second time: tokens_per_rank[r] = rows rank r dispatches in this round; inputs_checked:
-    shapes, dtypes and expert-id ranges were validated and agreed (no rank has a bad input)."""
+    shapes, dtypes and expert-id ranges were validated and agreed (no rank has a bad input);
+    want_bytes: the caller reads `handle.bytes_sent` (False lets a backend skip a device sync for it)."""
 
     tokens_per_rank: tuple
     inputs_checked: bool = True
+    want_bytes: bool = True
 
     @property
     def max_tokens(self) -> int:

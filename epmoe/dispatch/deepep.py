@@ -135,10 +135,11 @@ def fp8_block_quantize(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_block_dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """data [..., H] float8_e4m3fn, scales [..., H/128] (any strides) -> [..., H] `dtype`."""
-    H = data.shape[-1]
-    x = data.float().view(*data.shape[:-1], H // FP8_BLOCK, FP8_BLOCK) * scales.float().unsqueeze(-1)
-    return x.view(data.shape).to(dtype)
+    """data [..., H] float8_e4m3fn, scales [..., H/128] (any strides) -> [..., H] `dtype` (the format's
+    one dequantization, epmoe.quant.fp8_block; DeepEP's quantization recipe differs, its layout not)."""
+    from epmoe.quant import fp8_block
+
+    return fp8_block.dequantize_activation(data, scales.float(), dtype, FP8_BLOCK)
 
 
 # ---------------------------------------------------------------------------------- import, buffer

@@ -497,7 +497,7 @@ class FlashInferA2ADispatcher(Dispatcher):
         self._round += 1
         self._pending = self._round
         bytes_sent = -1
-        if self.handle_bytes and not _capturing(hidden.device):
+        if self.handle_bytes and not _capturing(hidden.device) and (agreement is None or agreement.want_bytes):
             bytes_sent = int(sends) * self.dispatch_bytes_per_token
         handle = FlashInferDispatchHandle(
             num_tokens=T,

@@ -11,6 +11,7 @@ rank") sort last and never reach a block.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -23,6 +24,7 @@ class ExpertSort:
     expert_ends:    [E] int64, cumulative row counts: expert e owns sorted positions
                     [expert_ends[e-1], expert_ends[e]) (positions past expert_ends[-1] are invalid)
     expert_counts:  [E] int64
+    inverse:        [N*K] sorted position of each entry (inverse[order[p]] = p), when computed
     """
 
     num_entries: int
@@ -31,6 +33,7 @@ class ExpertSort:
     sorted_expert: torch.Tensor
     expert_ends: torch.Tensor
     expert_counts: torch.Tensor
+    inverse: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -111,4 +114,76 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
     block_expert = torch.where(used, block_expert, torch.full_like(block_expert, -1)).to(torch.int32)
     first_rank = block_first_row - pad_starts[be]
     block_rows = torch.where(used, (counts[be] - first_rank).clamp(0, block_m), 0).to(torch.int32)
+    return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)
+
+
+# --------------------------------------------------------------------------- on the GPU (Triton)
+# The same outputs from three small Triton kernels (`epmoe.experts.triton_kernels`: align_count,
+# align_plan, align_scatter) instead of ~15 torch launches; `launch(kernel_name, grid, args, kwargs)`
+# runs one kernel (the backends' launcher). Index tensors come out int32.
+
+def _chunk(nk: int) -> int:
+    """Entries per scan step: 1024 (decode) up to 4096 (fewer serial steps at prefill)."""
+    return max(1024, min(4096, _next_pow2(max(nk, 1))))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _count_and_plan(flat, num_experts, block_m, max_blocks, launch):
+    E, nk, dev = num_experts, flat.numel(), flat.device
+    counts = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    chunk = _chunk(nk)
+    launch("align_count_kernel", (E + 1,), (flat, counts, nk, E), dict(CHUNK=chunk, num_warps=chunk // 256))
+    starts = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    ends = torch.empty(E, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max(max_blocks, 1), dtype=torch.int32, device=dev)
+    block_rows = torch.empty(max(max_blocks, 1), dtype=torch.int32, device=dev)
+    launch("align_plan_kernel", (1,), (counts, starts, ends, block_expert, block_rows, E, max_blocks),
+           dict(BLOCK_M=block_m, E_PAD=_next_pow2(E + 1), NB=16, num_warps=4))  # fmt: skip
+    return counts, starts, ends, block_expert[:max_blocks], block_rows[:max_blocks]
+
+
+def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids has shape {list(topk_ids.shape)}; expected [num_tokens, top_k]")
+    return topk_ids.to(torch.int32).contiguous().view(-1)
+
+
+def sort_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, launch) -> ExpertSort:
+    """`sort_by_expert` on the GPU: order / sorted_expert / expert_ends / expert_counts int32, and the
+    inverse permutation (same pass)."""
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    flat = _flat_ids(topk_ids)
+    nk, E = flat.numel(), num_experts
+    counts, starts, ends, _, _ = _count_and_plan(flat, E, 1, 0, launch)
+    order = torch.empty(nk, dtype=torch.int32, device=flat.device)
+    sorted_expert = torch.empty(nk, dtype=torch.int32, device=flat.device)
+    inverse = torch.empty(nk, dtype=torch.int32, device=flat.device)
+    if nk:
+        launch("align_scatter_kernel", (E + 1,), (flat, starts, order, sorted_expert, inverse, nk, E),
+               dict(CHUNK=_chunk(nk), WITH_INVALID=True, WITH_EXPERT=True, WITH_INV=True,
+                    num_warps=_chunk(nk) // 256))  # fmt: skip
+    return ExpertSort(nk, E, order, sorted_expert, ends, counts[:E], inverse)
+
+
+def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch) -> BlockAlignment:
+    """`align_blocks(sort_by_expert(topk_ids, num_experts), block_m)` on the GPU, bit for bit."""
+    if block_m <= 0:
+        raise ValueError(f"block_m must be positive, got {block_m}")
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    flat = _flat_ids(topk_ids)
+    nk, E, dev = flat.numel(), num_experts, flat.device
+    max_blocks = max_blocks_for(nk, E, block_m)
+    if max_blocks == 0:
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        return BlockAlignment(block_m, 0, empty, empty, empty)
+    _, starts, _, block_expert, block_rows = _count_and_plan(flat, E, block_m, max_blocks, launch)
+    sorted_ids = torch.full((max_blocks * block_m,), nk, dtype=torch.int32, device=dev)
+    launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids, sorted_ids, nk, E),
+           dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=False, WITH_INV=False,
+                num_warps=_chunk(nk) // 256))  # fmt: skip
     return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)

@@ -186,27 +186,10 @@ def bf16_w31_weights(weights: ExpertWeights, config) -> Tuple[torch.Tensor, torc
 
 
 def dequantize_expert_weights(weights: ExpertWeights) -> ExpertWeights:
-    """Quantized ExpertWeights -> float32 canonical ones (epmoe.quant reference codecs)."""
-    from dataclasses import replace
+    """Quantized ExpertWeights -> float32 canonical ones (the one definition: epmoe.quant.weights)."""
+    from epmoe.quant.weights import dequantize_expert_weights as dequantize
 
-    from epmoe.quant import fp8_block, mxfp4, mxfp8, nvfp4
-
-    out = {}
-    for n in ("w1", "w3", "w2"):
-        q, s = getattr(weights, n), getattr(weights, n + "_scale")
-        if q is None:
-            continue
-        if weights.format == "mxfp4":
-            out[n] = mxfp4.dequantize(q, s, torch.float32)
-        elif weights.format == "mxfp8":
-            out[n] = mxfp8.dequantize(q, s, torch.float32)
-        elif weights.format == "fp8_block":
-            out[n] = fp8_block.dequantize_weight(q, s, torch.float32)
-        else:  # nvfp4: our global scale is a dequant factor, the codec takes the multiplier
-            g = getattr(weights, n + "_global_scale")
-            out[n] = nvfp4.dequantize(q, s.view(torch.float8_e4m3fn), (1.0 / g)[:, None].expand(q.shape[:-1]), torch.float32)
-    scales = {f: None for f in ("w1_scale", "w3_scale", "w2_scale", "w1_global_scale", "w3_global_scale", "w2_global_scale")}
-    return replace(weights, format=None, w13_input_scale=None, w2_input_scale=None, **scales, **out)
+    return dequantize(weights, torch.float32)
 
 
 def _activation_config(fm, config):

@@ -45,46 +45,23 @@ def _cdiv(a: int, b: int) -> int:
 # --------------------------------------------------------------------------- fp8 block (padded)
 
 
-def _fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    # As epmoe.quant.fp8_block: divide by a device tensor (a Python scalar becomes a reciprocal
-    # multiply on CUDA and the last bit would differ from CPU).
-    denom = torch.tensor(fp8_block.E4M3_MAX, dtype=torch.float32, device=amax.device)
-    return amax.clamp(min=fp8_block.DEFAULT_EPS) / denom
-
-
 def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK):
-    """w [..., R, C] float -> (q e4m3 [..., R, C], scale f32 [..., ceil(R/b), ceil(C/b)]); partial
-    edge blocks are padded with zeros. Equals `epmoe.quant.fp8_block.quantize_weight` when R and C
-    are multiples of the block."""
-    *lead, R, C = w.shape
-    Rp, Cp = _cdiv(R, block) * block, _cdiv(C, block) * block
-    wf = torch.zeros(*lead, Rp, Cp, dtype=torch.float32, device=w.device)
-    wf[..., :R, :C] = w.float()
-    b = wf.view(*lead, Rp // block, block, Cp // block, block)
-    scale = _fp8_scale(b.abs().amax(dim=(-3, -1)))
-    q = (b / scale[..., :, None, :, None]).clamp(-fp8_block.E4M3_MAX, fp8_block.E4M3_MAX)
-    q = q.view(*lead, Rp, Cp)[..., :R, :C].to(torch.float8_e4m3fn).contiguous()
-    return q, scale.contiguous()
+    """w [..., R, C] float -> (q e4m3 [..., R, C], scale f32 [..., ceil(R/b), ceil(C/b)]); partial edge
+    blocks padded with zeros (epmoe.quant.fp8_block.quantize_weight, the format's one quantizer)."""
+    q = fp8_block.quantize_weight(w.float(), (block, block), pad_edges=True)
+    return q.data, q.scales
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
     """Inverse of `quantize_fp8_block` (float32); any R, C."""
-    R, C = q.shape[-2:]
-    s = scale.repeat_interleave(block, dim=-2)[..., :R, :].repeat_interleave(block, dim=-1)[..., :C]
-    return q.float() * s
+    return fp8_block.dequantize_weight(q, scale, torch.float32, (block, block))
 
 
 def quantize_fp8_tokens(x: torch.Tensor, group: int = FP8_BLOCK):
-    """x [N, C] -> (q e4m3 [N, C], scale f32 [N, ceil(C/group)]), 1 x group blocks, any C (the
-    `fp8_block` activation payload; equals `fp8_block.quantize_activation` for C % 128 == 0)."""
-    N, C = x.shape
-    Cp = _cdiv(C, group) * group
-    xf = torch.zeros(N, Cp, dtype=torch.float32, device=x.device)
-    xf[:, :C] = x.float()
-    g = xf.view(N, Cp // group, group)
-    scale = _fp8_scale(g.abs().amax(dim=2))
-    q = (g / scale[:, :, None]).clamp(-fp8_block.E4M3_MAX, fp8_block.E4M3_MAX).view(N, Cp)[:, :C]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+    """x [N, C] -> (q e4m3 [N, C], scale f32 [N, ceil(C/group)]), 1 x group blocks, any C
+    (epmoe.quant.fp8_block.quantize_activation, the format's one quantizer)."""
+    q = fp8_block.quantize_activation(x.float(), group, pad_edges=True)
+    return q.data, q.scales
 
 
 def dequantize_fp8_tokens(q: torch.Tensor, scale: torch.Tensor, group: int = FP8_BLOCK) -> torch.Tensor:
@@ -164,29 +141,8 @@ def quantize_expert_weights(weights: ExpertWeights, mode: str) -> ExpertWeights:
     return replace(weights, format=fmt, **fields)
 
 
-def dequantize_expert_weights(weights: ExpertWeights, dtype: torch.dtype = torch.float32) -> ExpertWeights:
-    """Quantized canonical `ExpertWeights` -> float (`dtype`) ones (unquantized container)."""
-    if not weights.is_quantized:
-        return weights
-    out = {}
-    for name in ("w1", "w3", "w2"):
-        q, s = getattr(weights, name), getattr(weights, name + "_scale")
-        if q is None:
-            continue
-        if weights.format == "fp8_block":
-            out[name] = dequantize_fp8_block(q.view(torch.float8_e4m3fn) if q.dtype == torch.uint8 else q, s)
-        elif weights.format == "mxfp4":
-            out[name] = mxfp4.dequantize(q, s, torch.float32)
-        elif weights.format == "nvfp4":
-            g = getattr(weights, name + "_global_scale").float()
-            rows = q.shape[:-1]
-            out[name] = nvfp4.dequantize(q, s, (1.0 / g)[:, None].expand(rows).contiguous(), torch.float32)
-        else:
-            raise ValueError(f"format {weights.format!r} is not one the triton backend reads")
-        out[name] = out[name].to(dtype)
-    cleared = {f: None for f in ("w1_scale", "w3_scale", "w2_scale", "w1_global_scale", "w3_global_scale",
-                                 "w2_global_scale", "w13_input_scale", "w2_input_scale")}  # fmt: skip
-    return replace(weights, format=None, **cleared, **out)
+# One dequantization of canonical expert weights for every format: epmoe.quant.weights (re-exported).
+from epmoe.quant.weights import dequantize_expert_weights  # noqa: E402,F401
 
 
 def kernel_tensors(weights: ExpertWeights, gated: bool, device: torch.device) -> dict:

@@ -63,9 +63,9 @@ def _dequantize(x: QuantizedActivation) -> torch.Tensor:
     f = x.format
     if f.name != "fp8_block" or f.block_size is None:
         raise ValueError(f"masked reference experts dequantize fp8_block activations only, got {f.describe()}")
-    H, B = x.data.shape[-1], f.block_size
-    blocks = x.data.float().reshape(*x.data.shape[:-1], H // B, B)
-    return (blocks * x.scales.float().unsqueeze(-1)).reshape(x.data.shape)
+    from epmoe.quant import fp8_block
+
+    return fp8_block.dequantize_activation(x.data, x.scales.float(), torch.float32, f.block_size)
 
 
 @dataclass(frozen=True)

@@ -147,10 +147,19 @@ class ReferenceExperts(Experts):
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert e on rows x [n, H] (fp32) -> [n, H] fp32 (FC2 input quantized per the plan)."""
         p = self._params
-        h = x @ p["w13"][e].float().t()
-        if "b13" in p:
-            h = h + p["b13"][e].float()
-        y = self._quant_act(apply_activation(self.config, h)) @ p["w2"][e].float().t()
+        if self._act is not None:
+            # the FC2 input is quantized: compute it in float64 so its rounding (a discontinuity)
+            # matches the float64 oracle's (reference_moe(plan=)) instead of flipping on float32 noise
+            h = x.double() @ p["w13"][e].double().t()
+            if "b13" in p:
+                h = h + p["b13"][e].double()
+            a = self._quant_act(apply_activation(self.config, h).float())
+        else:
+            h = x @ p["w13"][e].float().t()
+            if "b13" in p:
+                h = h + p["b13"][e].float()
+            a = apply_activation(self.config, h)
+        y = a @ p["w2"][e].float().t()
         if "b2" in p:
             y = y + p["b2"][e].float()
         return y

@@ -39,7 +39,7 @@ from epmoe.core.availability import Availability
 from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts import kernel_formats as kf
-from epmoe.experts.align import align_blocks, sort_by_expert
+from epmoe.experts.align import align_blocks, align_blocks_triton, sort_by_expert
 from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 from epmoe.quant.codec import FP8_BLOCK
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
@@ -142,6 +142,23 @@ AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
 # K step) or "blocked" ([gate; up]: two dots). Quantized modes are always blocked. Fixed at load;
 # spec option `triton_gate_up` overrides.
 GATE_UP_LAYOUT = "interleaved"
+# Per-phase backend preference, bf16 only: from this many mean rows per local expert (N*K/E) on, the
+# forward runs torch._grouped_mm (CUTLASS grouped GEMMs) with the fused gather / activation / combine
+# kernels (`epmoe.experts.grouped_mm.fused_grouped_mm_forward`) on this backend's own weights, instead
+# of the Triton GEMMs; None = never. Spec option `triton_grouped_mm`: auto (this threshold) | on | off.
+# A forced tile preset (`config_override` / `triton_config`) keeps the Triton GEMMs under auto.
+GROUPED_MM_MIN_ROWS: Optional[float] = 128.0
+GROUPED_MM_CHOICES = ("auto", "on", "off")
+# fp4 W4A16 weights -> bf16 in the GEMM loops: "packed" (bf16 bits built two values per integer op,
+# one bf16 multiply by the scale; `_fp4_dequant_packed`) or "legacy" (fp16 bits, fp32 multiply;
+# `_fp4_dequant`). Same weights bit for bit. Spec option `triton_fp4_convert` overrides; packed
+# needs a bf16 model (and, for mxfp4, scale exponents <= 128, checked at load).
+FP4_CONVERT = "packed"
+# Routing alignment (sort by expert, pad to BLOCK_M, tile list): "triton" (three small kernels,
+# `epmoe.experts.align.align_blocks_triton`) or "torch" (`align_blocks(sort_by_expert(...))`, ~15
+# launches); the same outputs bit for bit. Spec option `triton_align` overrides (both backends).
+ALIGN = "triton"
+ALIGN_CHOICES = ("triton", "torch")
 
 
 def presets_for(mode: str) -> Dict[str, TritonConfig]:
@@ -190,6 +207,11 @@ def _owned(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
     return torch.empty(t.shape, dtype=dtype or t.dtype, device=device).copy_(t)
 
 
+def _mx_scales_packable(params: Dict[str, torch.Tensor]) -> bool:
+    """Every mxfp4 e8m0 scale exponent <= 128 (the packed conversion's range; one host sync, at load)."""
+    return all(int(params[k].max()) <= 128 for k in ("w13_scale", "w2_scale") if params[k].numel())
+
+
 def _activation_args(config):
     """(ACT, HAS_LIMIT, alpha, beta, limit) for the kernels."""
     if config.activation == "relu2":
@@ -213,6 +235,10 @@ class TritonOptions(ExpertsOptions):
 
     triton_config: Optional[str] = None
     triton_gate_up: str = GATE_UP_LAYOUT
+    # None = the module default (GROUPED_MM_MIN_ROWS / "auto", ALIGN, FP4_CONVERT): read at construction
+    triton_grouped_mm: Optional[str] = None  # auto | on | off: bf16 through torch._grouped_mm
+    triton_align: Optional[str] = None  # triton | torch: routing alignment kernels
+    triton_fp4_convert: Optional[str] = None  # packed | legacy: fp4 -> bf16 in the W4A16 loops
 
 
 class TritonExperts(Experts):
@@ -314,6 +340,56 @@ class TritonExperts(Experts):
             raise ValueError(f"triton_gate_up={layout!r}; use 'interleaved' or 'blocked'")
         # Kernel-facing w13 rows alternate gate j / up j (bf16 mode, gated activations only).
         self.gate_up_interleaved = layout == "interleaved" and self.mode == "bf16" and self.gated
+        self.align_impl = spec.option("triton_align") or ALIGN
+        if self.align_impl not in ALIGN_CHOICES:
+            raise ValueError(f"triton_align={self.align_impl!r}; use one of {ALIGN_CHOICES}")
+        self.fp4_convert = spec.option("triton_fp4_convert") or FP4_CONVERT
+        if self.fp4_convert not in ("packed", "legacy"):
+            raise ValueError(f"triton_fp4_convert={self.fp4_convert!r}; use 'packed' or 'legacy'")
+        self._fp4_scales_ok = True  # mxfp4: every scale exponent <= 128 (set at load)
+        self.grouped_mm = spec.option("triton_grouped_mm") or "auto"
+        if self.grouped_mm not in GROUPED_MM_CHOICES:
+            raise ValueError(f"triton_grouped_mm={self.grouped_mm!r}; use one of {GROUPED_MM_CHOICES}")
+        why_not = self._grouped_mm_unavailable()
+        self._grouped_mm_ok = why_not is None
+        if self.grouped_mm == "on" and why_not:
+            raise ValueError(f"triton_grouped_mm=on: {why_not}; use triton_grouped_mm=auto or off")
+
+    def _grouped_mm_unavailable(self) -> Optional[str]:
+        """Why the bf16 torch._grouped_mm path cannot run here (None: it can)."""
+        cfg = self.config
+        if self.mode != "bf16":
+            return f"mode {self.mode!r} (the grouped_mm path is bf16 only)"
+        if cfg.dtype != torch.bfloat16 or cfg.hidden_size % 8 or cfg.intermediate_size % 8:
+            return f"needs bfloat16 and H, I divisible by 8 (dtype {cfg.dtype}, H {cfg.hidden_size}, I {cfg.intermediate_size})"
+        if not hasattr(torch, "_grouped_mm"):
+            return f"torch {torch.__version__} has no torch._grouped_mm"
+        if self.device.type == "cpu":
+            return None if interpreter_enabled() else "no CUDA device"
+        cap = torch.cuda.get_device_capability(self.device)
+        if cap not in ((9, 0), (10, 0)):
+            return f"torch._grouped_mm has its CUTLASS path on sm90 / sm100 only, this GPU is sm{cap[0]}{cap[1]}"
+        return None
+
+    @property
+    def fp4_packed(self) -> bool:
+        """Do the fp4 GEMM loops use the packed bf16 conversion (`_fp4_dequant_packed`)?"""
+        return (
+            self.mode in ("nvfp4_w4a16", "mxfp4_w4a16")
+            and self.fp4_convert == "packed"
+            and self.config.dtype == torch.bfloat16
+            and self._fp4_scales_ok
+        )
+
+    def uses_grouped_mm(self, num_entries: int) -> bool:
+        """Does a forward of `num_entries` routed (row, slot) entries run the grouped_mm path?"""
+        if not self._grouped_mm_ok or self.grouped_mm == "off":
+            return False
+        if self.grouped_mm == "on":
+            return True
+        if self.config_override is not None or GROUPED_MM_MIN_ROWS is None:
+            return False
+        return num_entries / max(self.num_experts, 1) >= GROUPED_MM_MIN_ROWS
 
     # ------------------------------------------------------------------ format
     @property
@@ -370,6 +446,13 @@ class TritonExperts(Experts):
         if cfg.has_bias:
             new["b13"] = _owned(weights.b13, dev, torch.float32)
             new["b2"] = _owned(weights.b2, dev, torch.float32)
+        if self.mode == "mxfp4_w4a16" and self._params and self.fp4_packed and not _mx_scales_packable(new):
+            # captured CUDA graphs keep the packed conversion: refuse rather than compute garbage
+            raise ValueError(
+                "reloaded mxfp4 weights have scale exponents > 128 (weights above 2 * 6), which the packed "
+                "fp4 conversion this backend was loaded with cannot represent; construct it with "
+                "triton_fp4_convert=legacy"
+            )
         expected = self._expected_shapes()
         for name, shape in expected.items():
             if tuple(new[name].shape) != shape:
@@ -380,6 +463,10 @@ class TritonExperts(Experts):
         return new
 
     def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
+        if self.mode == "mxfp4_w4a16":
+            # the packed conversion folds 2^126 into a bf16 scale 2^(e-1): exact for e <= 128
+            # (weights up to 6 * 2); larger exponents take the legacy conversion (a reload re-checks)
+            self._fp4_scales_ok = _mx_scales_packable(prepared)
         if not self._params:
             self._params = prepared
             return
@@ -445,6 +532,13 @@ class TritonExperts(Experts):
             return torch.empty(0, H, dtype=out_dtype, device=self.device)
 
         x, x_scale = self._input_activations(hidden)
+        if self.uses_grouped_mm(N * K):
+            from epmoe.experts.grouped_mm import fused_grouped_mm_forward
+
+            return fused_grouped_mm_forward(
+                x, topk_ids, topk_weights, self._params, self.config, E, self.gate_up_interleaved, self._launch,
+                align=self.align_impl,
+            )
         cfg = self.config_override or pick_config(self.mode, N * K, E)
         self._check_tile_config(cfg)
         ids32 = topk_ids.to(torch.int32).contiguous()
@@ -457,6 +551,8 @@ class TritonExperts(Experts):
 
     # The stages of `forward` (benchmarks/tune_hopper.py times them one by one).
     def _align(self, ids32: torch.Tensor, cfg: TritonConfig):
+        if self.align_impl == "triton":
+            return align_blocks_triton(ids32, self.num_experts, cfg.block_m, self._launch)
         return align_blocks(sort_by_expert(ids32, self.num_experts), cfg.block_m)
 
     def _reduce(self, y: torch.Tensor, ids32: torch.Tensor) -> torch.Tensor:
@@ -533,7 +629,7 @@ class TritonExperts(Experts):
             HAS_BIAS=self.config.has_bias, OUT_FP8=fp8,
             GATE_UP_IL=self.gate_up_interleaved, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-            EVEN_K=H % g.block_k == 0,
+            EVEN_K=H % g.block_k == 0, FP4_PACKED=self.fp4_packed,
             num_warps=g.num_warps, num_stages=g.num_stages,
         ))  # fmt: skip
         return out, (out_s if fp8 else None)
@@ -560,7 +656,7 @@ class TritonExperts(Experts):
         ), dict(
             W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-            EVEN_K=I % g.block_k == 0,
+            EVEN_K=I % g.block_k == 0, FP4_PACKED=self.fp4_packed,
             num_warps=g.num_warps, num_stages=g.num_stages,
         ))  # fmt: skip
 

@@ -34,6 +34,7 @@ ACT_SWIGLU_CLAMP = 1  # g' * sigmoid(alpha g') * (u' + beta), optional limit cla
 ACT_RELU2 = 2  # relu(g)^2 (non-gated)
 
 FP8_MAX = tl.constexpr(448.0)  # globals used inside kernels must be constexpr
+TWO_119 = tl.constexpr(2.0**119)
 
 
 @triton.jit
@@ -65,6 +66,43 @@ def _fp4_dequant(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT_DTY
         w_lo = lo * ((e_lo + 14) << 23).to(tl.float32, bitcast=True)[None, :]
         w_hi = hi * ((e_hi + 14) << 23).to(tl.float32, bitcast=True)[None, :]
     return w_lo.to(OUT_DTYPE), w_hi.to(OUT_DTYPE)
+
+
+@triton.jit
+def _fp4_dequant_packed(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr):
+    """`_fp4_dequant` with bf16 built from the bits, two values per integer op (bf16 models only).
+
+    For each byte b (low nibble = K element j, high nibble = j + HALF), one 32-bit word holds both
+    values as bf16 bit patterns: magnitudes (b * 0x40040) & 0x01C001C0 put the 3 exponent|mantissa
+    bits of the low nibble at bf16 bits 8..6 and those of the high nibble at 24..22; signs
+    (b * 0x1001000) & 0x80008000 put bit 3 at 15 and bit 7 at 31 (the two shifted copies of b never
+    overlap: no carries). Read as bf16 with a zero exponent bias, each half is exactly
+    value * 2^-126 (0.5 -> the subnormal 2^-127); one bf16 multiply by the block scale folded with
+    2^126 gives the exact product (<= 6 significant bits: no rounding):
+      mxfp4  scale bits (e + 126) << 7 = 2^(e-1): weights = value * 2^(e-127), exactly those of
+             `_fp4_dequant`, for scale exponents e <= 128 (the loader checks; else `_fp4_dequant`)
+      nvfp4  s * 2^119 (e4m3 s <= 448: finite): weights = value * s * 2^-7 exactly; the 2^7 goes
+             into the per-expert global scale on the fp32 accumulator (power-of-two scaling
+             commutes with fp32 rounding: the same result bit for bit)
+    bf16 multiplies keep subnormal operands (PTX mul/fma .bf16 have no flush-to-zero)."""
+    b = p.to(tl.uint32)
+    w = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)
+    lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    if W_FMT == 2:
+        s0 = (tl.load(s_ptrs + 4 * kk).to(tl.float32) * TWO_119).to(tl.bfloat16)
+        s1 = (tl.load(s_ptrs + 4 * kk + 1).to(tl.float32) * TWO_119).to(tl.bfloat16)
+        s2 = (tl.load(s_ptrs + 4 * kk + 2).to(tl.float32) * TWO_119).to(tl.bfloat16)
+        s3 = (tl.load(s_ptrs + 4 * kk + 3).to(tl.float32) * TWO_119).to(tl.bfloat16)
+        first = (tl.arange(0, HALF) < 16)[:, None]
+        w_lo = lo * tl.where(first, s0[None, :], s1[None, :])
+        w_hi = hi * tl.where(first, s2[None, :], s3[None, :])
+    else:
+        e_lo = tl.load(s_ptrs + 2 * kk).to(tl.uint16)
+        e_hi = tl.load(s_ptrs + 2 * kk + 1).to(tl.uint16)
+        w_lo = lo * ((e_lo + 126) << 7).to(tl.bfloat16, bitcast=True)[None, :]
+        w_hi = hi * ((e_hi + 126) << 7).to(tl.bfloat16, bitcast=True)[None, :]
+    return w_lo, w_hi
 
 
 @triton.jit
@@ -107,7 +145,7 @@ def _gemm1_tile(
     TOP_K: tl.constexpr, W_FMT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_IL: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr,
 ):
     """One gemm1 output tile: rows [pid_m*BLOCK_M, +TILE_M) of the padded routing (TILE_M is BLOCK_M,
     or BLOCK_M/2 for a tail tile whose real rows fit in the first half), intermediate columns
@@ -201,20 +239,28 @@ def _gemm1_tile(
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
+            if FP4_PACKED:
+                w_lo, w_hi = _fp4_dequant_packed(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT)
+            else:
+                w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
             acc_g = tl.dot(a_lo, w_lo, acc_g)
             acc_g = tl.dot(a_hi, w_hi, acc_g)
             if GATED:
-                v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
+                if FP4_PACKED:
+                    v_lo, v_hi = _fp4_dequant_packed(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT)
+                else:
+                    v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
                 acc_u = tl.dot(a_lo, v_lo, acc_u)
                 acc_u = tl.dot(a_hi, v_hi, acc_u)
             a_lo_ptrs += BLOCK_K
             g_ptrs += HALF
             u_ptrs += HALF
         if W_FMT == 2:
-            acc_g = acc_g * tl.load(wg_ptr + e64 * stride_wge)
+            # the packed conversion leaves 2^-7 in the weights (see _fp4_dequant_packed)
+            gs = 128.0 if FP4_PACKED else 1.0
+            acc_g = acc_g * (tl.load(wg_ptr + e64 * stride_wge) * gs)
             if GATED:
-                acc_u = acc_u * tl.load(wg_ptr + e64 * stride_wge + 1)
+                acc_u = acc_u * (tl.load(wg_ptr + e64 * stride_wge + 1) * gs)
 
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e64 * stride_be + n_c)[None, :]
@@ -282,6 +328,7 @@ def moe_gemm1_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP4_PACKED: tl.constexpr,  # fp4 weights: _fp4_dequant_packed instead of _fp4_dequant
 ):
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -300,7 +347,7 @@ def moe_gemm1_kernel(
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
-            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
         )  # fmt: skip
     else:
         _gemm1_tile(
@@ -308,7 +355,7 @@ def moe_gemm1_kernel(
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
-            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
         )  # fmt: skip
 
 
@@ -320,7 +367,7 @@ def _gemm2_tile(
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_ym,
     W_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr,
 ):
     """One gemm2 output tile: padded rows [pid_m*BLOCK_M, +TILE_M), hidden columns [pid_n*BLOCK_N, +BLOCK_N)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
@@ -366,13 +413,17 @@ def _gemm2_tile(
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT, a_ptr.dtype.element_ty)
+            if FP4_PACKED:
+                w_lo, w_hi = _fp4_dequant_packed(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT)
+            else:
+                w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT, a_ptr.dtype.element_ty)
             acc = tl.dot(a_lo, w_lo, acc)
             acc = tl.dot(a_hi, w_hi, acc)
             a_lo_ptrs += BLOCK_K
             b_ptrs += HALF
         if W_FMT == 2:
-            acc = acc * tl.load(wg_ptr + e64 * stride_wge)
+            gs = 128.0 if FP4_PACKED else 1.0
+            acc = acc * (tl.load(wg_ptr + e64 * stride_wge) * gs)
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + e64 * stride_be + n_c)[None, :]
@@ -419,6 +470,7 @@ def moe_gemm2_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    FP4_PACKED: tl.constexpr,  # fp4 weights: _fp4_dequant_packed instead of _fp4_dequant
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -434,14 +486,14 @@ def moe_gemm2_kernel(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_ym,
-            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
         )  # fmt: skip
     else:
         _gemm2_tile(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_ym,
-            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
         )  # fmt: skip
 
 
@@ -493,3 +545,218 @@ def quant_fp8_rows_kernel(
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + r * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + r * stride_sm + g, scale)
+
+
+# --------------------------------------------------------------------------- grouped_mm epilogues
+# Around torch._grouped_mm (CUTLASS grouped GEMMs on contiguous expert-sorted rows): one pass each,
+# bf16 in / bf16 out with fp32 math, no atomics. Rows are the sorted positions p of
+# `epmoe.experts.align.sort_by_expert` (entries by expert; invalid entries last, skipped).
+
+
+@triton.jit
+def gather_rows_kernel(
+    x_ptr,  # [N, H] tokens (model dtype)
+    ids_ptr,  # [N, K] int32 local expert ids (invalid: < 0 or >= num_experts)
+    inv_ptr,  # [N*K] int32 sorted position of each entry j = n*K + k
+    xs_ptr,  # [N*K, H] out: xs[inv[n*K+k]] = x[n] for the valid slots (other rows are not written)
+    H,
+    num_experts,
+    stride_xm,
+    stride_sm,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Token-major gather: each token row is read once and written to its K sorted positions."""
+    n = tl.program_id(0).to(tl.int64)
+    src = x_ptr + n * stride_xm
+    for h0 in range(0, H, BLOCK_H):
+        offs = h0 + tl.arange(0, BLOCK_H)
+        v = tl.load(src + offs, mask=offs < H)
+        for k in tl.static_range(TOP_K):
+            e = tl.load(ids_ptr + n * TOP_K + k)
+            lim = tl.where((e >= 0) & (e < num_experts), H, 0)
+            p = tl.load(inv_ptr + n * TOP_K + k).to(tl.int64)
+            tl.store(xs_ptr + p * stride_sm + offs, v, mask=offs < lim)
+
+
+@triton.jit
+def grouped_act_kernel(
+    h_ptr,  # [N*K, R] gemm1 output by sorted position (model dtype); R = 2I (gated) or I
+    b_ptr,  # [>=E, R] fp32 bias (gate, then up: never interleaved)
+    a_ptr,  # [N*K, I] out: activation (model dtype); invalid rows not written
+    sorted_expert_ptr,
+    num_experts,
+    I,
+    stride_hm,
+    stride_be,
+    stride_am,
+    alpha,
+    beta,
+    limit,
+    ACT: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    GATE_UP_IL: tl.constexpr,  # h columns 2j / 2j+1 = gate j / up j
+    BLOCK_I: tl.constexpr,
+):
+    p = tl.program_id(0).to(tl.int64)
+    e = tl.load(sorted_expert_ptr + p)
+    if e < num_experts:
+        offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        ok = offs < I
+        row = h_ptr + p * stride_hm
+        if GATED and GATE_UP_IL:
+            # [BLOCK_I, 2] tile: each thread holds its (gate j, up j) pairs, so the split is free
+            offs2 = offs[:, None] * 2 + tl.arange(0, 2)[None, :]
+            hv = tl.load(row + offs2, mask=offs2 < 2 * I, other=0.0).to(tl.float32)
+            g, u = tl.split(hv)
+            # the column index in g's own layout (bias loads and the store need no layout change)
+            offs = tl.split(offs2)[0] // 2
+            ok = offs < I
+        else:
+            g = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
+            u = g
+            if GATED:
+                u = tl.load(row + I + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            bias = b_ptr + e.to(tl.int64) * stride_be
+            g += tl.load(bias + offs, mask=ok, other=0.0)
+            if GATED:
+                u += tl.load(bias + I + offs, mask=ok, other=0.0)
+        act = _activation(g, u, alpha, beta, limit, ACT, HAS_LIMIT)
+        tl.store(a_ptr + p * stride_am + offs, act.to(a_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def grouped_combine_kernel(
+    y_ptr,  # [N*K, H] gemm2 output by sorted position (model dtype; invalid rows never read)
+    inv_ptr,  # [N*K] int32 sorted position of entry j
+    ids_ptr,  # [N, K] int32 local expert ids (invalid: < 0 or >= num_experts)
+    w_ptr,  # [N, K] fp32 routing weights
+    b_ptr,  # [>=E, H] fp32 bias
+    out_ptr,  # [N, H] out
+    H,
+    num_experts,
+    stride_ym,
+    stride_be,
+    stride_om,
+    TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """out[n] = sum_k w[n,k] * (y[inv[n*K+k]] + b2[e]) over valid k, in k order, fp32."""
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + n * TOP_K + k)
+        valid = (e >= 0) & (e < num_experts)
+        lim = tl.where(valid, H, 0)
+        p = tl.load(inv_ptr + n * TOP_K + k).to(tl.int64)
+        p = tl.where(valid, p, 0)
+        v = tl.load(y_ptr + p * stride_ym + offs, mask=offs < lim, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            e64 = tl.where(valid, e, 0).to(tl.int64)
+            v += tl.load(b_ptr + e64 * stride_be + offs, mask=offs < lim, other=0.0)
+        wk = tl.where(valid, tl.load(w_ptr + n * TOP_K + k), 0.0)
+        acc += wk * v
+    tl.store(out_ptr + n * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < H)
+
+
+# --------------------------------------------------------------------------- routing alignment
+# `epmoe.experts.align` on the GPU: the same outputs bit for bit (stable order by expert, invalid
+# entries last), no atomics, no host sync, fixed shapes. Program e of a grid over experts (plus one
+# for the invalid bin, key num_experts) scans the entries in j order.
+
+
+@triton.jit
+def _align_keys(ids_ptr, offs, NK, num_experts):
+    ok = offs < NK
+    e = tl.load(ids_ptr + offs, mask=ok, other=-1)
+    key = tl.where((e >= 0) & (e < num_experts), e, num_experts)
+    return key, ok
+
+
+@triton.jit
+def align_count_kernel(
+    ids_ptr,  # [N*K] int32 local expert ids (invalid: < 0 or >= num_experts)
+    counts_ptr,  # [num_experts + 1] int32 out: entries per expert, then invalid entries
+    NK,
+    num_experts,
+    CHUNK: tl.constexpr,
+):
+    e = tl.program_id(0)
+    cnt = tl.zeros((CHUNK,), dtype=tl.int32)
+    for start in range(0, NK, CHUNK):
+        key, ok = _align_keys(ids_ptr, start + tl.arange(0, CHUNK), NK, num_experts)
+        cnt += ((key == e) & ok).to(tl.int32)
+    tl.store(counts_ptr + e, tl.sum(cnt, axis=0))
+
+
+@triton.jit
+def align_plan_kernel(
+    counts_ptr,  # [num_experts + 1] int32
+    starts_ptr,  # [num_experts + 1] int32 out: first padded row of each expert; [E] = all padded rows
+    ends_ptr,  # [num_experts] int32 out: cumulative (unpadded) counts
+    block_expert_ptr,  # [max_blocks] int32 out (-1 unused)
+    block_rows_ptr,  # [max_blocks] int32 out (0 unused)
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,  # power of two > num_experts
+    NB: tl.constexpr,  # blocks per step
+):
+    eidx = tl.arange(0, E_PAD)
+    emask = eidx < num_experts
+    cnt = tl.load(counts_ptr + eidx, mask=emask, other=0)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    tl.store(starts_ptr + eidx, pad_start, mask=emask)
+    tl.store(ends_ptr + eidx, tl.cumsum(cnt, axis=0), mask=emask)
+    tl.store(starts_ptr + num_experts, tl.sum(padded, axis=0))
+    pad_end_m = tl.where(emask, pad_end, 2147483647)
+    for b0 in range(0, max_blocks, NB):
+        b = b0 + tl.arange(0, NB)
+        first = b * BLOCK_M
+        # tile b belongs to the first expert whose padded segment ends after its first row
+        be = tl.sum((pad_end_m[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        used = be < num_experts
+        hit = eidx[None, :] == be[:, None]
+        c_be = tl.sum(tl.where(hit, cnt[None, :], 0), axis=1)
+        s_be = tl.sum(tl.where(hit, pad_start[None, :], 0), axis=1)
+        rows = tl.minimum(tl.maximum(c_be - (first - s_be), 0), BLOCK_M)
+        bok = b < max_blocks
+        tl.store(block_expert_ptr + b, tl.where(used, be, -1), mask=bok)
+        tl.store(block_rows_ptr + b, tl.where(used, rows, 0), mask=bok)
+
+
+@triton.jit
+def align_scatter_kernel(
+    ids_ptr,  # [N*K] int32
+    starts_ptr,  # [num_experts + 1] int32 from align_plan_kernel
+    sorted_ids_ptr,  # out: entry j at padded row starts[e] + rank (rank = order among e's entries)
+    sorted_expert_ptr,  # out (WITH_EXPERT): key of each written row
+    inv_ptr,  # out (WITH_INV): [N*K] int32 row of each entry j (the inverse permutation)
+    NK,
+    num_experts,
+    CHUNK: tl.constexpr,
+    WITH_INVALID: tl.constexpr,  # also place the invalid entries (after every expert's rows)
+    WITH_EXPERT: tl.constexpr,
+    WITH_INV: tl.constexpr,
+):
+    e = tl.program_id(0)
+    if (e < num_experts) | WITH_INVALID:
+        base = tl.load(starts_ptr + e)
+        for start in range(0, NK, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            key, ok = _align_keys(ids_ptr, offs, NK, num_experts)
+            m = ((key == e) & ok).to(tl.int32)
+            pos = base + tl.cumsum(m, axis=0) - 1
+            tl.store(sorted_ids_ptr + pos, offs, mask=m > 0)
+            if WITH_EXPERT:
+                tl.store(sorted_expert_ptr + pos, key, mask=m > 0)
+            if WITH_INV:
+                tl.store(inv_ptr + offs, pos, mask=m > 0)
+            base += tl.sum(m, axis=0)

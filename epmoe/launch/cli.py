@@ -103,11 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatcher", default="torch", metavar="NAME",
                    help=f"token all-to-all backend: {', '.join(dispatchers)}")
     p.add_argument("--experts", default="auto", metavar="NAME",
-                   help=f"experts backend: auto (the quant plan chooses by arch; reference on CPU), {', '.join(experts)}")
+                   help=f"experts backend: auto (the first, in preference order, that can run the plan; reference on "
+                        f"CPU), {', '.join(experts)}")
     p.add_argument("--quant", default=None, choices=list(EXPERT_MODES),
                    help="expert quant mode (default: the checkpoint's, unquantized for synthetic weights)")
-    p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "bf16", "nvfp4"],
-                   help="how tokens travel (auto: decided by the quant plan)")
+    p.add_argument("--dispatch-dtype", default="auto", choices=["auto", "bf16", "nvfp4", "fp8"],
+                   help="how tokens travel (auto: what the chosen experts kernel consumes, if the dispatcher moves it)")
     p.add_argument("--checkpoint-format", default=None, choices=list(CHECKPOINT_FORMATS),
                    help="layout of the synthetic checkpoint written and loaded back (default: bf16); with --plan: "
                         "the checkpoint's quantization (default: config.json's quantization_config)")
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preflight report of what this host can run (GPUs, NVLink, NCCL, packages, backends); with "
                         "--dispatcher/--experts/--device/--quant/--ep, exit 3 if that configuration cannot run here")
     p.add_argument("--ep", type=int, default=None, metavar="N", help="EP size for --plan / --doctor (default: the launch's world size)")
+    p.add_argument("--arch", default=None,
+                   help="--plan for another machine: cpu, sm90, sm100, sm120 (assumes every optional package, FlashInfer as installed here "
+                        "or 0.7.2.post1); default: this machine")
     p.add_argument("--json", metavar="PATH", help="write per-step latency, tokens/s, per-expert load and memory here")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the synthetic weights and of the inputs")
     p.add_argument("--deterministic", action="store_true", help="bitwise-reproducible reductions")
@@ -177,6 +181,8 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.checkpoint is not None and args.write_synthetic is not None:
         raise UsageError("--checkpoint loads an existing checkpoint and --write-synthetic writes synthetic weights; "
                          "pass one of them")
+    if args.arch is not None and not args.plan:
+        raise UsageError(f"--arch {args.arch} plans for another machine; use it with --plan")
     if args.ranks_per_gpu < 1:
         raise UsageError(f"--ranks-per-gpu {args.ranks_per_gpu}: must be an integer >= 1")
     if args.checkpoint is not None and args.checkpoint_format is not None and not args.plan:
@@ -211,6 +217,8 @@ def _read_json(path: str, flag: str) -> dict:
 def default_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
     if args.dtype:
         return parse_dtype(args.dtype)
+    if getattr(args, "arch", None) not in (None, "cpu"):  # --plan for a GPU machine: its run's default
+        return torch.bfloat16
     return torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: float32 keeps --check tight
 
 
@@ -447,9 +455,15 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
 
     check_placement(cfg, ep, args)
     # the one resolver, against this host (FlashInfer version, packages, prebuilt modules), as EPMoE does
+    # or against a machine of --arch with every optional package
+    from epmoe.quant.plan import installed_flashinfer_version
+    from epmoe.resolve import Environment
+
     try:
+        env = (detect_environment(device) if args.arch is None
+               else Environment.hypothetical(args.arch, installed_flashinfer_version() or "0.7.2.post1"))
         plan = resolve_plan(cfg, dispatcher=args.dispatcher, experts=args.experts, quant=args.quant,
-                            dispatch_dtype=args.dispatch_dtype, environment=detect_environment(device), ep_size=ep)
+                            dispatch_dtype=args.dispatch_dtype, environment=env, ep_size=ep)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
     max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
@@ -457,7 +471,7 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "
           f"I={cfg.intermediate_size} activation={cfg.activation} routing={cfg.routing} "
           f"bias={cfg.has_bias} dtype={dtype_name(cfg.dtype)} layers={cfg.num_layers}"
-          + ("" if args.dtype else f" (the run's default dtype on {device.type}; --dtype changes it)"))
+          + ("" if args.dtype else f" (the run's default dtype on {args.arch or device.type}; --dtype changes it)"))
     from epmoe.config import hf_routing
 
     if args.config or args.checkpoint:

@@ -47,8 +47,19 @@ def _cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(DATA_DTYPE)
 
 
-def quantize_activation(x: torch.Tensor, group_size: int = ACT_GROUP, eps: float = DEFAULT_EPS) -> FP8BlockTensor:
-    """x [..., K] -> data e4m3 [..., K], scales float32 [..., K/group_size] (1 x group_size blocks)."""
+def quantize_activation(
+    x: torch.Tensor, group_size: int = ACT_GROUP, eps: float = DEFAULT_EPS, *, pad_edges: bool = False
+) -> FP8BlockTensor:
+    """x [..., K] -> data e4m3 [..., K], scales float32 [..., K/group_size] (1 x group_size blocks).
+
+    pad_edges: K need not be a multiple of group_size; the last group is padded with zeros
+    (scales [..., ceil(K/group_size)]), as kernel layouts with partial tiles do."""
+    if pad_edges and isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] % group_size:
+        K = x.shape[-1]
+        xp = torch.zeros(*x.shape[:-1], -(-K // group_size) * group_size, dtype=torch.float32, device=x.device)
+        xp[..., :K] = x.float()
+        q = quantize_activation(xp, group_size, eps)
+        return FP8BlockTensor(q.data[..., :K].contiguous(), q.scales)
     check_quantize_input(x, group_size, "fp8_block")
     xb = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
     scale = _scale_from_amax(xb.abs().amax(dim=-1), eps)
@@ -77,10 +88,19 @@ def dequantize_activation(
 
 
 def quantize_weight(
-    w: torch.Tensor, block: Tuple[int, int] = WEIGHT_BLOCK, eps: float = DEFAULT_EPS
+    w: torch.Tensor, block: Tuple[int, int] = WEIGHT_BLOCK, eps: float = DEFAULT_EPS, *, pad_edges: bool = False
 ) -> FP8BlockTensor:
-    """w [..., N, K] -> data e4m3 [..., N, K], scale_inv float32 [..., N/bn, K/bk]."""
+    """w [..., N, K] -> data e4m3 [..., N, K], scale_inv float32 [..., N/bn, K/bk].
+
+    pad_edges: N and K need not be block multiples; partial edge blocks are padded with zeros
+    (scales [..., ceil(N/bn), ceil(K/bk)]; `dequantize_weight` reads them back)."""
     bn, bk = block
+    if pad_edges and isinstance(w, torch.Tensor) and w.dim() >= 2 and (w.shape[-2] % bn or w.shape[-1] % bk):
+        N, K = w.shape[-2:]
+        wp = torch.zeros(*w.shape[:-2], -(-N // bn) * bn, -(-K // bk) * bk, dtype=torch.float32, device=w.device)
+        wp[..., :N, :K] = w.float()
+        q = quantize_weight(wp, block, eps)
+        return FP8BlockTensor(q.data[..., :N, :K].contiguous(), q.scales)
     check_quantize_input(w, bk, "fp8_block")
     if w.dim() < 2:
         raise ValueError(f"fp8_block weights must be at least 2D [N, K], got shape {list(w.shape)}")

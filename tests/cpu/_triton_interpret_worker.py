@@ -15,10 +15,12 @@ import torch  # noqa: E402
 from epmoe.config import MoEConfig  # noqa: E402
 from epmoe.dispatch.base import DispatchedTokens  # noqa: E402
 from epmoe.experts import kernel_formats as kf  # noqa: E402
-from epmoe.experts import testing as T  # noqa: E402
+from tests import experts_testing as T  # noqa: E402
 from epmoe.experts.base import ExpertsSpec  # noqa: E402
+from epmoe.core.availability import Availability  # noqa: E402
+from epmoe.experts.grouped_mm import GroupedMMExperts  # noqa: E402
 from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts  # noqa: E402
-from epmoe.experts.triton_interpret import match_gpu_rounding  # noqa: E402
+from tests.triton_interpret import match_gpu_rounding  # noqa: E402
 from epmoe.quant.plan import QuantPlan  # noqa: E402
 
 match_gpu_rounding()
@@ -93,14 +95,48 @@ def _fp8_stage_check(ex, cfg, x, ids, w) -> dict:
     return res
 
 
+def _grouped_reference(cfg, w, x, ids, tw):
+    """float64 math with the grouped_mm path's two bf16 roundings: gemm1's output and the activation
+    (each expert output y is bf16 too; the combine sums in fp32)."""
+    E, I = w.num_experts, cfg.intermediate_size
+    xd = x.double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for e in range(E):
+        rows, slots = torch.nonzero(ids == e, as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        h = (xd[rows] @ w.w13()[e].double().T).bfloat16().double()
+        if cfg.has_bias:
+            h = h + w.b13[e].double()
+        a = T.activation_reference(cfg, h[:, :I], h[:, I:] if cfg.is_gated else None).bfloat16().double()
+        y = (a @ w.w2[e].double().T).bfloat16().double()
+        if cfg.has_bias:
+            y = y + w.b2[e].double()
+        out.index_add_(0, rows, y * tw[rows, slots].double()[:, None])
+    return out
+
+
 def run_case(mode: str, shape: str, opts: tuple, seed: int) -> dict:
     cfg = MoEConfig(**SHAPES[shape])
     E = cfg.num_experts
     options = (("triton_gate_up", "blocked"),) if "blocked" in opts else ()
+    if "gmm" in opts:  # the bf16 torch._grouped_mm path of the triton backend (fused epilogues)
+        options += (("triton_grouped_mm", "on"),)
+    if "talign" in opts:  # the torch routing alignment instead of the alignment kernels
+        options += (("triton_align", "torch"),)
+    backend = mode
+    if mode == "grouped_mm":  # GroupedMMExperts with its fused Triton epilogues
+        GroupedMMExperts.availability = classmethod(lambda c, s: Availability.yes("interpreter test"))
+        mode = "bf16"
     spec = ExpertsSpec(cfg, 0, 1, torch.device("cpu"), plan=QuantPlan(expert_mode=mode), options=options)
-    ex = TritonExperts(spec)
     tcfg = tiny_config(mode, split="split" in opts)
-    ex.config_override = tcfg
+    if backend == "grouped_mm":
+        ex = GroupedMMExperts(spec)
+        assert ex.epilogue == "triton", ex.epilogue
+    else:
+        ex = TritonExperts(spec)
+        if "gmm" not in opts:
+            ex.config_override = tcfg
     w = T.random_expert_weights(cfg, E, seed=seed)
     N = 40 if "split" in opts else 9
     g = torch.Generator().manual_seed(seed + 1)
@@ -113,7 +149,11 @@ def run_case(mode: str, shape: str, opts: tuple, seed: int) -> dict:
         # expert 0 in slot 0 of every non-empty row: 38 rows = one full 32-row tile + a 6-row tail
         ids = torch.where(ids == 0, torch.full_like(ids, -1), ids)
         ids[: N - 2, 0] = 0
+    if "gmm" in opts:
+        assert ex.uses_grouped_mm(N * cfg.top_k)
     out = ex(DispatchedTokens(x, ids, tw))
+    grouped = backend == "grouped_mm" or "gmm" in opts
+
     def bf16_roundtrip(a):  # gemm1 writes a bf16 activation
         return a.to(torch.bfloat16).double()
 
@@ -131,7 +171,12 @@ def run_case(mode: str, shape: str, opts: tuple, seed: int) -> dict:
             xq, xs = kf.quantize_fp8_tokens(x)
             xr = kf.dequantize_fp8_tokens(xq, xs)
 
-    ref = T.experts_reference(cfg, w, xr, ids, tw, w13=w13, w2=w2, act_roundtrip=rt)
+    if grouped:
+        # gemm1's output is rounded to bf16 before the activation (torch._grouped_mm writes bf16)
+        w13 = w.w13()
+        ref = _grouped_reference(cfg, w, x, ids, tw)
+    else:
+        ref = T.experts_reference(cfg, w, xr, ids, tw, w13=w13, w2=w2, act_roundtrip=rt)
     err = T.relative_error(out, ref)
     empty_zero = bool((out[-2:] == 0).all())
     finite = bool(torch.isfinite(out).all())

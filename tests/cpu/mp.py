@@ -18,13 +18,19 @@ import traceback
 from typing import Any, Callable, List
 
 _CTX = None
+_HF_PRELOAD = [
+    "transformers", "transformers.generation.utils", "epmoe.integrations.transformers",
+    *(f"transformers.models.{m}.modeling_{m}" for m in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")),
+]
 
 
 def _ctx():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "epmoe"])
+        # transformers (when installed) for the HF-integration tests: imported once by the forkserver
+        # instead of by every worker; a module that fails to import is skipped by the forkserver
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "epmoe"] + _HF_PRELOAD)
     return _CTX
 
 

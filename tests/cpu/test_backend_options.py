@@ -67,3 +67,20 @@ def test_mismatched_options_fail_at_construction_on_every_rank():
     for m in msgs:
         assert "dispatcher_options.runtime_max_tokens differs" in m, m
         assert "ranks [0]: 'uniform'" in m and "ranks [1]: 'allreduce'" in m, m
+
+
+def test_close_frees_what_the_layer_and_its_runners_built():
+    from tests.cpu.helpers import random_weights
+
+    layer = EPMoE(CFG, device="cpu")
+    layer.load_weights(random_weights(CFG, 3))
+    a, b, c = layer.decode_runner(8, cuda_graph=False), layer.decode_runner(8, cuda_graph=False), layer.decode_runner(4, cuda_graph=False)
+    assert a.dispatcher is b.dispatcher and a.dispatcher is not c.dispatcher  # one static dispatcher per size
+    x = torch.randn(3, CFG.hidden_size)
+    logits = torch.randn(3, CFG.num_experts)
+    assert torch.allclose(a(x, logits), layer(x, logits), rtol=1e-5, atol=1e-6)
+    closed = []
+    for d in (layer.dispatcher, a.dispatcher, c.dispatcher):
+        d.close = (lambda d=d: closed.append(d))
+    layer.close()
+    assert len(closed) == 3 and layer.dispatcher is None and a.dispatcher is None

@@ -27,7 +27,14 @@ def test_dry_run_plan():
 
 def test_dry_run_quick_and_bad_args():
     r = _run("--dry-run", "--quick", "--backends", "triton", "--modes", "bf16")
-    assert r.returncode == 0 and "plan: 2 runs" in r.stdout, r.stdout + r.stderr
+    # bf16 prefill twice: auto (the grouped_mm path) and the Triton GEMMs (preset prefill)
+    assert r.returncode == 0 and "plan: 3 runs" in r.stdout, r.stdout + r.stderr
+    assert "prefill T= 4096 preset=prefill" in r.stdout
+    r = _run("--dry-run", "--quick", "--backends", "grouped_mm,triton", "--modes", "bf16,nvfp4_w4a16")
+    assert r.returncode == 0, r.stderr
+    for needle in ("grouped_mm bf16         prefill T= 4096 preset=torch_epilogue",  # before / after rows
+                   "nvfp4_w4a16  decode  T=  128 preset=legacy_fp4"):
+        assert needle in r.stdout, needle
     r = _run("--dry-run", "--backends", "nope")
     assert r.returncode != 0 and "unknown backend 'nope'" in r.stderr
     r = _run("--dry-run", "--modes", "int4")

@@ -243,3 +243,25 @@ def test_gpu_host_report_with_stand_ins(monkeypatch):
                    "active NVLinks per GPU: GPU0 18, GPU1 18", "nvidia-smi topo -m:", "NV18"):
         assert needle in text, (needle, text)
     json.dumps(report.to_dict())  # everything serialises
+
+
+def test_flashinfer_experts_with_flashinfer_installed_are_judged_by_the_resolver(monkeypatch):
+    """The doctor resolves with this host's FlashInfer version and packages (it once resolved without
+    them and reported every FlashInfer backend as 'not installed' on a host that had FlashInfer)."""
+    import epmoe.resolve as res
+
+    monkeypatch.setattr(res, "installed_flashinfer_version", lambda: "0.7.2.post1")
+    monkeypatch.setattr(res, "_has_module", lambda name: True)
+    monkeypatch.setattr(res, "_fused_moe_prebuilt", lambda arch: None)  # like our H200: fused_moe_90 not built
+    from epmoe.launch.presets import PRESETS
+    from epmoe.config import MoEConfig
+
+    cfg = MoEConfig.from_hf_config(PRESETS["tiny"])
+    args = _args("--device", "cpu")
+    cutlass = doctor.experts_status("flashinfer_cutlass", cfg, args, torch.device("cpu"), 1, "sm90")
+    assert cutlass.status == "no" and "fused-MoE module is not prebuilt" in cutlass.reason, cutlass
+    assert "not installed" not in cutlass.reason
+    cutedsl = doctor.experts_status("flashinfer_cutedsl", cfg, args, torch.device("cpu"), 1, "sm90")
+    assert "SM100/SM103" in cutedsl.reason and "not installed" not in cutedsl.reason, cutedsl
+    plan = doctor._plan_for(cfg, args, "auto", "sm90")
+    assert plan.flashinfer_version == "0.7.2.post1" and plan.experts_backend == "triton"

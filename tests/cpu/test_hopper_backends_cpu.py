@@ -15,7 +15,7 @@ from epmoe.core.errors import BackendUnavailableError
 from epmoe.dispatch.base import DispatchedTokens
 from epmoe.experts import EXPERTS
 from epmoe.experts import kernel_formats as kf
-from epmoe.experts import testing as T
+from tests import experts_testing as T
 from epmoe.experts.base import ExpertsSpec
 from epmoe.experts.grouped_mm import GroupedMMExperts
 from epmoe.experts.triton_experts import AUTO_PRESETS, TritonExperts, pick_config, presets_for
@@ -194,3 +194,64 @@ def test_grouped_mm_math_on_cpu_fallback(force_available, cfg):
     assert bool((out[-3:] == 0).all()), "rows with no local expert are zero"
     err = T.relative_error(out, ref)
     assert err < 1e-2, (seed, err)
+
+
+def test_bf16_prefill_preference_hook(force_available, monkeypatch):
+    """The triton backend runs bf16 forwards with >= GROUPED_MM_MIN_ROWS mean rows per local expert
+    through torch._grouped_mm + fused epilogues (option triton_grouped_mm = auto | on | off); never
+    in quantized modes, never on CPU without the interpreter. Selection logic only (no kernels run)."""
+    from epmoe.experts import triton_experts as TE
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU counts as a place the path can run
+    ex = TritonExperts(_spec())
+    E = ex.num_experts
+    rows = TE.GROUPED_MM_MIN_ROWS
+    assert rows is not None and not ex.uses_grouped_mm(int(E * rows) - 1) and ex.uses_grouped_mm(int(E * rows))
+    ex.config_override = presets_for("bf16")["prefill"]  # a forced tile preset keeps the Triton GEMMs
+    assert not ex.uses_grouped_mm(int(E * rows))
+
+    def with_opt(value, mode="bf16"):
+        return TritonExperts(ExpertsSpec(MoEConfig(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64),
+                                         1, 2, CPU, plan=QuantPlan(expert_mode=mode),
+                                         options=(("triton_grouped_mm", value),)))  # fmt: skip
+
+    assert with_opt("on").uses_grouped_mm(1)
+    assert not with_opt("off").uses_grouped_mm(10**6)
+    assert not TritonExperts(_spec("fp8_block")).uses_grouped_mm(10**6)
+    with pytest.raises(ValueError, match="bf16 only"):
+        with_opt("on", "fp8_block")
+    with pytest.raises(ValueError, match="triton_grouped_mm"):
+        with_opt("maybe")
+    monkeypatch.setattr(TE, "GROUPED_MM_MIN_ROWS", None)
+    assert not TritonExperts(_spec()).uses_grouped_mm(10**6)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not TritonExperts(_spec()).uses_grouped_mm(10**6), "CPU without the interpreter: no Triton"
+
+
+def test_grouped_mm_epilogue_option(force_available, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert GroupedMMExperts(_spec()).epilogue == "torch", "no CUDA, no interpreter: torch composite"
+    with pytest.raises(ValueError, match="grouped_mm_epilogue"):
+        GroupedMMExperts(ExpertsSpec(_spec().config, 1, 2, CPU, options=(("grouped_mm_epilogue", "fast"),)))
+    with pytest.raises(ValueError, match="grouped_mm_epilogue=torch"):
+        GroupedMMExperts(ExpertsSpec(_spec().config, 1, 2, CPU, options=(("grouped_mm_epilogue", "triton"),)))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert GroupedMMExperts(_spec()).epilogue == "triton"
+
+
+def test_mxfp4_packed_conversion_range_at_load(force_available):
+    """mxfp4 scale exponents above 128 fall back to the legacy fp4 conversion at the first load and
+    are refused on a reload of a backend running the packed one (its graphs keep the conversion)."""
+    spec = _spec("mxfp4_w4a16")
+    w = T.random_expert_weights(spec.config, spec.num_local_experts, first_expert=spec.first_local_expert)
+    q = kf.quantize_expert_weights(w, "mxfp4_w4a16")
+    ex = TritonExperts(spec)
+    ex.load_weights(q)
+    assert ex.fp4_packed, "random weights are in the packed range"
+    big = T.ExpertWeights(**{**q.__dict__, "w2_scale": q.w2_scale.clone().fill_(140)})
+    with pytest.raises(ValueError, match="triton_fp4_convert=legacy"):
+        ex.load_weights(big)
+    assert ex.fp4_packed
+    fresh = TritonExperts(spec)
+    fresh.load_weights(big)
+    assert not fresh.fp4_packed, "first load with exponents > 128: legacy conversion"

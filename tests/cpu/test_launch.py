@@ -21,7 +21,8 @@ def _run(args, nproc=None, timeout=180):
 
 def test_torchrun_two_ranks_check_json_jitter(tmp_path):
     out = tmp_path / "run.json"
-    r = _run(["--preset", "tiny", "--check", "--steps", "6", "--layers", "2", "--tokens", "24",
+    # fp8_block experts: tokens travel as FP8 (what the reference experts consume); the reference models it
+    r = _run(["--preset", "tiny", "--check", "--steps", "6", "--layers", "2", "--tokens", "24", "--quant", "fp8_block",
               "--tokens-jitter", "1.0", "--max-tokens-per-rank", "16", "--json", str(out)], nproc=2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "check | passed" in r.stdout, r.stdout
@@ -31,9 +32,11 @@ def test_torchrun_two_ranks_check_json_jitter(tmp_path):
 
 
 def test_torchrun_four_ranks_check():
-    r = _run(["--preset", "tiny", "--check", "--steps", "3", "--tokens", "16"], nproc=4)
+    # the lossy NVFP4 wire the user asked for is part of what --check models
+    r = _run(["--preset", "tiny", "--check", "--steps", "3", "--tokens", "16", "--dispatch-dtype", "nvfp4"], nproc=4)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "check | passed" in r.stdout and "ranks | 4" in r.stdout
+    assert "dispatch=nvfp4 over torch" in r.stdout
 
 
 def test_plan_dsv3_prints_placement_and_memory():
@@ -42,6 +45,18 @@ def test_plan_dsv3_prints_placement_and_memory():
     for needle in ("E=256 top_k=8 H=7168 I=2048", "rank 7: experts [224, 256)", "expert weights :", "a2a workspace",
                    "quant plan:"):
         assert needle in r.stdout, (needle, r.stdout)
+
+
+def test_plan_for_another_arch_names_skipped_backends():
+    """The headline H200 example: FP8 experts over the FlashInfer dispatcher move BF16 (FlashInfer has
+    no FP8 payload); --plan says which experts backends were skipped and why."""
+    r = _run(["--plan", "--preset", "dsv3", "--ep", "8", "--quant", "fp8_block", "--dispatcher", "flashinfer",
+              "--arch", "sm90"])
+    assert r.returncode == 0, r.stderr
+    assert "dispatch=bf16 over flashinfer" in r.stdout and "via triton" in r.stdout, r.stdout
+    r = _run(["--plan", "--preset", "dsv3", "--ep", "8", "--quant", "fp8_block", "--dispatcher", "flashinfer",
+              "--arch", "sm90", "--dispatch-dtype", "fp8"])
+    assert r.returncode != 0 and "FlashInfer dispatch carries bf16 or nvfp4 payloads, not fp8" in r.stderr, r.stderr
 
 
 def test_preset_too_large_asks_for_scale():

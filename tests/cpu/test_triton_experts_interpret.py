@@ -8,7 +8,9 @@ activations, with the same 1x128 round trip of the intermediate), so the bound i
 Case options: split (32-row tiles, expert tails <= 16 rows on the half-height path; the routing
 forces both kinds), blocked ([gate; up] w13 instead of interleaved rows), nonuniform (x groups and
 weight blocks scaled by 2^k, so fp8 groups have very different amax), stages (fp8: the quantizer
-bit for bit vs the torch codec, gemm1's fp8 bytes and scales vs float64 math).
+bit for bit vs the torch codec, gemm1's fp8 bytes and scales vs float64 math); grouped_mm / gmm: the
+torch._grouped_mm path with the fused Triton epilogues (reference with its bf16 roundings of gemm1's
+output, the activation and y).
 Note: the interpreter divides with numpy (IEEE), so it cannot show the GPU's div.full.f32 rounding;
 tests/cpu/test_triton_aot_sm90.py checks the compiled fp8 quantization divides with div.rn.f32.
 """
@@ -37,6 +39,15 @@ CASES = [
     "nvfp4_w4a16:oai",
     "mxfp4_w4a16:relu2",
     "mxfp4_w4a16:swiglu:split",
+    # torch._grouped_mm (CPU fallback) + the fused gather / activation / combine kernels
+    "grouped_mm:swiglu",
+    "grouped_mm:oai",
+    "grouped_mm:relu2",
+    "bf16:swiglu:gmm",  # the triton backend's grouped_mm path (gate/up interleaved weights)
+    "bf16:oai:gmm+blocked",
+    "bf16:ragged:gmm",
+    "bf16:ragged:gmm+talign",  # grouped_mm path with the torch alignment (inverse by torch scatter)
+    "bf16:ragged:talign",
 ]
 BOUND = 8e-3
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton_interpret_worker.py")

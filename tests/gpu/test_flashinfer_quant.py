@@ -186,7 +186,8 @@ CASES = [  # (ep_size, max_tokens_per_rank, eplb_stats_num_experts)
 ]
 
 
-@pytest.mark.parametrize("mode,dispatch", [("bf16", "bf16"), ("nvfp4_w4a4", "nvfp4"), ("fp8_block", "fp8"),
+# (no fp8 case: the FlashInfer dispatcher has no FP8 payload layout and the resolver rejects it)
+@pytest.mark.parametrize("mode,dispatch", [("bf16", "bf16"), ("nvfp4_w4a4", "nvfp4"), ("fp8_block", "bf16"),
                                            ("nvfp4_w4a16", "bf16"), ("mxfp4_w4a16", "bf16")])
 def test_a2a_workspace_matches_flashinfer(mode, dispatch):
     from flashinfer.comm.trtllm_moe_alltoall import get_moe_alltoall_module, moe_a2a_get_workspace_size_per_rank

@@ -33,7 +33,7 @@ import torch
 from epmoe.config import MoEConfig
 from epmoe.dispatch.base import DispatchedTokens
 from epmoe.experts import kernel_formats as kf
-from epmoe.experts import testing as T
+from tests import experts_testing as T
 from epmoe.experts.base import ExpertsSpec
 from epmoe.experts.triton_experts import FP8_BLOCK_PAYLOAD
 from epmoe.quant.payload import QuantizedActivation
@@ -75,14 +75,15 @@ _CACHE = {}
 _REF_CACHE = {}
 
 
-def _backend(name: str, mode: str, cfg_kwargs: dict, ep_size: int, seed: int):
-    """(experts, canonical weights); cached per (backend, mode, shape) to save load time."""
-    key = (name, mode, tuple(sorted(cfg_kwargs.items())), ep_size)
+def _backend(name: str, mode: str, cfg_kwargs: dict, ep_size: int, seed: int, options: tuple = ()):
+    """(experts, canonical weights); cached per (backend, mode, shape, options) to save load time."""
+    key = (name, mode, tuple(sorted(cfg_kwargs.items())), ep_size, options)
     if key not in _CACHE:
         from epmoe.experts import EXPERTS
 
         cfg = MoEConfig(**cfg_kwargs)
-        spec = ExpertsSpec(cfg, ep_size - 1, ep_size, torch.device("cuda"), plan=QuantPlan(expert_mode=mode))
+        spec = ExpertsSpec(cfg, ep_size - 1, ep_size, torch.device("cuda"), plan=QuantPlan(expert_mode=mode),
+                           options=options)  # fmt: skip
         cls = EXPERTS.get(name)
         avail = cls.availability(spec)
         if not avail:
@@ -101,7 +102,8 @@ def _backend(name: str, mode: str, cfg_kwargs: dict, ep_size: int, seed: int):
 def _reference(ex, w, x, ids, tw):
     cfg, mode = ex.config, ex.spec.plan.expert_mode
     if mode == "bf16":
-        rt = (lambda a: a.bfloat16().double()) if ex.name == "grouped_mm" else None
+        grouped = ex.name == "grouped_mm" or getattr(ex, "uses_grouped_mm", lambda n: False)(x.shape[0] * ids.shape[1])
+        rt = (lambda a: a.bfloat16().double()) if grouped else None
         return T.experts_reference(cfg, w, x, ids, tw, act_roundtrip=rt)
     key = ("dequantized", id(w), mode)
     if key not in _REF_CACHE:  # the backend quantized the same float weights the same way at load
@@ -120,9 +122,9 @@ def _reference(ex, w, x, ids, tw):
     return T.experts_reference(cfg, w, kf.dequantize_fp8_tokens(xq, xs), ids, tw, w13=w13, w2=w2, act_roundtrip=rt)
 
 
-def _run_case(name, mode, cfg_kwargs, ep_size, N, invalid_frac=0.25):
+def _run_case(name, mode, cfg_kwargs, ep_size, N, invalid_frac=0.25, options=()):
     seed = _seed()
-    ex, w = _backend(name, mode, cfg_kwargs, ep_size, seed)
+    ex, w = _backend(name, mode, cfg_kwargs, ep_size, seed, options)
     cfg = ex.config
     E = ex.spec.num_local_experts
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
@@ -132,7 +134,7 @@ def _run_case(name, mode, cfg_kwargs, ep_size, N, invalid_frac=0.25):
     _poison_allocator()
     out = ex(DispatchedTokens(x, ids, tw))
     torch.cuda.synchronize()
-    msg = f"{name}/{mode} N={N} seed={seed}"
+    msg = f"{name}/{mode}{list(options) if options else ''} N={N} seed={seed}"
     assert out.shape == (N, cfg.hidden_size) and out.dtype == torch.bfloat16, msg
     assert bool(torch.isfinite(out).all()), f"{msg}: NaN/inf (unwritten output or unwritten row read)"
     if empty:
@@ -157,15 +159,36 @@ DS_CASES = [
 ]  # fmt: skip
 
 
+# bf16 forwards with >= GROUPED_MM_MIN_ROWS rows per local expert run the grouped_mm path by default;
+# "off" keeps these cases on the Triton GEMMs (both stay covered).
+TRITON_GEMMS = (("triton_grouped_mm", "off"),)
+GMM_ON = (("triton_grouped_mm", "on"),)
+
+
 @pytest.mark.parametrize("mode,N", DS_CASES)
 def test_triton_deepseek_shape(mode, N):
-    _run_case("triton", mode, DS, DS_EP, N)
+    _run_case("triton", mode, DS, DS_EP, N, options=TRITON_GEMMS if mode == "bf16" else ())
 
 
 @pytest.mark.parametrize("N", [1, 512])
 @pytest.mark.parametrize("mode", TRITON_MODES)
 def test_triton_gptoss_shape(mode, N):
-    _run_case("triton", mode, GPTOSS, GPTOSS_EP, N)
+    _run_case("triton", mode, GPTOSS, GPTOSS_EP, N, options=TRITON_GEMMS if mode == "bf16" else ())
+
+
+@pytest.mark.parametrize("N", [1, 256, 4096])
+def test_triton_bf16_grouped_mm_path(N):
+    """The triton backend's bf16 prefill path (torch._grouped_mm + fused gather / activation /
+    combine, gate/up interleaved weights); N = 4096 is what `auto` picks at this shape."""
+    ex, *_ = _run_case("triton", "bf16", DS, DS_EP, N, options=GMM_ON)
+    assert ex.uses_grouped_mm(N * DS["top_k"])
+    auto, _ = _backend("triton", "bf16", DS, DS_EP, _seed())
+    assert auto.uses_grouped_mm(4096 * DS["top_k"]), "auto: T=4096 over 32 local experts takes grouped_mm"
+
+
+def test_triton_bf16_grouped_mm_path_gptoss():
+    """Biases and the clamped swiglu on the grouped_mm path (gate/up interleaved)."""
+    _run_case("triton", "bf16", GPTOSS, GPTOSS_EP, 512, options=GMM_ON)
 
 
 def test_triton_relu2():
@@ -179,6 +202,13 @@ def test_grouped_mm_deepseek_shape(N):
 
 def test_grouped_mm_gptoss_shape():
     _run_case("grouped_mm", "bf16", GPTOSS, GPTOSS_EP, 512)
+
+
+@pytest.mark.parametrize("cfg_kwargs,ep", [(DS, DS_EP), (GPTOSS, GPTOSS_EP)], ids=["ds", "gptoss"])
+def test_grouped_mm_torch_epilogue_still_selectable(cfg_kwargs, ep):
+    """The plain-torch composite (grouped_mm_epilogue=torch), kept to revert by configuration."""
+    ex, *_ = _run_case("grouped_mm", "bf16", cfg_kwargs, ep, 512, options=(("grouped_mm_epilogue", "torch"),))
+    assert ex.epilogue == "torch"
 
 
 def test_triton_fp8_payload_matches_bf16_input():
@@ -252,7 +282,7 @@ def test_triton_bf16_blocked_gate_up_layout():
 
     cfg = MoEConfig(**GPTOSS)
     spec = ExpertsSpec(cfg, 0, GPTOSS_EP, torch.device("cuda"), plan=QuantPlan(expert_mode="bf16"),
-                       options=(("triton_gate_up", "blocked"),))  # fmt: skip
+                       options=(("triton_gate_up", "blocked"),) + TRITON_GEMMS)  # fmt: skip
     ex = EXPERTS.get("triton")(spec)
     assert not ex.gate_up_interleaved
     E = spec.num_local_experts
@@ -279,13 +309,15 @@ def test_reload_in_place_on_gpu(name):
 
 
 @pytest.mark.parametrize(
-    "name,mode", [("triton", "bf16"), ("triton", "fp8_block"), ("triton", "mxfp4_w4a16"), ("grouped_mm", "bf16")]
-)
-def test_cuda_graph_replay_equals_eager(name, mode):
+    "name,mode,options",
+    [("triton", "bf16", ()), ("triton", "fp8_block", ()), ("triton", "mxfp4_w4a16", ()),
+     ("triton", "nvfp4_w4a16", ()), ("grouped_mm", "bf16", ()), ("triton", "bf16", GMM_ON)],
+)  # fmt: skip
+def test_cuda_graph_replay_equals_eager(name, mode, options):
     from epmoe.experts.graphs import CapturedExperts
 
     seed = _seed()
-    ex, w = _backend(name, mode, DS, DS_EP, seed)
+    ex, w = _backend(name, mode, DS, DS_EP, seed, options)
     E, K, H = ex.spec.num_local_experts, ex.config.top_k, ex.config.hidden_size
     # 32 rows x top-8 over 32 experts: the decode tile preset (kernels already built by the N=1 tests)
     graph = CapturedExperts(ex, max_rows=32, top_k=K)
@@ -302,3 +334,57 @@ def test_cuda_graph_replay_equals_eager(name, mode):
     eager = ex(DispatchedTokens(x, ids, tw))
     assert torch.equal(eager, graph(DispatchedTokens(x, ids, tw))), f"{name}/{mode}: graph missed the reload"
     ex.load_weights(w)
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("shape,N", [("ds", 1), ("ds", 256), ("gptoss", 512)])
+def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
+    """The packed fp4 -> bf16 conversion (default) gives the legacy conversion's output bit for bit on
+    the GPU (decode, small and prefill tiles): bf16 subnormal operands (code 0.5 -> 2^-127) survive
+    the bf16 multiply, and the nvfp4 2^-7 folded into the global scale changes no bit."""
+    seed = _seed()
+    cfg_kwargs, ep = (DS, DS_EP) if shape == "ds" else (GPTOSS, GPTOSS_EP)
+    packed, w = _backend("triton", mode, cfg_kwargs, ep, seed)
+    assert packed.fp4_packed, "packed is the default conversion for bf16 models"
+    from epmoe.experts import EXPERTS
+
+    legacy = EXPERTS.get("triton")(ExpertsSpec(packed.config, ep - 1, ep, torch.device("cuda"),
+                                               plan=QuantPlan(expert_mode=mode),
+                                               options=(("triton_fp4_convert", "legacy"),)))  # fmt: skip
+    legacy.load_weights(w)
+    assert not legacy.fp4_packed
+    E = packed.spec.num_local_experts
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(N, packed.config.hidden_size, generator=g, device="cuda").bfloat16()
+    ids, tw = T.random_local_routing(N, packed.config.top_k, E, "cuda", seed + 2, invalid_frac=0.2)
+    out_p = packed(DispatchedTokens(x, ids, tw))
+    out_l = legacy(DispatchedTokens(x, ids, tw))
+    del legacy
+    diff = (out_p.float() - out_l.float()).abs().max().item()
+    assert torch.equal(out_p, out_l), f"{mode} {shape} N={N} seed={seed}: packed != legacy (max diff {diff:.3g})"
+
+
+@pytest.mark.parametrize("E,K,N,block_m", [(32, 8, 4096, 128), (128, 8, 4096, 16), (128, 8, 128, 16), (16, 4, 1, 64)])
+def test_triton_alignment_equals_torch(E, K, N, block_m):
+    """The routing alignment kernels (default) give the torch sort / padding bit for bit."""
+    from epmoe.experts import align as A
+    from epmoe.experts.triton_experts import kernel_module
+
+    def launch(name, grid, args, kwargs):
+        getattr(kernel_module(torch.device("cuda")), name)[grid](*args, **kwargs)
+
+    seed = _seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.randint(-1, E + 1, (N, K), generator=g, device="cuda", dtype=torch.int32)
+    ref_sort = A.sort_by_expert(ids, E)
+    ref = A.align_blocks(ref_sort, block_m)
+    got = A.align_blocks_triton(ids, E, block_m, launch)
+    srt = A.sort_by_expert_triton(ids, E, launch)
+    msg = f"E={E} K={K} N={N} block_m={block_m} seed={seed}"
+    assert got.max_blocks == ref.max_blocks, msg
+    for name in ("sorted_ids", "block_expert", "block_rows"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), f"{msg}: {name}"
+    assert torch.equal(srt.order.long(), ref_sort.order), f"{msg}: order"
+    assert torch.equal(srt.sorted_expert, ref_sort.sorted_expert), f"{msg}: sorted_expert"
+    assert torch.equal(srt.expert_ends.long(), ref_sort.expert_ends), f"{msg}: expert_ends"
+    assert torch.equal(srt.inverse.long()[ref_sort.order], torch.arange(N * K, device="cuda")), f"{msg}: inverse"

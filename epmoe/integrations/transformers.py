@@ -1,0 +1,512 @@
+"""Expert-parallel Hugging Face transformers MoE models (`pip install 'epmoe[hf]'`, transformers 5).
+
+    from epmoe.integrations.transformers import load_model, update_weights
+    model = load_model("path/to/checkpoint", group=ep_group)     # each rank reads only its experts
+    out = model.generate(input_ids, max_new_tokens=16)            # every rank; own prompts, or None
+    update_weights(model, trainer.state_dict())                   # HF names, local experts in place
+
+What is replaced and what stays transformers' own: the model is transformers' own class, built and
+loaded the way `from_pretrained` does it, except that the routed experts of every MoE block run
+through one `EPMoE` layer per block. The router (gate), shared experts, attention, norms, the cache
+and `generate` are transformers' code, unchanged. Each rank holds the experts
+[r*E/ep, (r+1)*E/ep) of every MoE layer; the other experts are never read from disk nor allocated.
+
+Extension points used, and the one place that needs transformers internals:
+  * transformers 5 "experts implementation" (`ExpertsInterface.register`, `config._experts_implementation`):
+    the experts module of every MoE block (classes decorated with `@use_experts_implementation`) calls
+    the function registered as "epmoe" with (hidden_states, top_k_index, top_k_weights); that function
+    hands the router's choice to `EPMoE.forward(topk_ids=..., topk_weights=...)`. No class or method of
+    transformers is patched.
+  * The decorator's own metadata (`has_gate`, `has_bias`, `is_transposed`, `is_concatenated`) says
+    how each family lays out `gate_up_proj` / `down_proj`, so update_weights reads trainer tensors
+    of any supported family without a per-family table.
+  * Loading mirrors `PreTrainedModel.from_pretrained` step by step (meta-device construction with
+    the class's own init contexts, `_load_pretrained_model`, `_finalize_model_loading`), with one
+    difference: the expert parameters are removed from the meta model before the weights are read,
+    so transformers sees the checkpoint's expert tensors as "not part of this model" and never
+    materialises them. transformers has no public hook between "model built" and "weights loaded"
+    that lets a module drop parameters (quantizers do it, but pretending to be a quantizer would
+    mark the model quantized and collide with real quantized checkpoints), hence these private
+    calls; they are pinned by the `hf` extra (transformers >= 5.17, < 6) and tested on 5.17.
+
+Lockstep (why generate works with different prompts per rank): `EPMoE.forward` is collective, so every
+rank must call every MoE layer the same number of times. Each forward of the model is one *step*:
+a forward pre-hook on the model all-gathers "I am running a step" over the EP group. The returned
+model's `generate` runs transformers' own generate on this rank's prompts (a rank may have none:
+`input_ids=None` or 0 rows), and afterwards keeps *serving*: as long as any other rank still runs
+steps, it runs every MoE layer once with 0 tokens per step; when every rank reports done, all
+return together. Plain `model(...)` calls work on their own when every rank makes them in step.
+Rules: call `generate` (or forward) on every rank of the group, `synced_gpus` must stay off (it
+all-reduces over the whole world, this protocol over the EP group), and do not call forward of a
+sub-module (e.g. `model.model`) on some ranks only.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import types
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+import torch
+
+from packaging.version import Version
+
+try:
+    import transformers
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "epmoe.integrations.transformers needs Hugging Face transformers 5: pip install 'epmoe[hf]'"
+    ) from e
+_TF_VERSION = Version(transformers.__version__)
+if not (Version("5.17") <= _TF_VERSION < Version("6")):
+    raise ImportError(
+        f"epmoe.integrations.transformers needs transformers >= 5.17, < 6 (found {transformers.__version__}): "
+        "pip install 'epmoe[hf]'"
+    )
+from transformers import AutoConfig, GenerationConfig  # noqa: E402
+from transformers.integrations.moe import ExpertsInterface  # noqa: E402
+
+from epmoe.config import MoEConfig, parse_dtype
+from epmoe.core import dist as edist
+from epmoe.layer import DEFAULT_MAX_TOKENS_PER_RANK, EPMoE
+from epmoe.quant.weights import ExpertWeights
+
+IMPLEMENTATION = "epmoe"
+
+# model_type -> what runs. Checked: CPU float32 generate == unsharded transformers (the first five on 2
+# and 4 ranks, the rest on 2), tests/cpu/test_hf_integration.py.
+SUPPORTED_FAMILIES: Dict[str, str] = {
+    "mixtral": "Mixtral (MixtralSparseMoeBlock)",
+    "qwen2_moe": "Qwen2-MoE (routed experts; shared expert and its gate stay transformers')",
+    "qwen3_moe": "Qwen3-MoE",
+    "deepseek_v3": "DeepSeek-V3 (routed experts; grouped sigmoid router and shared experts stay transformers')",
+    "gpt_oss": "GPT-OSS (unquantized checkpoints; clamped SwiGLU with biases)",
+    "olmoe": "OLMoE",
+    "phimoe": "PhiMoE (its sparsemixer router stays transformers')",
+    "glm4_moe": "GLM-4.5 MoE (grouped sigmoid router and shared experts stay transformers')",
+    "dots1": "dots.llm1 (grouped sigmoid router and shared experts stay transformers')",
+}
+
+_STATE_ATTR = "_epmoe_state"
+_LAYER_ATTR = "ep_moe"  # the EPMoE of an experts module (a registered child module)
+
+
+# ---------------------------------------------------------------------------------------------- hook
+def _epmoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The "epmoe" experts implementation: [T, H], [T, K] global expert ids, [T, K] weights -> [T, H]."""
+    layer: EPMoE = getattr(self, _LAYER_ATTR)
+    return layer(hidden_states, topk_ids=top_k_index.to(torch.int32), topk_weights=top_k_weights.float())
+
+
+ExpertsInterface.register(IMPLEMENTATION, _epmoe_experts_forward)
+
+
+# ---------------------------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class ExpertsSite:
+    """One MoE block's experts module: its name in the model (e.g. 'model.layers.3.mlp.experts'), the
+    decoder layer index, and the layout flags transformers' decorator set on it."""
+
+    name: str
+    layer_idx: int
+    is_transposed: bool
+    is_concatenated: bool
+    has_bias: bool
+
+
+@dataclass(frozen=True)
+class ExpertMemory:
+    """Bytes of routed-expert tensors: held by this rank, and in the whole model (all experts)."""
+
+    local_bytes: int
+    model_bytes: int
+    num_layers: int
+
+
+class _Lockstep:
+    """Keeps the ranks' model steps in step (see the module docstring)."""
+
+    def __init__(self, group: Any, layers: List[EPMoE], timeout_s: Optional[float]):
+        self.group, self.layers, self.timeout_s = group, layers, timeout_s
+        self.distributed = edist.is_distributed(group) and edist.group_size(group) > 1
+        self.in_step = False  # between the pre-hook and the end of a model forward
+
+    def any_running(self, running: bool) -> bool:
+        if not self.distributed:
+            return running
+        return bool(edist.gather_ints([int(running)], self.group, self.timeout_s).any())
+
+    def before_forward(self, module, args):  # forward pre-hook
+        self.any_running(True)
+        self.in_step = True
+
+    def after_forward(self, module, args, output):  # forward hook
+        self.in_step = False
+
+    def serve_until_all_done(self) -> int:
+        """Run 0-token steps while another rank still runs steps; returns how many were served."""
+        served = 0
+        while self.any_running(False):
+            for layer in self.layers:
+                cfg = layer.config
+                layer(
+                    torch.empty(0, cfg.hidden_size, dtype=cfg.dtype, device=layer.device),
+                    topk_ids=torch.empty(0, cfg.top_k, dtype=torch.int32, device=layer.device),
+                    topk_weights=torch.empty(0, cfg.top_k, dtype=torch.float32, device=layer.device),
+                )
+            served += 1
+        return served
+
+
+@dataclass
+class _State:
+    sites: List[ExpertsSite]
+    layers: List[EPMoE]
+    lockstep: _Lockstep
+    moe_config: MoEConfig
+    checkpoint: str
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _read_config(path: str):
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(
+            f"{path!r} is not a checkpoint directory with a config.json; pass the directory that "
+            "save_pretrained wrote"
+        )
+    return AutoConfig.from_pretrained(path)
+
+
+def moe_config_for(hf_config: Any, ep_size: int, dtype: Optional[torch.dtype] = None) -> MoEConfig:
+    """The MoEConfig of a transformers config, after the checks that run before anything is loaded:
+    the model is MoE, its family is supported, and `ep_size` divides its experts (ValueError naming
+    the value and the fix otherwise)."""
+    model_type = getattr(hf_config, "model_type", "?")
+    raw = hf_config.to_dict()
+    try:
+        cfg = MoEConfig.from_hf_config(raw, **({"dtype": dtype} if dtype is not None else {}))
+    except ValueError as e:
+        raise ValueError(
+            f"model_type={model_type!r} is not a Mixture-of-Experts model ({e}); epmoe shards the routed "
+            "experts of MoE models only, load dense models with transformers directly"
+        ) from None
+    if cfg.quant_method is not None:
+        raise ValueError(
+            f"the checkpoint is quantized (quant_method={cfg.quant_method!r}); this integration loads unquantized "
+            "checkpoints only (EPMoE.load_weights reads quantized experts, but the rest of the model would need "
+            "transformers' quantizer): use an unquantized (bf16) checkpoint"
+        )
+    if model_type not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"model_type={model_type!r} is not supported by epmoe.integrations.transformers; supported: "
+            f"{sorted(SUPPORTED_FAMILIES)}"
+        )
+    act = str(raw.get("hidden_act", "silu")).lower()
+    if model_type != "gpt_oss" and act != "silu":
+        raise ValueError(f"hidden_act={act!r}: epmoe runs gated SiLU experts for {model_type!r}; only 'silu' is supported")
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size <= 0:
+        raise ValueError(f"ep_size={ep_size!r}; pass a positive int")
+    if cfg.num_experts % ep_size:
+        divisors = [d for d in range(1, cfg.num_experts + 1) if cfg.num_experts % d == 0]
+        raise ValueError(
+            f"the EP group has {ep_size} ranks, which does not divide the model's {cfg.num_experts} experts; "
+            f"use an EP group size in {divisors}"
+        )
+    if model_type == "gpt_oss":  # GptOssExperts hard-codes alpha=1.702, limit=7.0 and (up + 1)
+        cfg = cfg.replace(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=float(raw.get("swiglu_limit") or 7.0))
+    return cfg
+
+
+def _checkpoint_files(path: str) -> List[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, f) for f in files]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path!r}; save the model with save_pretrained (safetensors)")
+    return files
+
+
+def _find_sites(model: torch.nn.Module) -> List[ExpertsSite]:
+    sites = []
+    for name, m in model.named_modules():
+        if not all(hasattr(m, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated")):
+            continue  # not an experts module of transformers' `@use_experts_implementation`
+        if not isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter):
+            continue
+        match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if match is None:
+            raise ValueError(f"experts module {name!r} is not under a decoder layer 'layers.N.'; unsupported layout")
+        sites.append(ExpertsSite(name, int(match.group(1)), bool(m.is_transposed), bool(m.is_concatenated),
+                                 bool(m.has_bias)))
+    return sites
+
+
+def _check_site_shapes(model: torch.nn.Module, site: ExpertsSite, cfg: MoEConfig) -> None:
+    m = model.get_submodule(site.name)
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    want_gu = (E, H, 2 * I) if site.is_transposed else (E, 2 * I, H)
+    want_d = (E, I, H) if site.is_transposed else (E, H, I)
+    got_gu, got_d = tuple(m.gate_up_proj.shape), tuple(m.down_proj.shape)
+    if (got_gu, got_d) != (want_gu, want_d) or site.has_bias != cfg.has_bias or not m.has_gate:
+        raise ValueError(
+            f"{site.name}: gate_up_proj {list(got_gu)} / down_proj {list(got_d)} (bias={site.has_bias}) do not match "
+            f"the config's E={E}, H={H}, I={I} (bias={cfg.has_bias}); this model layout is not supported"
+        )
+
+
+def _default_device(group: Any) -> torch.device:
+    """The current CUDA device for an NCCL group (or no group on a GPU machine), else the CPU."""
+    if edist.is_distributed(group):
+        use_cuda = edist.collective_device(group).type == "cuda"
+    else:
+        use_cuda = torch.cuda.is_available()
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_model(
+    path: Union[str, os.PathLike],
+    group: Any = None,
+    *,
+    dtype: Union[str, torch.dtype, None] = None,
+    device: Union[str, torch.device, None] = None,
+    dispatcher: str = "torch",
+    max_num_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK,
+    timeout_s: Optional[float] = None,
+    **epmoe_options: Any,
+):
+    """Load a transformers MoE checkpoint directory (written by `save_pretrained`, safetensors) as a
+    causal LM whose routed experts are sharded over `group` (default: the world). Collective: every rank
+    of the group calls it with the same arguments.
+
+    dtype:   activation / weight dtype (default: the checkpoint's `dtype`)
+    device:  default cuda (current device) when the group is NCCL, else cpu
+    dispatcher, max_num_tokens_per_rank, timeout_s, **epmoe_options: passed to every `EPMoE`
+             (e.g. experts="reference", deterministic=True); all MoE layers share one dispatcher.
+
+    Checks that raise ValueError on every rank before anything is read: not an MoE model, an
+    unsupported family, an EP size that does not divide the experts."""
+    path = os.fspath(path)
+    hf_config = _read_config(path)
+    ep_size = edist.group_size(group)
+    dtype = parse_dtype(dtype) if dtype is not None else parse_dtype(getattr(hf_config, "dtype", None) or "float32")
+    moe_cfg = moe_config_for(hf_config, ep_size, dtype)
+    device = torch.device(device) if device is not None else _default_device(group)
+    files = _checkpoint_files(path)
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.utils.generic import ContextManagers
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    hf_config._experts_implementation = IMPLEMENTATION
+    hf_config.dtype = dtype
+    # 1. Build on the meta device exactly as from_pretrained does (nothing allocated).
+    with ContextManagers(model_cls.get_init_context(dtype, False, False, None)):
+        model = model_cls(hf_config)
+        try:
+            from transformers.monkey_patching import patch_output_recorders
+
+            patch_output_recorders(model)
+        except ImportError:  # older 5.x: nothing to patch
+            pass
+    sites = _find_sites(model)
+    if not sites:
+        raise ValueError(f"{model_cls.__name__} has no transformers experts modules; this model is not supported")
+    for site in sites:
+        _check_site_shapes(model, site, moe_cfg)
+    # 2. Drop the expert parameters (still on meta): the loader below then treats the checkpoint's
+    #    expert tensors as foreign and never reads them.
+    for site in sites:
+        m = model.get_submodule(site.name)
+        for pname in [n for n, _ in m.named_parameters(recurse=False)]:
+            delattr(m, pname)
+        m._is_hf_initialized = True  # transformers' flag: skip `_init_weights` (which would touch them)
+    # 3. Everything else: transformers' own loading (renames, dtype plan, tied weights, buffers).
+    load_config = LoadStateDictConfig(
+        pretrained_model_name_or_path=path, device_map={"": str(device)}, dtype=dtype,
+        dtype_plan=model._get_dtype_plan(dtype), weight_mapping=get_model_conversion_mapping(model),
+    )
+    info, _ = model_cls._load_pretrained_model(model, None, files, load_config)
+    prefixes = tuple(s.name + "." for s in sites)
+    info.unexpected_keys = {k for k in info.unexpected_keys if not k.startswith(prefixes)}
+    model_cls._finalize_model_loading(model, load_config, info)
+    model.eval()
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    # 4. The routed experts: one EPMoE per MoE block, reading only this rank's experts.
+    layers: List[EPMoE] = []
+    for site in sites:
+        layer = EPMoE(
+            moe_cfg, group, dispatcher=layers[0].dispatcher if layers else dispatcher, device=device,
+            max_num_tokens_per_rank=max_num_tokens_per_rank, timeout_s=timeout_s, name=f"EPMoE[{site.name}]",
+            **epmoe_options,
+        )
+        layer.load_weights(path, layer_idx=site.layer_idx)
+        model.get_submodule(site.name).add_module(_LAYER_ATTR, layer)
+        layers.append(layer)
+    # 5. Lockstep across the EP group (module docstring).
+    lockstep = _Lockstep(group, layers, timeout_s)
+    if lockstep.distributed:
+        model.register_forward_pre_hook(lockstep.before_forward)
+        model.register_forward_hook(lockstep.after_forward)
+    setattr(model, _STATE_ATTR, _State(sites, layers, lockstep, moe_cfg, path))
+    # The instance's generate keeps the ranks in step; transformers' own is type(model).generate.
+    model.generate = types.MethodType(generate, model)
+    return model
+
+
+def _state(model: Any) -> _State:
+    st = getattr(model, _STATE_ATTR, None)
+    if st is None:
+        raise ValueError("this model was not loaded by epmoe.integrations.transformers.load_model")
+    return st
+
+
+def ep_layers(model: Any) -> List[EPMoE]:
+    """The EPMoE layers of a model from load_model, in call order."""
+    return list(_state(model).layers)
+
+
+# ---------------------------------------------------------------------------------------------- generate
+def generate(model: Any, inputs: Optional[torch.Tensor] = None, **kwargs: Any):
+    """transformers' `generate` on this rank's prompts, kept in lockstep with the other ranks of the EP
+    group. Every rank calls it; a rank without prompts passes `None` (or 0 rows) and gets a [0, 0]
+    tensor (its input back when it passed 0 rows). Other arguments are transformers' own."""
+    st = _state(model)
+    if inputs is None:
+        inputs = kwargs.pop("input_ids", None)
+    has_rows = inputs is not None and inputs.shape[0] > 0
+    st.lockstep.in_step = False
+    try:
+        if kwargs.get("synced_gpus"):
+            raise ValueError(
+                "synced_gpus=True all-reduces over the whole world each step; epmoe keeps the EP group in "
+                "step itself: leave synced_gpus unset"
+            )
+        if has_rows:
+            out = type(model).generate(model, inputs, **kwargs)
+        elif inputs is not None:
+            out = inputs
+        else:
+            out = torch.empty(0, 0, dtype=torch.long, device=st.layers[0].device)
+    except BaseException:
+        # Failed between steps (e.g. bad arguments before the first one): the other ranks still
+        # need this rank's experts, so serve them, then re-raise. Failed inside a step: the other
+        # ranks are inside that step's collectives (EPMoE raises on every rank for bad layer input;
+        # anything else ends at the collective timeout), so serving would only mismatch collectives.
+        if not st.lockstep.in_step:
+            st.lockstep.serve_until_all_done()
+        raise
+    st.lockstep.serve_until_all_done()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def _local_from_fused(site: ExpertsSite, tensors: Mapping[str, torch.Tensor], cfg: MoEConfig,
+                      lo: int, hi: int) -> ExpertWeights:
+    """transformers 5 in-memory expert tensors (the trainer's `state_dict()`) -> local ExpertWeights."""
+    missing = [n for n in ("gate_up_proj", "down_proj") if n not in tensors]
+    if site.has_bias:
+        missing += [n for n in ("gate_up_proj_bias", "down_proj_bias") if n not in tensors]
+    if missing:
+        raise ValueError(f"update_weights: {site.name} lacks {[site.name + '.' + n for n in missing]}")
+    E, I = cfg.num_experts, cfg.intermediate_size
+    gu, down = tensors["gate_up_proj"], tensors["down_proj"]
+    for n, t in (("gate_up_proj", gu), ("down_proj", down)):
+        if t.dim() != 3 or t.shape[0] != E:
+            raise ValueError(f"update_weights: {site.name}.{n} has shape {list(t.shape)}; expected [{E}, ., .]")
+    gu = gu[lo:hi]
+    if site.is_transposed:
+        gu = gu.transpose(1, 2)  # [e, 2I, H]
+    if site.is_concatenated:
+        w1, w3 = gu[:, :I], gu[:, I:]
+    else:
+        w1, w3 = gu[:, 0::2], gu[:, 1::2]
+    w2 = down[lo:hi].transpose(1, 2) if site.is_transposed else down[lo:hi]
+    b13 = b2 = None
+    if site.has_bias:
+        gb = tensors["gate_up_proj_bias"][lo:hi]
+        b13 = gb if site.is_concatenated else torch.cat([gb[:, 0::2], gb[:, 1::2]], dim=1)
+        b2 = tensors["down_proj_bias"][lo:hi]
+    c = lambda t: None if t is None else t.contiguous()  # noqa: E731
+    return ExpertWeights(w1=c(w1), w2=c(w2), w3=c(w3), b13=c(b13), b2=c(b2), first_expert=lo)
+
+
+_FUSED_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+_LEGACY_EXPERT = re.compile(r"(?:^|\.)layers\.(\d+)\..*experts\.\d+\.")
+
+
+def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Push a trainer's weights (HF names) into a model from load_model, in place. Collective.
+
+    Expert tensors: transformers 5 names (`...mlp.experts.gate_up_proj` / `down_proj` [+ `_bias`], all
+    experts; this rank keeps its slice) or per-expert checkpoint names (`...experts.{e}.w1.weight`,
+    `gate_proj` / `up_proj` / `down_proj`). Every MoE layer must be present; each is updated through
+    `EPMoE.update_weights` (in place, all-or-nothing across the group, dtypes and shapes fixed).
+    Other tensors: copied in place into the parameters / buffers of the same name; a name the model
+    does not have is a ValueError, raised on every rank before anything changes."""
+    st = _state(model)
+    own = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
+    own.update(dict(model.named_buffers(remove_duplicate=False)))
+    prefixes = [s.name + "." for s in st.sites]
+    error: Optional[BaseException] = None
+    dense: Dict[str, torch.Tensor] = {}
+    try:
+        unknown = []
+        for k, v in state_dict.items():
+            if any(k.startswith(p) for p in prefixes) or _LEGACY_EXPERT.search(k):
+                continue
+            if k not in own:
+                unknown.append(k)
+            elif tuple(v.shape) != tuple(own[k].shape):
+                raise ValueError(f"update_weights: {k} has shape {list(v.shape)}; the model's is {list(own[k].shape)}")
+            else:
+                dense[k] = v
+        if unknown:
+            raise ValueError(
+                f"update_weights: the model has no tensors named {sorted(unknown)[:6]}"
+                f"{' ...' if len(unknown) > 6 else ''}; pass the trainer's model.state_dict() (transformers 5 names)"
+            )
+    except ValueError as e:
+        error = e
+    flags = edist.gather_ints([0 if error is None else 1], st.layers[0].group)
+    edist.raise_if_any_failed(error, [r for r in range(flags.shape[0]) if flags[r, 0]], st.layers[0].group)
+    for site, layer in zip(st.sites, st.layers):
+        p = site.name + "."
+        fused = {k[len(p):]: v for k, v in state_dict.items() if k.startswith(p) and k[len(p):] in _FUSED_NAMES}
+        if fused:
+            lo = layer.first_local_expert
+            try:
+                weights: Any = _local_from_fused(site, fused, st.moe_config, lo, lo + layer.num_local_experts)
+            except ValueError as e:
+                weights, err = None, e
+            else:
+                err = None
+            flags = edist.gather_ints([0 if err is None else 1], layer.group)
+            edist.raise_if_any_failed(err, [r for r in range(flags.shape[0]) if flags[r, 0]], layer.group)
+            layer.update_weights(weights)
+        else:
+            layer.update_weights(state_dict, layer_idx=site.layer_idx)
+    with torch.no_grad():
+        for k, v in dense.items():
+            own[k].copy_(v)
+
+
+def expert_memory(model: Any) -> ExpertMemory:
+    """Routed-expert bytes this rank holds (the tensors of its EPMoE layers' experts backends) and what
+    the whole model's experts take in the model dtype."""
+    st = _state(model)
+    local = sum(t.numel() * t.element_size() for layer in st.layers for t in layer.experts.parameters().values())
+    cfg = st.moe_config
+    model_bytes = cfg.num_experts * cfg.expert_param_count() * torch.empty(0, dtype=cfg.dtype).element_size()
+    return ExpertMemory(local_bytes=local, model_bytes=model_bytes * len(st.layers), num_layers=len(st.layers))

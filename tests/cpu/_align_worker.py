@@ -1,0 +1,63 @@
+"""Triton-interpreter worker (TRITON_INTERPRET=1): the GPU routing alignment
+(`align_blocks_triton`, `sort_by_expert_triton`) against the torch one, field by field, exactly.
+Case "E,K,N,block_m"; one JSON line per case."""
+
+import json
+import os
+import sys
+import traceback
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from epmoe.experts import align as A  # noqa: E402
+from epmoe.experts import triton_kernels as TK  # noqa: E402
+
+
+def launch(name, grid, args, kwargs):
+    getattr(TK, name)[grid](*args, **kwargs)
+
+
+def run_case(E: int, K: int, N: int, bm: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    # ids in [-2, E + 1]: invalid on both sides; a skewed routing so some experts are empty and
+    # some span several tiles
+    ids = torch.randint(-2, E + 2, (N, K), generator=g, dtype=torch.int32)
+    hot = torch.rand(N, K, generator=g) < 0.3
+    ids = torch.where(hot, torch.zeros_like(ids), ids)
+    ref_sort = A.sort_by_expert(ids, E)
+    ref = A.align_blocks(ref_sort, bm)
+    got = A.align_blocks_triton(ids, E, bm, launch)
+    srt = A.sort_by_expert_triton(ids, E, launch)
+    res = dict(
+        max_blocks=(got.max_blocks, ref.max_blocks),
+        sorted_ids=bool(torch.equal(got.sorted_ids, ref.sorted_ids)),
+        block_expert=bool(torch.equal(got.block_expert, ref.block_expert)),
+        block_rows=bool(torch.equal(got.block_rows, ref.block_rows)),
+        order=bool(torch.equal(srt.order.long(), ref_sort.order)),
+        sorted_expert=bool(torch.equal(srt.sorted_expert, ref_sort.sorted_expert)),
+        expert_ends=bool(torch.equal(srt.expert_ends.long(), ref_sort.expert_ends)),
+        expert_counts=bool(torch.equal(srt.expert_counts.long(), ref_sort.expert_counts)),
+        inverse=bool(torch.equal(srt.inverse.long()[ref_sort.order], torch.arange(N * K))),
+        invalid=int(((ids < 0) | (ids >= E)).sum()),
+    )
+    res["all_equal"] = all(v for k, v in res.items() if isinstance(v, bool)) and res["max_blocks"][0] == res["max_blocks"][1]
+    return res
+
+
+def main() -> None:
+    for case in sys.argv[1:]:
+        seed = int.from_bytes(os.urandom(2), "little")
+        try:
+            E, K, N, bm = (int(v) for v in case.split(","))
+            res = run_case(E, K, N, bm, seed)
+            res.update(case=case, seed=seed, ok=True)
+        except Exception:
+            res = dict(case=case, seed=seed, ok=False, error=traceback.format_exc()[-3000:])
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

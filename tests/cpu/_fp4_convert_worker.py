@@ -1,0 +1,113 @@
+"""Triton-interpreter worker (TRITON_INTERPRET=1): the packed fp4 -> bf16 conversion
+(`_fp4_dequant_packed`) against the legacy one (`_fp4_dequant`) on every byte value and a sweep of
+scales, bit for bit; then the W4A16 experts forward with each, output bit for bit. One JSON line per case."""
+
+import json
+import os
+import sys
+import traceback
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from epmoe.experts import triton_kernels as K  # noqa: E402
+from tests.triton_interpret import match_gpu_rounding  # noqa: E402
+
+match_gpu_rounding()
+
+
+@triton.jit
+def _convert_both(p_ptr, s_ptr, legacy_ptr, packed_ptr, BN: tl.constexpr, W_FMT: tl.constexpr):
+    """One k64 block: p [32, BN] bytes (row j, column n), scales s [BN, 4] (nvfp4) / [BN, 2] (mxfp4),
+    kk = 0. Writes both conversions as [64, BN] bf16 (rows 0..31 low nibbles, 32..63 high)."""
+    HALF: tl.constexpr = 32
+    rows = tl.arange(0, HALF)[:, None]
+    cols = tl.arange(0, BN)[None, :]
+    p = tl.load(p_ptr + rows * BN + cols)
+    G: tl.constexpr = 4 if W_FMT == 2 else 2
+    s_ptrs = s_ptr + tl.arange(0, BN) * G
+    a_lo, a_hi = K._fp4_dequant(p, s_ptrs, 0, HALF, W_FMT, tl.bfloat16)
+    b_lo, b_hi = K._fp4_dequant_packed(p, s_ptrs, 0, HALF, W_FMT)
+    tl.store(legacy_ptr + rows * BN + cols, a_lo)
+    tl.store(legacy_ptr + (rows + HALF) * BN + cols, a_hi)
+    tl.store(packed_ptr + rows * BN + cols, b_lo)
+    tl.store(packed_ptr + (rows + HALF) * BN + cols, b_hi)
+
+
+def convert_case(fmt: str, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    BN = 64
+    W_FMT = 2 if fmt == "nvfp4" else 3
+    res = {}
+    # every byte value in every (row, column) position over a few blocks
+    for rep in range(4):
+        p = torch.randperm(256, generator=g).repeat(8)[: 32 * BN].reshape(32, BN).to(torch.uint8).contiguous()
+        if fmt == "nvfp4":
+            # every finite e4m3 value appears as a scale (incl. subnormals 2^-9.., max 448)
+            allv = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F is NaN
+            s = allv[torch.randint(0, allv.numel(), (BN, 4), generator=g)].view(torch.float8_e4m3fn).contiguous()
+        else:
+            # e8m0 exponents 0..128 (the packed range)
+            s = torch.randint(0, 129, (BN, 2), generator=g, dtype=torch.int32).to(torch.uint8).contiguous()
+            if rep == 0:
+                s[:, 0] = torch.arange(BN) * 2 % 129
+        legacy = torch.empty(64, BN, dtype=torch.bfloat16)
+        packed = torch.empty(64, BN, dtype=torch.bfloat16)
+        _convert_both[(1,)](p, s, legacy, packed, BN=BN, W_FMT=W_FMT)
+        # packed nvfp4 weights carry 2^-7 (the global scale takes it back): legacy / 2^7 exactly
+        want = legacy if fmt == "mxfp4" else (legacy.float() / 128).to(torch.bfloat16)
+        bad = int((packed.view(torch.int16) != want.view(torch.int16)).sum())
+        if fmt == "nvfp4":  # and the exact relation the other way round
+            bad += int(((packed.float() * 128).to(torch.bfloat16).view(torch.int16) != legacy.view(torch.int16)).sum())
+        res[f"mismatch_{rep}"] = bad
+        res["nonzero"] = res.get("nonzero", 0) + int((legacy != 0).sum())
+    res["mismatch"] = sum(v for k, v in res.items() if k.startswith("mismatch_"))
+    return res
+
+
+def forward_case(mode: str, seed: int) -> dict:
+    from epmoe.config import MoEConfig
+    from epmoe.dispatch.base import DispatchedTokens
+    from tests import experts_testing as T
+    from epmoe.experts.base import ExpertsSpec
+    from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts
+    from epmoe.quant.plan import QuantPlan
+
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, has_bias=True,
+                    swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)  # fmt: skip
+    w = T.random_expert_weights(cfg, 4, seed=seed)
+    tcfg = TritonConfig("tiny", 16, GemmConfig(32, 64, 4, 1, 2), GemmConfig(32, 64, 4, 1, 2))
+    outs = {}
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(7, 128, generator=g).bfloat16()
+    ids, tw = T.random_local_routing(7, 2, 4, seed=seed + 2, invalid_frac=0.2)
+    for conv in ("legacy", "packed"):
+        spec = ExpertsSpec(cfg, 0, 1, torch.device("cpu"), plan=QuantPlan(expert_mode=mode),
+                           options=(("triton_fp4_convert", conv),))  # fmt: skip
+        ex = TritonExperts(spec)
+        ex.config_override = tcfg
+        ex.load_weights(w)
+        assert ex.fp4_packed == (conv == "packed")
+        outs[conv] = ex(DispatchedTokens(x, ids, tw))
+    return dict(equal=bool(torch.equal(outs["legacy"], outs["packed"])),
+                max_diff=float((outs["legacy"].float() - outs["packed"].float()).abs().max()))  # fmt: skip
+
+
+def main() -> None:
+    for case in sys.argv[1:]:
+        kind, what = case.split(":")
+        seed = int.from_bytes(os.urandom(2), "little")
+        try:
+            res = convert_case(what, seed) if kind == "convert" else forward_case(what, seed)
+            res.update(case=case, seed=seed, ok=True)
+        except Exception:
+            res = dict(case=case, seed=seed, ok=False, error=traceback.format_exc()[-3000:])
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""The GPU routing alignment (`align_blocks_triton`, `sort_by_expert_triton`: three Triton kernels)
+under the Triton interpreter equals the torch one (`align_blocks(sort_by_expert(...))`) field by
+field: invalid ids on both sides, empty experts, one hot expert over several tiles, more entries
+than one scan chunk (1024), a single entry."""
+
+import importlib.util
+import os
+
+import pytest
+
+from tests.cpu.interpret import run_interpret_worker
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+CASES = ["4,3,9,16", "8,2,37,4", "5,4,300,16", "3,1,1,32", "16,8,700,128"]  # E, K, N, block_m
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_align_worker.py")
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_interpret_worker(_WORKER, CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_alignment_equals_torch(results, case):
+    r = results.get(case)
+    assert r is not None, f"{case}: no result"
+    assert r["ok"], f"{case} (seed {r['seed']}) raised:\n{r.get('error')}"
+    assert r["all_equal"], f"{case} (seed {r['seed']}): {r}"

@@ -1,0 +1,17 @@
+"""benchmarks/bench_host_overhead.py runs (CPU smoke: tiny shape, wall time only) and prints its JSON."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_cpu_smoke_prints_json():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_host_overhead.py"), "--cpu-smoke"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["bench"] == "host_overhead" and report["results"][0]["dispatcher"] == "torch"
+    assert report["results"][0]["wall_ms_median"] > 0

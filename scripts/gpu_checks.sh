@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks in few, bounded steps (for a lent GPU machine). From the repo root:
-#   bash scripts/gpu_session.sh tests    # every tests/gpu file, each under its own time limit
-#   bash scripts/gpu_session.sh bench    # expert stage, full layer vs baseline, dispatchers
+# GPU checks and benchmarks in few, bounded steps (on a GPU machine). From the repo root:
+#   bash scripts/gpu_checks.sh tests    # every tests/gpu file, each under its own time limit
+#   bash scripts/gpu_checks.sh bench    # expert stage, full layer vs baseline, dispatchers
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
 # summary is printed last. FLASHINFER_DISABLE_JIT=1 makes any FlashInfer module that is not prebuilt
 # fail at once instead of compiling for minutes.

@@ -74,6 +74,7 @@ def main() -> None:
     else:
         model.generate(None, max_new_tokens=args.tokens)  # serve the other ranks until they finish
         print(f"rank {rank}: no prompts (served the others' steps)", flush=True)
+    dist.barrier()  # leave together: a rank tearing down its group while another still works can abort
     dist.destroy_process_group()
 
 

@@ -1,11 +1,13 @@
 """Tiny random transformers MoE models of every supported family, written with save_pretrained (float32).
 
-Used by tests/cpu/test_hf_integration.py and tests/gpu/test_hf_integration_gpu.py (which passes dtype)."""
+Used by tests/cpu/test_hf_integration.py, tests/gpu/test_hf_integration_gpu.py (which passes dtype) and
+tests/cpu/test_hf_triton_interpret.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Dict
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -71,3 +73,84 @@ def write_tiny_model(family: str, directory: str, seed: int = 0, dtype=torch.flo
 
 def write_all(directory: str, families=FAMILIES, **shape) -> Dict[str, str]:
     return {f: write_tiny_model(f, directory, **shape) for f in families}
+
+
+@contextlib.contextmanager
+def routing(model: torch.nn.Module, log: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]], replay: bool):
+    """Record (replay=False) or replay (replay=True) the routing every experts module of `model` receives.
+
+    Experts modules are transformers' `@use_experts_implementation` ones (also under epmoe's load_model),
+    called as experts(hidden_states, top_k_index, top_k_weights). Recording appends each call's
+    (index, weights) to log[module name]; replaying feeds them back in the same order, weights cast to
+    the model's own dtype. A comparison of two models' logits at different precisions replays the
+    reference model's routing: a token whose k-th and (k+1)-th router scores lie within the lower
+    precision's noise (a near-tie) otherwise picks another expert, a discontinuity that no bound on
+    the experts' numerics holds across."""
+    handles = []
+    for name, m in model.named_modules():
+        if not all(hasattr(m, a) for a in ("has_gate", "has_bias", "is_transposed", "is_concatenated")):
+            continue
+
+        def hook(mod, args, name=name):
+            hidden, index, weights = args[:3]
+            if not replay:
+                log.setdefault(name, []).append((index.detach().clone(), weights.detach().clone()))
+                return None
+            calls = log.get(name)
+            if not calls:
+                raise AssertionError(f"routing replay: no recorded call left for {name}")
+            r_index, r_weights = calls.pop(0)
+            if r_index.shape != index.shape:
+                raise AssertionError(
+                    f"routing replay: {name} got {list(index.shape)}, recorded {list(r_index.shape)}"
+                )
+            r_index, r_weights = r_index.to(index.device, index.dtype), r_weights.to(weights.device, weights.dtype)
+            return (hidden, r_index, r_weights) + args[3:]
+
+        handles.append(m.register_forward_pre_hook(hook))
+    if not handles:
+        raise AssertionError(f"{type(model).__name__} has no experts modules to record / replay")
+    try:
+        yield log
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def bf16_logit_errors(path: str, device, experts: str = "auto", rank: int = 0, replay_routing: bool = True,
+                      **options):
+    """Logits of one padded batch (3 + rank prompts of 12 tokens, two left-padded): float32 transformers
+    (the truth), bf16 transformers, bf16 epmoe (`load_model(..., experts=experts, **options)`).
+
+    Returns (errors, ids, mask, hf, ep): errors = dict(ep=, hf=) max |logits - truth| over the valid
+    positions, scale = max |truth|, experts_backend; hf / ep the bf16 models. With replay_routing both
+    bf16 models run on the float32 model's routing (`routing`), so the errors measure numerics only."""
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.integrations.transformers import load_model
+
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(4, 96, (3 + rank, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding on one row
+    mask[2, :7] = 0
+    ids, mask = ids.to(device), mask.to(device)
+    log: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def run(model, record: bool = False):
+        if not replay_routing:
+            return model(ids, attention_mask=mask).logits.float()
+        with routing(model, log if record else {k: list(v) for k, v in log.items()}, replay=not record):
+            return model(ids, attention_mask=mask).logits.float()
+
+    with torch.no_grad():
+        truth = run(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device), record=True)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
+        hf_logits = run(hf)
+        ep = load_model(path, dtype=torch.bfloat16, device=device, experts=experts, **options)
+        ep_logits = run(ep)
+    valid = mask.bool()
+    err = lambda a: float((a - truth)[valid].abs().max())  # noqa: E731
+    errors = dict(ep=err(ep_logits), hf=err(hf_logits), scale=float(truth[valid].abs().max()),
+                  experts_backend=ep.model.layers[-1].mlp.experts.ep_moe.experts.name)
+    return errors, ids, mask, hf, ep

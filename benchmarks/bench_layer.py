@@ -78,61 +78,6 @@ def _time(fn, iters, warmup, sets):
     return ms
 
 
-class PlainBaseline:
-    """The straightforward EP MoE a user would write: NCCL all_to_all_single of (token, expert) rows,
-    then one matmul chain per local expert."""
-
-    def __init__(self, cfg, w13, w2, b13, b2, ep_rank, ep_size):
-        self.cfg, self.w13, self.w2, self.b13, self.b2 = cfg, w13, w2, b13, b2
-        self.ep_rank, self.ep_size = ep_rank, ep_size
-        self.E_local = cfg.num_experts // ep_size
-
-    def __call__(self, x, logits):
-        from epmoe.experts.reference import apply_activation
-        from epmoe.routing import route
-
-        cfg, ep = self.cfg, self.ep_size
-        r = route(cfg, logits)
-        ids = r.topk_ids.reshape(-1).long()
-        order = torch.argsort(ids)
-        rows = x.repeat_interleave(cfg.top_k, dim=0)[order]
-        ids_sorted = ids[order]
-        send = torch.bincount(ids_sorted // self.E_local, minlength=ep)
-        if ep > 1:
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send)
-            sc, rc = send.tolist(), recv.tolist()
-            got = rows.new_empty(sum(rc), cfg.hidden_size)
-            dist.all_to_all_single(got, rows, rc, sc)
-            gid = ids_sorted.new_empty(sum(rc))
-            dist.all_to_all_single(gid, ids_sorted, rc, sc)
-        else:
-            got, gid = rows, ids_sorted
-        local = gid - self.ep_rank * self.E_local
-        counts = torch.bincount(local, minlength=self.E_local).tolist()
-        out = torch.empty_like(got)
-        start = 0
-        for e, c in enumerate(counts):
-            if c:
-                h = got[start:start + c] @ self.w13[e].t()
-                if self.b13 is not None:
-                    h = h + self.b13[e]
-                y = apply_activation(cfg, h) @ self.w2[e].t()
-                if self.b2 is not None:
-                    y = y + self.b2[e]
-                out[start:start + c] = y
-            start += c
-        if ep > 1:
-            back = torch.empty_like(rows)
-            dist.all_to_all_single(back, out, sc, rc)
-        else:
-            back = out
-        unsorted = torch.empty_like(back)
-        unsorted[order] = back
-        y = unsorted.view(-1, cfg.top_k, cfg.hidden_size).float()
-        return (y * r.topk_weights.unsqueeze(-1)).sum(dim=1).to(cfg.dtype)
-
-
 def main(argv=None) -> int:
     a = parse(argv)
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
@@ -165,7 +110,9 @@ def main(argv=None) -> int:
     b13 = rnd(E_local, 2 * I, scale=0.05) if cfg.has_bias else None
     b2 = rnd(E_local, H, scale=0.05) if cfg.has_bias else None
     local = ExpertWeights(w1=w1, w3=w3, w2=w2, b13=b13, b2=b2, first_expert=rank * E_local)
-    baseline = PlainBaseline(cfg, torch.cat([w1, w3], 1), w2, b13, b2, rank, ranks)
+    from epmoe.nightly.worker import PlainEPMoE  # the straightforward EP MoE a user would write
+
+    baseline = PlainEPMoE(cfg, torch.cat([w1, w3], 1), w2, rank, ranks, b13=b13, b2=b2)
     peak = {"matmul_tflops": None}
     if rank == 0:
         m = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)

@@ -198,8 +198,8 @@ class PlainEPMoE:
     exchanged split sizes, one matmul chain per local expert, all_to_all back, weighted sum.
     On a gloo group with CUDA tensors (ranks sharing a GPU) the exchanges go through host memory."""
 
-    def __init__(self, cfg, w13, w2, ep_rank: int, ep_size: int):
-        self.cfg, self.w13, self.w2 = cfg, w13, w2
+    def __init__(self, cfg, w13, w2, ep_rank: int, ep_size: int, b13=None, b2=None):
+        self.cfg, self.w13, self.w2, self.b13, self.b2 = cfg, w13, w2, b13, b2
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.E_local = cfg.num_experts // ep_size
         self.host = ep_size > 1 and dist.get_backend() == "gloo" and w13.is_cuda
@@ -239,7 +239,12 @@ class PlainEPMoE:
         for e, c in enumerate(counts):
             if c:
                 h = got[start:start + c] @ self.w13[e].t()
-                out[start:start + c] = apply_activation(cfg, h) @ self.w2[e].t()
+                if self.b13 is not None:
+                    h = h + self.b13[e]
+                y = apply_activation(cfg, h) @ self.w2[e].t()
+                if self.b2 is not None:
+                    y = y + self.b2[e]
+                out[start:start + c] = y
             start += c
         if ep > 1:
             back = torch.empty_like(rows)

@@ -170,6 +170,17 @@ def _quantized_projection(fmt: str, w: torch.Tensor, role: str, e: int) -> Dict[
     raise ValueError(fmt)
 
 
+def _gpt_oss_biases(config: MoEConfig, prefix: str, w: ExpertWeights, rows: Dict[str, torch.Tensor]) -> None:
+    """GPT-OSS bias rows of one expert: gate/up interleaved (2j gate, 2j+1 up), as the checkpoint has them."""
+    if not config.has_bias:
+        return
+    bg, bu = w.b13[0].chunk(2)
+    gub = torch.empty(2 * config.intermediate_size, dtype=config.dtype, device=w.w1.device)
+    gub[0::2], gub[1::2] = bg, bu
+    rows[f"{prefix}experts.gate_up_proj_bias"] = gub
+    rows[f"{prefix}experts.down_proj_bias"] = w.b2[0]
+
+
 def _expert_tensors(config: MoEConfig, fmt: str, style: str, prefix: str, w: ExpertWeights, e: int
                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
     """(per-expert tensors by full name, rows of stacked tensors by name) of expert e."""
@@ -185,24 +196,14 @@ def _expert_tensors(config: MoEConfig, fmt: str, style: str, prefix: str, w: Exp
             t = mxfp4.quantize(mat)
             rows[f"{prefix}experts.{name}_blocks"] = t.packed.reshape(mat.shape[0], -1, 16)
             rows[f"{prefix}experts.{name}_scales"] = t.scales
-        if config.has_bias:
-            bg, bu = w.b13[0].chunk(2)
-            gub = torch.empty(2 * I, dtype=config.dtype, device=w.w1.device)
-            gub[0::2], gub[1::2] = bg, bu
-            rows[f"{prefix}experts.gate_up_proj_bias"] = gub
-            rows[f"{prefix}experts.down_proj_bias"] = w.b2[0]
+        _gpt_oss_biases(config, prefix, w, rows)
         return per, rows
     if fmt == "bf16" and style == "gpt_oss":
         gu = torch.empty(config.hidden_size, 2 * I, dtype=config.dtype, device=w.w1.device)
         gu[:, 0::2], gu[:, 1::2] = w.w1[0].t(), w.w3[0].t()
         rows[f"{prefix}experts.gate_up_proj"] = gu
         rows[f"{prefix}experts.down_proj"] = w.w2[0].t().contiguous()
-        if config.has_bias:
-            bg, bu = w.b13[0].chunk(2)
-            gub = torch.empty(2 * I, dtype=config.dtype, device=w.w1.device)
-            gub[0::2], gub[1::2] = bg, bu
-            rows[f"{prefix}experts.gate_up_proj_bias"] = gub
-            rows[f"{prefix}experts.down_proj_bias"] = w.b2[0]
+        _gpt_oss_biases(config, prefix, w, rows)
         return per, rows
     names = _proj_names(config, style)
     roles = ("w1", "w3", "w2") if config.is_gated else ("w1", "w2")

@@ -21,7 +21,7 @@ from epmoe.config import MoEConfig, dtype_name
 from epmoe.core import dist as edist
 from epmoe.core.errors import BackendUnavailableError, NonFiniteError
 from epmoe.core.fault import FaultWatch
-from epmoe.core.watchdog import WATCHDOG, completion_marker
+from epmoe.core import watchdog as _watchdog
 from epmoe.dispatch import DISPATCHERS, Agreement, Dispatcher, DispatchSpec
 from epmoe.experts import EXPERTS, Experts, ExpertsSpec
 from epmoe.quant.payload import PayloadFormat
@@ -115,7 +115,7 @@ class EPMoE(torch.nn.Module):
                    results, but timings measure local cost only, never a link.
     watchdog:      with `timeout_s` set and a dispatcher whose kernels wait on the GPU for peers
                    (flashinfer, deepep, deepep_ll), end this process with a FaultReport on stderr and
-                   exit code 3 when a call's kernels have not finished `timeout_s` after launch (a peer
+                   exit code 4 when a call's kernels have not finished `timeout_s` after launch (a peer
                    died inside the all-to-all: the kernel cannot be cancelled). Costs one CUDA event per
                    call, no host sync. False: no watchdog (the process hangs in that case).
                    docs/shared-gpu.md and epmoe/core/watchdog.py
@@ -555,7 +555,7 @@ class EPMoE(torch.nn.Module):
                         per_expert += torch.bincount(ids, minlength=self.num_local_experts)
         finally:
             if armed is not None:  # the watchdog thread disarms it once these kernels have finished
-                armed.launched(completion_marker(self.device))
+                armed.launched(_watchdog.completion_marker(self.device))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
         if self.check_finite:
             with watch.phase("finite check"):
@@ -574,7 +574,8 @@ class EPMoE(torch.nn.Module):
         """Arm the watchdog for this call (epmoe/core/watchdog.py); None when it is off for this layer."""
         if not self._watchdog_active:
             return None
-        entry = WATCHDOG.arm(self._watch, self._watch.call, self.timeout_s)
+        # through the module: a forked child gets a fresh watchdog (os.register_at_fork)
+        entry = _watchdog.WATCHDOG.arm(self._watch, self._watch.call, self.timeout_s)
         entry.phase = phase
         return entry
 
@@ -731,7 +732,7 @@ class DecodeRunner:
                 self._body(from_logits)
         finally:
             if armed is not None:
-                armed.launched(completion_marker(self.layer.device))
+                armed.launched(_watchdog.completion_marker(self.layer.device))
         out = self.out[:T]
         if return_routing:
             return MoEOutput(out, Routing(self.topk_ids_out[:T], self.topk_weights_out[:T]))

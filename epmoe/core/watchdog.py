@@ -32,6 +32,13 @@ slowest peer (its experts, a first-call kernel compile). A healthy call never le
 longer; that is the same promise the host-side collective timeout makes. Choose `timeout_s` above the
 slowest step (the launcher's default is 300 s).
 
+Which dispatchers (`Dispatcher.waits_on_device`): `flashinfer` (MoeAlltoAll's kernels spin until
+every peer's tokens arrived) and `deepep` / `deepep_ll` (the same one-sided spin; DeepEP's own
+in-kernel timeout traps the device after a fixed ~100 s, ignores `timeout_s` and leaves no report).
+Not `torch`: over gloo its waits are host waits bounded by `timeout_s`; over NCCL the process group's
+timeout and NCCL's own watchdog apply. Only with `timeout_s` set and more than one rank; off with
+`EPMoE(watchdog=False)`.
+
 The thread needs the GIL to run: torch releases it in every blocking device sync (`.item()`,
 `.tolist()`, `torch.cuda.synchronize()`), which is where a host waits on a stuck kernel.
 """
@@ -45,7 +52,7 @@ import threading
 import time
 from typing import Any, Optional
 
-WATCHDOG_EXIT_CODE = 3  # 0 ok, 1 fault report (launcher), 2 usage error: 3 = ended by the watchdog
+WATCHDOG_EXIT_CODE = 4  # launcher: 0 ok, 1 fault report, 2 usage error, 3 doctor refused; 4 = ended by the watchdog
 PHASE = "dispatch/combine kernel"
 POLL_S = 0.05
 
@@ -71,8 +78,8 @@ def completion_marker(device: Any) -> Any:
     event recorded on the current stream; True on a device whose work is already done (CPU)."""
     import torch
 
-    if getattr(device, "type", None) != "cuda":
-        return True
+    if getattr(device, "type", None) != "cuda" or torch.cuda.is_current_stream_capturing():
+        return True  # nothing to wait for (CPU), or an outer CUDA-graph capture: its replay is not ours to time
     ev = torch.cuda.Event()
     ev.record()
     return ev
@@ -148,3 +155,11 @@ class _Watchdog:
 
 
 WATCHDOG = _Watchdog()
+
+
+def _after_fork_in_child() -> None:  # a forked child has no watchdog thread and none of the parent's calls
+    global WATCHDOG
+    WATCHDOG = _Watchdog()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -11,6 +11,8 @@ victim. MODE:
   event    step 3 completes on the host, but the survivors' completion marker never reports done (a
            stand-in for a CUDA event behind a kernel that never finishes); the victim dies after step
            3 and the survivors then block forever ("the next device sync")
+  runner   as `event`, through a decode runner (EPMoE.decode_runner, cuda_graph=False: the same
+           arming as a CUDA-graph replay)
   healthy  every call's marker reports done 0.2 s after the call; 5 steps, then idle for 3 timeouts,
            then print DONE and exit 0
   off      as `host`, with EPMoE(watchdog=False)
@@ -42,9 +44,8 @@ def main() -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    import epmoe.layer as layer_mod
     from epmoe import EPMoE, MoEConfig
-    from epmoe.core.watchdog import WATCHDOG
+    from epmoe.core import watchdog
     from epmoe.dispatch.torch_a2a import TorchA2ADispatcher
     from tests.cpu.helpers import random_inputs, random_weights
 
@@ -59,7 +60,7 @@ def main() -> None:
     layer.load_weights(random_weights(cfg, 5))
     x, logits = random_inputs(cfg, 12, 11 + rank)
     if mode == "healthy":
-        layer_mod.completion_marker = lambda device: DoneAfter()
+        watchdog.completion_marker = lambda device: DoneAfter()
 
     def die(*_a, **_k):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -68,22 +69,23 @@ def main() -> None:
         while True:
             time.sleep(3600)
 
+    call = layer.decode_runner(16, cuda_graph=False) if mode == "runner" else layer
     for step in range(5):
         if step == 3:
             with open(f"{progress}.{rank}", "w") as f:
                 f.write(f"step3 {time.time():.3f}\n")
             if mode in ("host", "off"):
                 layer.dispatcher.dispatch = die if victim else block_forever
-            elif mode == "event" and not victim:
-                layer_mod.completion_marker = lambda device: NeverDone()
-        layer(x, logits)
-        if step == 3 and mode == "event":
+            elif mode in ("event", "runner") and not victim:
+                watchdog.completion_marker = lambda device: NeverDone()
+        call(x, logits)
+        if step == 3 and mode in ("event", "runner"):
             if victim:
                 die()
             block_forever()
     if mode == "healthy":
         time.sleep(3 * timeout_s)
-        assert WATCHDOG.pending() == 0, WATCHDOG.pending()
+        assert watchdog.WATCHDOG.pending() == 0, watchdog.WATCHDOG.pending()
         print("DONE", flush=True)
     os._exit(0)
 

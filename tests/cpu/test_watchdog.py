@@ -80,8 +80,8 @@ def _check_fired(codes, exits, step3, logs, victim_waited_on):
 
 def test_standin_host_blocked_behind_stuck_kernel_exits_with_report():
     """Stand-in: the victim dies inside dispatch of call 4 (after the agreement); the two survivors'
-    hosts block forever there. Each exits within timeout + grace + slack, code 3, one report naming
-    layer, call, phase and the dead rank (the other survivor reports 'timed out' itself)."""
+    hosts block forever there. Each exits within timeout + grace + slack, code 4 (WATCHDOG_EXIT_CODE),
+    one report naming layer, call, phase and the dead rank (the other survivor reports 'timed out' itself)."""
     codes, exits, step3, logs = _run("host", 3, TIMEOUT_S + GRACE_S + SLACK_S + 25)
     _check_fired(codes, exits, step3, logs, [2])
     assert "rank 1: timed out in call 4, phase 'dispatch/combine kernel'" in logs[0], logs[0]
@@ -92,6 +92,13 @@ def test_standin_completion_event_never_done_exits_with_report():
     """Stand-in: the host returned from call 4 but its completion marker never reports done (the
     kernel behind it spins on the dead victim); the host then blocks at its next 'device sync'."""
     codes, exits, step3, logs = _run("event", 2, TIMEOUT_S + GRACE_S + SLACK_S + 25)
+    _check_fired(codes, exits, step3, logs, [1])
+    assert "host left the call (kernels still running)" in logs[0], logs[0]
+
+
+def test_standin_decode_runner_replay_never_done_exits_with_report():
+    """Stand-in: as above through the decode runner (eager, cuda_graph=False: armed like a graph replay)."""
+    codes, exits, step3, logs = _run("runner", 2, TIMEOUT_S + GRACE_S + SLACK_S + 25)
     _check_fired(codes, exits, step3, logs, [1])
     assert "host left the call (kernels still running)" in logs[0], logs[0]
 

@@ -52,6 +52,8 @@ import threading
 import time
 from typing import Any, Optional
 
+import torch
+
 WATCHDOG_EXIT_CODE = 4  # launcher: 0 ok, 1 fault report, 2 usage error, 3 doctor refused; 4 = ended by the watchdog
 PHASE = "dispatch/combine kernel"
 POLL_S = 0.05
@@ -76,8 +78,6 @@ class Entry:
 def completion_marker(device: Any) -> Any:
     """A marker whose `query()` says when everything enqueued so far on `device` has finished: a CUDA
     event recorded on the current stream; True on a device whose work is already done (CPU)."""
-    import torch
-
     if getattr(device, "type", None) != "cuda" or torch.cuda.is_current_stream_capturing():
         return True  # nothing to wait for (CPU), or an outer CUDA-graph capture: its replay is not ours to time
     ev = torch.cuda.Event()

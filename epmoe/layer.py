@@ -21,6 +21,7 @@ from epmoe.config import MoEConfig, dtype_name
 from epmoe.core import dist as edist
 from epmoe.core.errors import BackendUnavailableError, NonFiniteError
 from epmoe.core.fault import FaultWatch
+from epmoe.core import watchdog as _watchdog
 from epmoe.dispatch import DISPATCHERS, Agreement, Dispatcher, DispatchSpec
 from epmoe.experts import EXPERTS, Experts, ExpertsSpec
 from epmoe.quant.payload import PayloadFormat
@@ -112,6 +113,12 @@ class EPMoE(torch.nn.Module):
                    gloo (NCCL refuses two ranks on one device) and `device` a GPU (default: the current
                    one); dispatchers that check for a link between GPUs skip that check. Correct
                    results, but timings measure local cost only, never a link.
+    watchdog:      with `timeout_s` set and a dispatcher whose kernels wait on the GPU for peers
+                   (flashinfer, deepep, deepep_ll), end this process with a FaultReport on stderr and
+                   exit code 4 when a call's kernels have not finished `timeout_s` after launch (a peer
+                   died inside the all-to-all: the kernel cannot be cancelled). Costs one CUDA event per
+                   call, no host sync. False: no watchdog (the process hangs in that case).
+                   docs/shared-gpu.md and epmoe/core/watchdog.py
     check_finite:  check inputs and outputs for NaN/Inf on every call (off by default: it costs a host
                    sync and one small collective per call); any hit raises NonFiniteError on every rank
                    naming the ranks and the tensor
@@ -144,6 +151,7 @@ class EPMoE(torch.nn.Module):
         timeout_s: Optional[float] = None,
         check_finite: bool = False,
         shared_gpu: bool = False,
+        watchdog: bool = True,
         name: str = "EPMoE",
     ):
         super().__init__()
@@ -167,6 +175,7 @@ class EPMoE(torch.nn.Module):
         self.deterministic = deterministic
         self.timeout_s = timeout_s
         self.check_finite = bool(check_finite)
+        self.watchdog = watchdog
         shared_dispatcher = dispatcher if isinstance(dispatcher, Dispatcher) else None
         dispatcher_name = shared_dispatcher.name if shared_dispatcher is not None else dispatcher
 
@@ -184,6 +193,8 @@ class EPMoE(torch.nn.Module):
                 )
             if timeout_s is not None and not timeout_s > 0:
                 raise ValueError(f"timeout_s={timeout_s!r}; pass a positive number of seconds or None")
+            if not isinstance(watchdog, bool):
+                raise TypeError(f"watchdog={watchdog!r}; pass True or False")
             if shared_gpu:
                 _check_shared_gpu(self.device, group, self.ep_size)
             if dispatcher_name not in DISPATCHERS:
@@ -210,7 +221,7 @@ class EPMoE(torch.nn.Module):
         fingerprint.update(
             dispatcher=dispatcher_name, experts=experts, timeout_s=repr(timeout_s), max_num_tokens_per_rank=repr(max_num_tokens_per_rank),
             deterministic=repr(deterministic), ep_size=repr(self.ep_size), shared_gpu=repr(shared_gpu),
-            check_finite=repr(self.check_finite),
+            check_finite=repr(self.check_finite), watchdog=repr(watchdog),
         )
         if plan is not None:
             fingerprint.update(plan.fingerprint())
@@ -239,6 +250,10 @@ class EPMoE(torch.nn.Module):
             self.dispatcher: Dispatcher = shared_dispatcher
         else:
             self.dispatcher = self._build_dispatcher(plan, d_options)
+        # the watchdog covers kernels that wait on the GPU for peers, which no host timeout reaches; the
+        # torch dispatcher needs none (gloo: host timeouts; NCCL: the process group's own watchdog)
+        self._watchdog_active = bool(watchdog and timeout_s is not None and self.ep_size > 1
+                                     and self.dispatcher.waits_on_device)
         if self.dispatcher.layout not in self.experts.accepted_layouts:
             raise ValueError(
                 f"dispatcher {self.dispatcher.name!r} delivers the {self.dispatcher.layout!r} layout but experts "
@@ -504,32 +519,43 @@ class EPMoE(torch.nn.Module):
         rows = 0
         bytes_sent = 0
         per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64, device=hidden_states.device) if return_stats else None
-        for r in range(rounds):
-            lo, hi = min(r * M, T), min((r + 1) * M, T)
-            # the one agreement of this call, handed down: the dispatcher neither validates nor agrees again
-            agreement = Agreement(tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank), inputs_checked=True,
-                                  want_bytes=return_stats)
-            with watch.phase("dispatch" if rounds == 1 else f"dispatch[round {r}]"):
-                tokens, handle = self.dispatcher.dispatch(
-                    hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi], agreement=agreement,
-                )
-            with watch.phase("experts" if rounds == 1 else f"experts[round {r}]"):
-                expert_out = self.experts(tokens)
-            if self.check_finite and isinstance(expert_out, torch.Tensor) and expert_out.numel():
-                bad_expert_out = bad_expert_out or not bool(torch.isfinite(expert_out).all())
-            with watch.phase("combine" if rounds == 1 else f"combine[round {r}]"):
-                outputs.append(self.dispatcher.combine(expert_out, handle))
-            bytes_sent += handle.bytes_sent
-            if tokens.layout == "masked":  # [E_local, slots, H] with valid rows per expert
-                if return_stats:
-                    counts = tokens.expert_counts.to(torch.int64)
-                    per_expert += counts
-                    rows += int(counts.sum())
-            else:
-                rows += tokens.num_tokens
-                if per_expert is not None and tokens.topk_ids is not None:
-                    ids = tokens.topk_ids[tokens.topk_ids >= 0].long()
-                    per_expert += torch.bincount(ids, minlength=self.num_local_experts)
+        armed = self._arm_watchdog()  # None unless the dispatcher's kernels wait on peers on the GPU
+        try:
+            for r in range(rounds):
+                lo, hi = min(r * M, T), min((r + 1) * M, T)
+                # the one agreement of this call, handed down: the dispatcher neither validates nor agrees again
+                agreement = Agreement(tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank), inputs_checked=True,
+                                      want_bytes=return_stats)
+                if armed is not None:
+                    armed.phase = "dispatch" if rounds == 1 else f"dispatch[round {r}]"
+                with watch.phase("dispatch" if rounds == 1 else f"dispatch[round {r}]"):
+                    tokens, handle = self.dispatcher.dispatch(
+                        hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi], agreement=agreement,
+                    )
+                if armed is not None:
+                    armed.phase = "experts" if rounds == 1 else f"experts[round {r}]"
+                with watch.phase("experts" if rounds == 1 else f"experts[round {r}]"):
+                    expert_out = self.experts(tokens)
+                if self.check_finite and isinstance(expert_out, torch.Tensor) and expert_out.numel():
+                    bad_expert_out = bad_expert_out or not bool(torch.isfinite(expert_out).all())
+                if armed is not None:
+                    armed.phase = "combine" if rounds == 1 else f"combine[round {r}]"
+                with watch.phase("combine" if rounds == 1 else f"combine[round {r}]"):
+                    outputs.append(self.dispatcher.combine(expert_out, handle))
+                bytes_sent += handle.bytes_sent
+                if tokens.layout == "masked":  # [E_local, slots, H] with valid rows per expert
+                    if return_stats:
+                        counts = tokens.expert_counts.to(torch.int64)
+                        per_expert += counts
+                        rows += int(counts.sum())
+                else:
+                    rows += tokens.num_tokens
+                    if per_expert is not None and tokens.topk_ids is not None:
+                        ids = tokens.topk_ids[tokens.topk_ids >= 0].long()
+                        per_expert += torch.bincount(ids, minlength=self.num_local_experts)
+        finally:
+            if armed is not None:  # the watchdog thread disarms it once these kernels have finished
+                armed.launched(_watchdog.completion_marker(self.device))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
         if self.check_finite:
             with watch.phase("finite check"):
@@ -543,6 +569,15 @@ class EPMoE(torch.nn.Module):
                 tokens_per_local_expert=per_expert.cpu(), bytes_sent=bytes_sent,
             )
         return MoEOutput(hidden_states=out, routing=routing if return_routing else None, stats=stats)
+
+    def _arm_watchdog(self, phase: str = "dispatch"):
+        """Arm the watchdog for this call (epmoe/core/watchdog.py); None when it is off for this layer."""
+        if not self._watchdog_active:
+            return None
+        # through the module: a forked child gets a fresh watchdog (os.register_at_fork)
+        entry = _watchdog.WATCHDOG.arm(self._watch, self._watch.call, self.timeout_s)
+        entry.phase = phase
+        return entry
 
     def _agree_finite(self, bad_expert_out: bool, out: torch.Tensor, timeout_s) -> None:
         bad_out = bool(out.numel()) and not bool(torch.isfinite(out).all())
@@ -688,10 +723,16 @@ class DecodeRunner:
             self.ids[:T].copy_(topk_ids)
             self.weights[:T].copy_(topk_weights)
         self.count.fill_(T)
-        if self.cuda_graph:
-            self._graph(from_logits).replay()
-        else:
-            self._body(from_logits)
+        self.layer._watch.next_call()
+        armed = self.layer._arm_watchdog("decode runner")
+        try:
+            if self.cuda_graph:
+                self._graph(from_logits).replay()
+            else:
+                self._body(from_logits)
+        finally:
+            if armed is not None:
+                armed.launched(_watchdog.completion_marker(self.layer.device))
         out = self.out[:T]
         if return_routing:
             return MoEOutput(out, Routing(self.topk_ids_out[:T], self.topk_weights_out[:T]))

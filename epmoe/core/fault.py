@@ -176,14 +176,15 @@ class FaultWatch:
     def _key(self, rank: int) -> str:
         return f"epmoe/fault/{self.layer_uid}/{rank}"
 
-    def _write(self, status: str, phase: str, detail: str) -> None:
-        self._own = (status, self.call, phase, detail[:500])
+    def _write(self, status: str, phase: str, detail: str, call: Optional[int] = None) -> None:
+        call = self.call if call is None else call
+        self._own = (status, call, phase, detail[:500])
         store = _store()
         if store is None:
             return
         try:
             store.set(self._key(self.rank), json.dumps(
-                {"status": status, "call": self.call, "phase": phase, "detail": detail[:500]}))
+                {"status": status, "call": call, "phase": phase, "detail": detail[:500]}))
         except Exception:  # noqa: BLE001 - reporting must never mask the real error
             _store_failed(store)
 

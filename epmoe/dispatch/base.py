@@ -159,6 +159,9 @@ class Dispatcher(abc.ABC):
     layout: ClassVar[str] = "flat"
     wires: ClassVar[tuple] = ("bf16",)  # dispatch dtypes it can move
     Options: ClassVar[type] = NoOptions
+    # True: its kernels wait on the GPU for peers' tokens (one-sided all-to-all), where no host timeout
+    # reaches; EPMoE then arms the watchdog (epmoe/core/watchdog.py) around dispatch..combine
+    waits_on_device: ClassVar[bool] = False
 
     @classmethod
     def supports(cls, request: BackendRequest) -> Availability:

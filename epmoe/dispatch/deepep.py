@@ -331,6 +331,9 @@ class _DeepEPBase(Dispatcher):
     low_latency: ClassVar[bool] = False
     wires = ("bf16", "fp8")
     Options = DeepEPOptions
+    # DeepEP's kernels spin on the GPU for peers' tokens too; their own in-kernel timeout (a device
+    # trap after ~100 s, fixed at build time) leaves no FaultReport and ignores timeout_s
+    waits_on_device = True
 
     @classmethod
     def supports(cls, request: BackendRequest) -> Availability:

@@ -216,6 +216,7 @@ class FlashInferA2ADispatcher(Dispatcher):
     layout = "flat"
     wires = ("bf16", "nvfp4")
     Options = FlashInferA2AOptions
+    waits_on_device = True  # MoeAlltoAll's kernels spin until every peer's tokens arrived
 
     @classmethod
     def supports(cls, request: BackendRequest) -> Availability:

@@ -6,7 +6,9 @@ All ranks on cuda:0 with a gloo group and shared_gpu=True. The last rank SIGKILL
 WHERE="forward" on entering the step, "kernel" inside FlashInfer's dispatch (after the per-call
 agreement, so the others are already in the kernel). Every other rank writes one line to OUT:
 "FAULT <error type> after=<s>s report=<bool> ..." or "ERROR ..." or "DONE", then leaves at once
-(os._exit: a peer is gone, so no collective teardown).
+(os._exit: a peer is gone, so no collective teardown). With WHERE="kernel" the survivor's host cannot
+raise (its kernel spins on the dead peer): the watchdog prints the fault report to stderr and exits
+with code 4 instead, and OUT stays unwritten. Every rank writes time.time() at step 3 to OUT.step3.
 """
 
 import os
@@ -40,6 +42,9 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     for step in range(6):
+        if step == 3:
+            with open(out_path + ".step3", "w") as f:
+                f.write(f"{time.time():.3f}")
         if victim and step == 3:
             if where == "forward":
                 die()

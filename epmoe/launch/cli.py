@@ -359,11 +359,16 @@ class MemoryEstimate:
         return self.host_bytes + sum(self.device.values())
 
     def format(self) -> str:
-        parts = [f"{k} {_fmt_bytes(v)}" for k, v in {**self.device, **self.host}.items() if v]
+        """"device: a + b = X; host RAM: c + max(writer, loading) = Y" (the device part only on GPU runs)."""
+        parts = [f"{k} {_fmt_bytes(v)}" for k, v in self.host.items() if v]
         run = (f"expert weights {_fmt_bytes(self.host_weights)} + " if self.host_weights else "") + \
             f"loading {_fmt_bytes(self.loading)}"
         parts.append(f"max(writer {_fmt_bytes(self.writer)}, {run})" if self.writer else run)
-        return " + ".join(parts) + f" = {_fmt_bytes(self.total_bytes)}"
+        host = "host RAM: " + " + ".join(parts) + f" = {_fmt_bytes(self.host_bytes)}"
+        dev = [f"{k} {_fmt_bytes(v)}" for k, v in self.device.items() if v]
+        if not dev:
+            return host
+        return "device: " + " + ".join(dev) + f" = {_fmt_bytes(sum(self.device.values()))}; " + host
 
 
 def estimate_memory(cfg: MoEConfig, plan, ep: int, num_layers: int, max_tokens: int, max_T: int, *,

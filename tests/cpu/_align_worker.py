@@ -2,16 +2,15 @@
 (`align_blocks_triton`, `sort_by_expert_triton`) against the torch one, field by field, exactly.
 Case "E,K,N,block_m"; one JSON line per case."""
 
-import json
 import os
 import sys
-import traceback
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 
+from tests.cpu.interpret import report_cases  # noqa: E402
 from epmoe.experts import align as A  # noqa: E402
 from epmoe.experts import triton_kernels as TK  # noqa: E402
 
@@ -48,15 +47,7 @@ def run_case(E: int, K: int, N: int, bm: int, seed: int) -> dict:
 
 
 def main() -> None:
-    for case in sys.argv[1:]:
-        seed = int.from_bytes(os.urandom(2), "little")
-        try:
-            E, K, N, bm = (int(v) for v in case.split(","))
-            res = run_case(E, K, N, bm, seed)
-            res.update(case=case, seed=seed, ok=True)
-        except Exception:
-            res = dict(case=case, seed=seed, ok=False, error=traceback.format_exc()[-3000:])
-        print("RESULT " + json.dumps(res), flush=True)
+    report_cases(sys.argv[1:], lambda case, seed: run_case(*(int(v) for v in case.split(",")), seed))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,8 @@
 (`_fp4_dequant_packed`) against the legacy one (`_fp4_dequant`) on every byte value and a sweep of
 scales, bit for bit; then the W4A16 experts forward with each, output bit for bit. One JSON line per case."""
 
-import json
 import os
 import sys
-import traceback
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -14,6 +12,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from tests.cpu.interpret import report_cases  # noqa: E402
 from epmoe.experts import triton_kernels as K  # noqa: E402
 from tests.triton_interpret import match_gpu_rounding  # noqa: E402
 
@@ -97,16 +96,13 @@ def forward_case(mode: str, seed: int) -> dict:
                 max_diff=float((outs["legacy"].float() - outs["packed"].float()).abs().max()))  # fmt: skip
 
 
+def _run(case: str, seed: int) -> dict:
+    kind, what = case.split(":")
+    return convert_case(what, seed) if kind == "convert" else forward_case(what, seed)
+
+
 def main() -> None:
-    for case in sys.argv[1:]:
-        kind, what = case.split(":")
-        seed = int.from_bytes(os.urandom(2), "little")
-        try:
-            res = convert_case(what, seed) if kind == "convert" else forward_case(what, seed)
-            res.update(case=case, seed=seed, ok=True)
-        except Exception:
-            res = dict(case=case, seed=seed, ok=False, error=traceback.format_exc()[-3000:])
-        print("RESULT " + json.dumps(res), flush=True)
+    report_cases(sys.argv[1:], _run)
 
 
 if __name__ == "__main__":

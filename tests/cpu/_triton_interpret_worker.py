@@ -1,10 +1,8 @@
 """Runs TritonExperts under the Triton interpreter (started by test_triton_experts_interpret.py in a
 subprocess with TRITON_INTERPRET=1 set before triton is imported). Prints one JSON line per case."""
 
-import json
 import os
 import sys
-import traceback
 from dataclasses import replace
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
@@ -12,6 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
+from tests.cpu.interpret import report_cases  # noqa: E402
 from epmoe.config import MoEConfig  # noqa: E402
 from epmoe.dispatch.base import DispatchedTokens  # noqa: E402
 from epmoe.experts import kernel_formats as kf  # noqa: E402
@@ -192,18 +191,13 @@ def run_case(mode: str, shape: str, opts: tuple, seed: int) -> dict:
     return res
 
 
+def _run(case: str, seed: int) -> dict:
+    mode, shape, *rest = case.split(":")
+    return run_case(mode, shape, tuple(rest[0].split("+")) if rest else (), seed)
+
+
 def main() -> None:
-    cases = sys.argv[1:]
-    for i, case in enumerate(cases):
-        mode, shape, *rest = case.split(":")
-        opts = tuple(rest[0].split("+")) if rest else ()
-        seed = int.from_bytes(os.urandom(2), "little")
-        try:
-            res = run_case(mode, shape, opts, seed)
-            res.update(case=case, seed=seed, ok=True)
-        except Exception:
-            res = dict(case=case, seed=seed, ok=False, error=traceback.format_exc()[-3000:])
-        print("RESULT " + json.dumps(res), flush=True)
+    report_cases(sys.argv[1:], _run)
 
 
 if __name__ == "__main__":

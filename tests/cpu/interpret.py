@@ -1,5 +1,7 @@
 """Run a Triton-interpreter worker script in a subprocess (TRITON_INTERPRET must be set before triton
-is imported, so it cannot run inside the test process) and collect its `RESULT {json}` lines."""
+is imported, so it cannot run inside the test process) and collect its `RESULT {json}` lines.
+
+Test side: `run_interpret_worker` + `case_result`; worker side: `report_cases` (no pytest import)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,8 @@ import json
 import os
 import subprocess
 import sys
-from typing import Dict, Sequence
-
-import pytest
+import traceback
+from typing import Callable, Dict, Sequence
 
 
 def run_interpret_worker(worker: str, cases: Sequence[str], timeout: float = 240) -> Dict[str, dict]:
@@ -22,5 +23,28 @@ def run_interpret_worker(worker: str, cases: Sequence[str], timeout: float = 240
             r = json.loads(line[len("RESULT "):])
             out[r["case"]] = r
     if not out:
+        import pytest
+
         pytest.fail(f"interpreter worker produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
     return out
+
+
+def case_result(results: Dict[str, dict], case: str) -> dict:
+    """The worker's result for `case`; fails the test if it is missing or the case raised."""
+    r = results.get(case)
+    assert r is not None, f"{case}: no result"
+    assert r["ok"], f"{case} (seed {r['seed']}) raised:\n{r.get('error')}"
+    return r
+
+
+def report_cases(cases: Sequence[str], run: Callable[[str, int], dict]) -> None:
+    """Worker side: `run(case, seed)` for each case with a fresh random seed; one `RESULT {json}` line
+    each (ok=False with the traceback when it raises)."""
+    for case in cases:
+        seed = int.from_bytes(os.urandom(2), "little")
+        try:
+            res = run(case, seed)
+            res.update(case=case, seed=seed, ok=True)
+        except Exception:
+            res = dict(case=case, seed=seed, ok=False, error=traceback.format_exc()[-3000:])
+        print("RESULT " + json.dumps(res), flush=True)

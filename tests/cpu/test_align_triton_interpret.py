@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.cpu.interpret import run_interpret_worker
+from tests.cpu.interpret import case_result, run_interpret_worker
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -23,7 +23,5 @@ def results():
 
 @pytest.mark.parametrize("case", CASES)
 def test_triton_alignment_equals_torch(results, case):
-    r = results.get(case)
-    assert r is not None, f"{case}: no result"
-    assert r["ok"], f"{case} (seed {r['seed']}) raised:\n{r.get('error')}"
+    r = case_result(results, case)
     assert r["all_equal"], f"{case} (seed {r['seed']}): {r}"

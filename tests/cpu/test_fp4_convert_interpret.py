@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.cpu.interpret import run_interpret_worker
+from tests.cpu.interpret import case_result, run_interpret_worker
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -25,9 +25,7 @@ def results():
 
 @pytest.mark.parametrize("case", CASES)
 def test_packed_fp4_conversion_is_bit_exact(results, case):
-    r = results.get(case)
-    assert r is not None, f"{case}: no result"
-    assert r["ok"], f"{case} (seed {r['seed']}) raised:\n{r.get('error')}"
+    r = case_result(results, case)
     if case.startswith("convert"):
         assert r["nonzero"] > 1000, r
         assert r["mismatch"] == 0, f"{case} (seed {r['seed']}): {r}"

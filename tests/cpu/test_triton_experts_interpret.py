@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-from tests.cpu.interpret import run_interpret_worker
+from tests.cpu.interpret import case_result, run_interpret_worker
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -60,9 +60,7 @@ def results():
 
 @pytest.mark.parametrize("case", CASES)
 def test_triton_kernels_match_float64(results, case):
-    r = results.get(case)
-    assert r is not None, f"{case}: no result"
-    assert r["ok"], f"{case} (seed {r['seed']}) raised:\n{r.get('error')}"
+    r = case_result(results, case)
     assert r["finite"], f"{case} (seed {r['seed']}): non-finite output"
     assert r["empty_rows_zero"], f"{case} (seed {r['seed']}): rows with no local expert are not zero"
     assert r["dtype"] == "torch.bfloat16"

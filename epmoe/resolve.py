@@ -30,6 +30,7 @@ from epmoe.quant.plan import (
     ARCHES,
     EXPERT_MODES,
     QuantPlan,
+    _check_choice,
     _parse_version,
     detect_arch,
     installed_flashinfer_version,
@@ -120,10 +121,6 @@ def _fused_moe_prebuilt(arch: str) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------- the resolver
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; choose one of {tuple(choices)}")
-
 
 @dataclass(frozen=True)
 class _Candidate:

@@ -453,12 +453,15 @@ class EPMoE(torch.nn.Module):
                         raise ValueError(f"{name} has shape {list(t.shape)}; expected [{T}, {cfg.top_k}]")
                 if topk_ids.dtype not in (torch.int32, torch.int64):
                     raise TypeError(f"topk_ids has dtype {topk_ids.dtype}; expected torch.int32")
-                if T and bool(((topk_ids < -1) | (topk_ids >= cfg.num_experts)).any()):
-                    raise ValueError(f"topk_ids has values outside [-1, {cfg.num_experts}); -1 means no expert")
-                if T and cfg.top_k > 1:
+                if T:
+                    # both checks in one host sync: range, then the same expert twice in a row of top-k
+                    out_of_range = ((topk_ids < -1) | (topk_ids >= cfg.num_experts)).any()
                     s = topk_ids.sort(dim=1).values
                     dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-                    if bool(dup.any()):
+                    bad_range, bad_dup = torch.stack([out_of_range, dup.any()]).tolist()
+                    if bad_range:
+                        raise ValueError(f"topk_ids has values outside [-1, {cfg.num_experts}); -1 means no expert")
+                    if bad_dup:
                         row = int(dup.any(dim=1).nonzero()[0])
                         raise ValueError(
                             f"topk_ids row {row} lists expert {int(s[row, 1:][dup[row]][0])} more than once "

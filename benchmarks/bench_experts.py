@@ -40,14 +40,14 @@ SWEEP = {
     ("bf16", "prefill"): ["auto", "prefill", "prefill_nosplit", "prefill_m64", "medium"],
     ("fp8_block", "decode"): ["auto"],
     ("fp8_block", "prefill"): ["auto", "prefill", "medium_s4", "medium_s4w8", "medium_split", "medium_g2w8"],
-    ("nvfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4", "decode_n128", "decode_s6", "decode_w8"],
-    ("nvfp4_w4a16", "prefill"): ["auto", "packed_fp4", "prefill_n128", "prefill_split", "prefill_n256", "medium"],
-    ("mxfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4", "decode_n128", "decode_s6", "decode_w8"],
-    ("mxfp4_w4a16", "prefill"): ["auto", "packed_fp4", "prefill_n128", "prefill_split", "prefill_n256", "medium"],
+    ("nvfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4", "noprefetch_fp4", "decode_n128", "decode_s6"],
+    ("nvfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
+    ("mxfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4", "noprefetch_fp4", "decode_n128", "decode_s6"],
+    ("mxfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
 }
 # Pseudo presets (configuration switches, not tile presets): "legacy_fp4" / "packed_fp4" = triton with
-# triton_fp4_convert=legacy / packed (auto: the default, asm); "torch_epilogue" = grouped_mm with
-# grouped_mm_epilogue=torch.
+# triton_fp4_convert=legacy / packed (auto: the default, asm); "noprefetch_fp4" = FP4_SCALE_PREFETCH
+# off; "torch_epilogue" = grouped_mm with grouped_mm_epilogue=torch.
 FP4_CONVERT_PRESETS = {"legacy_fp4": "legacy", "packed_fp4": "packed"}
 QUICK_SWEEP = {
     ("triton", "bf16", "prefill"): ["auto", "prefill"],  # the grouped_mm path and the Triton GEMMs
@@ -364,6 +364,7 @@ def run_plan(args, plan: List[Run]) -> int:
     from tests import experts_testing as T
     from epmoe.experts.base import ExpertsSpec
     from epmoe.experts.graphs import CapturedExperts
+    from epmoe.experts import triton_experts as TE
     from epmoe.experts.triton_experts import FP4_CONVERT, pick_config, presets_for
     from epmoe.quant.plan import QuantPlan
 
@@ -423,7 +424,8 @@ def run_plan(args, plan: List[Run]) -> int:
         entries = run.num_tokens * K
         preset_used = ""
         if run.backend == "triton":
-            tile = run.preset != "auto" and run.preset not in FP4_CONVERT_PRESETS
+            tile = run.preset not in ("auto", "noprefetch_fp4") and run.preset not in FP4_CONVERT_PRESETS
+            TE.FP4_SCALE_PREFETCH = run.preset != "noprefetch_fp4"
             ex.config_override = presets_for(run.mode)[run.preset] if tile else None
             ex.fp4_convert = FP4_CONVERT_PRESETS.get(run.preset, FP4_CONVERT)
             preset_used = (ex.config_override or pick_config(run.mode, entries, E)).describe()

@@ -55,18 +55,18 @@ def _fp4_scales(s_ptrs, kk, W_FMT: tl.constexpr):
 
 
 @triton.jit
-def _fp4_dequant(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _fp4_dequant(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """One k64 block of fp4 weights -> (w_lo, w_hi) [HALF, BN] in OUT_DTYPE, exact.
 
     p:      [HALF, BN] uint8, k64-interleaved: byte j holds K elements 64kk + j (low nibble) and
             64kk + HALF + j (high nibble)
-    s_ptrs: [BN] pointers to each column's scale row (nvfp4: e4m3 per 16; mxfp4: e8m0 per 32)
+    s0..s3: [BN] the block's scales per column (`_fp4_scales`: nvfp4 e4m3 groups 0..3 of the block,
+            mxfp4 e8m0 groups 0, 1 of the block in s0, s1)
     e2m1 -> fp16 bits by shifts alone (sign -> bit 15, exponent|mantissa -> bits 11..9) is exactly
     value * 2^-14, subnormal 0.5 included; the 2^14 is folded into the scale. ~8 ops per value."""
     q = p.to(tl.int32)
     lo = (((q & 7) << 9) | ((q & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (((q & 0x70) << 5) | ((q & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    s0, s1, s2, s3 = _fp4_scales(s_ptrs, kk, W_FMT)
     if W_FMT == 2:
         # nvfp4: groups 4kk .. 4kk+3 cover the block; each half holds two of them.
         first = (tl.arange(0, HALF) < 16)[:, None]
@@ -119,7 +119,7 @@ or.b32 $3, t, u;
 
 
 @triton.jit
-def _fp4_dequant_packed(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr, ASM: tl.constexpr = False):
+def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, ASM: tl.constexpr = False):
     """`_fp4_dequant` with bf16 built from the bits, two values per integer op (bf16 models only).
 
     For each byte b (low nibble = K element j, high nibble = j + HALF), one 32-bit word holds both
@@ -146,7 +146,6 @@ def _fp4_dequant_packed(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr, 
         w = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)
         lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
         hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    s0, s1, s2, s3 = _fp4_scales(s_ptrs, kk, W_FMT)
     if W_FMT == 2:
         first = (tl.arange(0, HALF) < 16)[:, None]
         w_lo = lo * tl.where(first, (s0.to(tl.float32) * TWO_119).to(tl.bfloat16)[None, :],
@@ -199,7 +198,7 @@ def _gemm1_tile(
     TOP_K: tl.constexpr, W_FMT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_IL: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr,
 ):
     """One gemm1 output tile: rows [pid_m*BLOCK_M, +TILE_M) of the padded routing (TILE_M is BLOCK_M,
     or BLOCK_M/2 for a tail tile whose real rows fit in the first half), intermediate columns
@@ -290,20 +289,35 @@ def _gemm1_tile(
         u_ptrs = g_ptrs + I * stride_wn
         sg_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
         su_ptrs = sg_ptrs + I * stride_wsn
+        # Scales are read one K step ahead (FP4_PREFETCH): their loads are too small for the
+        # pipeliner's async copies, so without this each step waits for a global load.
+        g0, g1, g2, g3 = _fp4_scales(sg_ptrs, 0, W_FMT)
+        if GATED:
+            u0, u1, u2, u3 = _fp4_scales(su_ptrs, 0, W_FMT)
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            if FP4_PACKED:
-                w_lo, w_hi = _fp4_dequant_packed(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT, FP4_PACKED == 2)
+            c0, c1, c2, c3 = g0, g1, g2, g3
+            if FP4_PREFETCH:
+                g0, g1, g2, g3 = _fp4_scales(sg_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
             else:
-                w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
+                c0, c1, c2, c3 = _fp4_scales(sg_ptrs, kk, W_FMT)
+            if FP4_PACKED:
+                w_lo, w_hi = _fp4_dequant_packed(tl.load(g_ptrs), c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED == 2)
+            else:
+                w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), c0, c1, c2, c3, HALF, W_FMT, x_ptr.dtype.element_ty)
             acc_g = tl.dot(a_lo, w_lo, acc_g)
             acc_g = tl.dot(a_hi, w_hi, acc_g)
             if GATED:
-                if FP4_PACKED:
-                    v_lo, v_hi = _fp4_dequant_packed(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT, FP4_PACKED == 2)
+                d0, d1, d2, d3 = u0, u1, u2, u3
+                if FP4_PREFETCH:
+                    u0, u1, u2, u3 = _fp4_scales(su_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
                 else:
-                    v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
+                    d0, d1, d2, d3 = _fp4_scales(su_ptrs, kk, W_FMT)
+                if FP4_PACKED:
+                    v_lo, v_hi = _fp4_dequant_packed(tl.load(u_ptrs), d0, d1, d2, d3, HALF, W_FMT, FP4_PACKED == 2)
+                else:
+                    v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), d0, d1, d2, d3, HALF, W_FMT, x_ptr.dtype.element_ty)
                 acc_u = tl.dot(a_lo, v_lo, acc_u)
                 acc_u = tl.dot(a_hi, v_hi, acc_u)
             a_lo_ptrs += BLOCK_K
@@ -383,6 +397,7 @@ def moe_gemm1_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     FP4_PACKED: tl.constexpr,  # fp4 -> bf16: 0 _fp4_dequant, 1 _fp4_dequant_packed, 2 the same with inline PTX
+    FP4_PREFETCH: tl.constexpr = True,  # fp4: load the scales one K step ahead
 ):
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -401,7 +416,7 @@ def moe_gemm1_kernel(
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
-            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
+            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
         )  # fmt: skip
     else:
         _gemm1_tile(
@@ -409,7 +424,7 @@ def moe_gemm1_kernel(
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
-            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
+            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
         )  # fmt: skip
 
 
@@ -421,7 +436,7 @@ def _gemm2_tile(
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_ym,
     W_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr,
 ):
     """One gemm2 output tile: padded rows [pid_m*BLOCK_M, +TILE_M), hidden columns [pid_n*BLOCK_N, +BLOCK_N)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
@@ -469,13 +484,19 @@ def _gemm2_tile(
         a_lo_ptrs = a_ptr + rows[:, None] * stride_am + offs_h[None, :]
         b_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_h[:, None]
         s_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
+        n0, n1, n2, n3 = _fp4_scales(s_ptrs, 0, W_FMT)
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            if FP4_PACKED:
-                w_lo, w_hi = _fp4_dequant_packed(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT, FP4_PACKED == 2)
+            c0, c1, c2, c3 = n0, n1, n2, n3
+            if FP4_PREFETCH:
+                n0, n1, n2, n3 = _fp4_scales(s_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
             else:
-                w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT, a_ptr.dtype.element_ty)
+                c0, c1, c2, c3 = _fp4_scales(s_ptrs, kk, W_FMT)
+            if FP4_PACKED:
+                w_lo, w_hi = _fp4_dequant_packed(tl.load(b_ptrs), c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED == 2)
+            else:
+                w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), c0, c1, c2, c3, HALF, W_FMT, a_ptr.dtype.element_ty)
             acc = tl.dot(a_lo, w_lo, acc)
             acc = tl.dot(a_hi, w_hi, acc)
             a_lo_ptrs += BLOCK_K
@@ -530,6 +551,7 @@ def moe_gemm2_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     FP4_PACKED: tl.constexpr,  # fp4 -> bf16: 0 _fp4_dequant, 1 _fp4_dequant_packed, 2 the same with inline PTX
+    FP4_PREFETCH: tl.constexpr = True,  # fp4: load the scales one K step ahead
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -545,14 +567,14 @@ def moe_gemm2_kernel(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_ym,
-            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
+            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
         )  # fmt: skip
     else:
         _gemm2_tile(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_ym,
-            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
+            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
         )  # fmt: skip
 
 

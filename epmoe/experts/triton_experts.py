@@ -165,6 +165,14 @@ GROUPED_MM_CHOICES = ("auto", "on", "off")
 # packed under the Triton interpreter (which cannot run PTX).
 FP4_CONVERT = "asm"
 FP4_CONVERT_CHOICES = ("asm", "packed", "legacy")
+# W4A16 decode tiles (block_m 16) with the asm conversion: "gluon" runs `epmoe.experts.gluon_w4a16`
+# (weights straight from global memory into the mma operand registers, no shared memory; swap-AB),
+# "triton" the Triton kernels. Spec option `triton_w4a16_decode` overrides. Under the Triton
+# interpreter (no Gluon) the Triton kernels run.
+W4A16_DECODE_KERNEL = "gluon"
+W4A16_DECODE_CHOICES = ("gluon", "triton")
+GLUON_W4A16_BLOCK_M = 16  # routed rows per tile (the mma's N: two n8 tiles)
+GLUON_W4A16_BLOCK_N = 64  # weight rows per program (4 warps x 16)
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
 FP4_SCALE_PREFETCH = True
@@ -212,6 +220,17 @@ def kernel_module(device: torch.device):
     return triton_kernels
 
 
+def kernel_function(device: torch.device, name: str):
+    """A kernel by name: the Gluon W4A16 kernels (`gluon_w4a16`, GPU only) or a Triton kernel."""
+    if name.startswith("w4a16_"):
+        if device.type != "cuda":
+            raise RuntimeError(f"Gluon kernel {name} needs a CUDA device (the Triton interpreter cannot run it)")
+        from epmoe.experts import gluon_w4a16
+
+        return getattr(gluon_w4a16, name)
+    return getattr(kernel_module(device), name)
+
+
 # --------------------------------------------------------------------------- backend
 
 
@@ -253,6 +272,7 @@ class TritonOptions(ExpertsOptions):
     triton_grouped_mm: Optional[str] = None  # auto | on | off: bf16 through torch._grouped_mm
     triton_align: Optional[str] = None  # triton | torch: routing alignment kernels
     triton_fp4_convert: Optional[str] = None  # asm | packed | legacy: fp4 -> bf16 in the W4A16 loops
+    triton_w4a16_decode: Optional[str] = None  # gluon | triton: kernels of W4A16 decode tiles
 
 
 class TritonExperts(Experts):
@@ -360,6 +380,9 @@ class TritonExperts(Experts):
         self.fp4_convert = spec.option("triton_fp4_convert") or FP4_CONVERT
         if self.fp4_convert not in FP4_CONVERT_CHOICES:
             raise ValueError(f"triton_fp4_convert={self.fp4_convert!r}; use one of {FP4_CONVERT_CHOICES}")
+        self.w4a16_decode = spec.option("triton_w4a16_decode") or W4A16_DECODE_KERNEL
+        if self.w4a16_decode not in W4A16_DECODE_CHOICES:
+            raise ValueError(f"triton_w4a16_decode={self.w4a16_decode!r}; use one of {W4A16_DECODE_CHOICES}")
         self._fp4_scales_ok = True  # mxfp4: every scale exponent <= 128 (set at load)
         self.grouped_mm = spec.option("triton_grouped_mm") or "auto"
         if self.grouped_mm not in GROUPED_MM_CHOICES:
@@ -591,9 +614,43 @@ class TritonExperts(Experts):
         )
         return out
 
+    def uses_gluon_w4a16(self, cfg: TritonConfig) -> bool:
+        """Do this tile preset's GEMMs run the Gluon W4A16 kernels (`epmoe.experts.gluon_w4a16`)?"""
+        return (
+            self.w4a16_decode == "gluon"
+            and self._fp4_kernel_convert == 2  # W4A16, bf16 model, asm conversion, not the interpreter
+            and cfg.block_m == GLUON_W4A16_BLOCK_M
+            and not cfg.split_m
+            and self.intermediate_size % GLUON_W4A16_BLOCK_N == 0
+            and self.hidden_size % GLUON_W4A16_BLOCK_N == 0
+        )
+
+    def _gluon_w4a16(self, gemm1: bool, x, out, blocks, num_entries, top_k, w_flat) -> None:
+        """One Gluon W4A16 GEMM (swap-AB): gemm1 x [N, H] -> act [P, I]; gemm2 act -> y [N*K, H]."""
+        p = self._params
+        H, I = self.hidden_size, self.intermediate_size
+        w, ws = (p["w13"], p["w13_scale"]) if gemm1 else (p["w2"], p["w2_scale"])
+        wg = p.get("w13_global_scale" if gemm1 else "w2_global_scale", w)
+        b = p.get("b13" if gemm1 else "b2", w)
+        n_out, k = (I, H) if gemm1 else (H, I)
+        ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
+        BN = GLUON_W4A16_BLOCK_N
+        grid = (blocks.max_blocks * (n_out // BN),)
+        self._launch("w4a16_swap_kernel", grid, (
+            x, w, ws, wg, b, out, w_flat if w_flat is not None else out,
+            blocks.sorted_ids, blocks.block_expert,
+            num_entries, blocks.max_blocks, n_out, k,
+            x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), wg.stride(0), b.stride(0),
+            out.stride(0), alpha, beta, limit,
+        ), dict(
+            GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
+            HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=GLUON_W4A16_BLOCK_M, BLOCK_N=BN,
+            UNROLL=2 if (k // 64) % 2 == 0 else 1, num_warps=4,
+        ))  # fmt: skip
+
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches)."""
-        getattr(kernel_module(self.device), kernel_name)[grid](*args, **kwargs)
+        kernel_function(self.device, kernel_name)[grid](*args, **kwargs)
 
     def _input_activations(self, hidden):
         """-> (x [N, H], x_scale [N, H/128] or None) in the form gemm1 reads."""
@@ -628,6 +685,9 @@ class TritonExperts(Experts):
         g = cfg.gemm1
         fp8 = self.mode == "fp8_block"
         out = torch.empty(P, I, dtype=torch.float8_e4m3fn if fp8 else self.config.dtype, device=self.device)
+        if self.uses_gluon_w4a16(cfg):
+            self._gluon_w4a16(True, x, out, blocks, num_entries, top_k, None)
+            return out, None
         out_s = torch.empty(P, triton_cdiv(I, 128), dtype=torch.float32, device=self.device) if fp8 else out
         w, ws = p["w13"], p.get("w13_scale", p["w13"])
         wg = p.get("w13_global_scale", w)
@@ -657,6 +717,9 @@ class TritonExperts(Experts):
         return out, (out_s if fp8 else None)
 
     def _gemm2(self, act, act_scale, blocks, num_entries, w_flat, y, cfg: TritonConfig):
+        if self.uses_gluon_w4a16(cfg):
+            self._gluon_w4a16(False, act, y, blocks, num_entries, 1, w_flat)
+            return
         p = self._params
         H, I = self.hidden_size, self.intermediate_size
         g = cfg.gemm2

@@ -211,9 +211,9 @@ def w4a16_swap_kernel(
     ACT: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     HAS_BIAS: gl.constexpr,
-    BLOCK_M: gl.constexpr,  # routed rows per tile (16)
+    BLOCK_M: gl.constexpr,  # routed rows per tile: 8 or 16 (the mma's N)
     BLOCK_N: gl.constexpr,  # weight rows per program (per projection)
-    UNROLL: gl.constexpr,  # K steps per loop iteration (1 or 2; 2 needs an even K // 64)
+    UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64)
 ):
     num_warps: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = _mma_layout(num_warps)
@@ -264,18 +264,28 @@ def w4a16_swap_kernel(
         acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
         acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
         num_k = K // 64
-        # UNROLL = 2: both K steps' loads are issued before either step's math (more bytes in flight
-        # per warp; a loop-carried prefetch would keep the bytes in one register each)
+        # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
+        # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
         for kk in range(0, num_k, UNROLL):
             a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
                 x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS, HI, GATED)
-            if UNROLL == 2:
+            if UNROLL >= 2:
                 b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
                     x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 1, GROUPS, HI, GATED)
+            if UNROLL == 4:
+                c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 2, GROUPS, HI, GATED)
+                d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 3, GROUPS, HI, GATED)
             acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
                                  W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
-            if UNROLL == 2:
+            if UNROLL >= 2:
                 acc_g, acc_u = _step(acc_g, acc_u, b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush,
+                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+            if UNROLL == 4:
+                acc_g, acc_u = _step(acc_g, acc_u, c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush,
+                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+                acc_g, acc_u = _step(acc_g, acc_u, d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush,
                                      W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
 
         # epilogue in the accumulator layout: rows n (weight rows), columns p (tile rows)

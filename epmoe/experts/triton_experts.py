@@ -129,6 +129,8 @@ _FP4_PRESETS = {
     "decode_n128": _cfg("decode_n128", 16, (128, 64, 4, 4), (128, 64, 4, 4)),
     "decode_s6": _cfg("decode_s6", 16, (64, 64, 4, 6), (64, 64, 4, 6)),
     "decode_w8": _cfg("decode_w8", 16, (128, 64, 8, 4), (128, 64, 8, 4)),
+    # 8-row tiles: the Gluon kernels only (tl.dot needs 16 rows)
+    "decode_m8": _cfg("decode_m8", 8, (64, 64, 4, 4), (64, 64, 4, 4)),
     "small": _cfg("small", 32, (64, 64, 4, 4), (128, 64, 4, 4)),
     "medium": _cfg("medium", 64, (64, 64, 4, 4), (128, 64, 4, 4)),
     "prefill": _cfg("prefill", 128, (64, 64, 8, 3), (128, 64, 8, 3)),
@@ -171,8 +173,10 @@ FP4_CONVERT_CHOICES = ("asm", "packed", "legacy")
 # interpreter (no Gluon) the Triton kernels run.
 W4A16_DECODE_KERNEL = "gluon"
 W4A16_DECODE_CHOICES = ("gluon", "triton")
-GLUON_W4A16_BLOCK_M = 16  # routed rows per tile (the mma's N: two n8 tiles)
+GLUON_W4A16_BLOCK_MS = (8, 16)  # routed rows per tile (the tile preset's block_m: the mma's N)
 GLUON_W4A16_BLOCK_N = 64  # weight rows per program (4 warps x 16)
+GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first); lowered to divide K / 64
+GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None: its own choice)
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
 FP4_SCALE_PREFETCH = True
@@ -619,7 +623,7 @@ class TritonExperts(Experts):
         return (
             self.w4a16_decode == "gluon"
             and self._fp4_kernel_convert == 2  # W4A16, bf16 model, asm conversion, not the interpreter
-            and cfg.block_m == GLUON_W4A16_BLOCK_M
+            and cfg.block_m in GLUON_W4A16_BLOCK_MS
             and not cfg.split_m
             and self.intermediate_size % GLUON_W4A16_BLOCK_N == 0
             and self.hidden_size % GLUON_W4A16_BLOCK_N == 0
@@ -636,6 +640,10 @@ class TritonExperts(Experts):
         ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
         BN = GLUON_W4A16_BLOCK_N
         grid = (blocks.max_blocks * (n_out // BN),)
+        unroll = GLUON_W4A16_UNROLL
+        while (k // 64) % unroll:
+            unroll //= 2
+        extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
         self._launch("w4a16_swap_kernel", grid, (
             x, w, ws, wg, b, out, w_flat if w_flat is not None else out,
             blocks.sorted_ids, blocks.block_expert,
@@ -644,8 +652,8 @@ class TritonExperts(Experts):
             out.stride(0), alpha, beta, limit,
         ), dict(
             GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
-            HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=GLUON_W4A16_BLOCK_M, BLOCK_N=BN,
-            UNROLL=2 if (k // 64) % 2 == 0 else 1, num_warps=4,
+            HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m, BLOCK_N=BN,
+            UNROLL=unroll, num_warps=4, **extra,
         ))  # fmt: skip
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
@@ -746,6 +754,9 @@ class TritonExperts(Experts):
         ))  # fmt: skip
 
     def _check_tile_config(self, cfg: TritonConfig) -> None:
+        if cfg.block_m < 16 and not self.uses_gluon_w4a16(cfg):
+            raise ValueError(f"block_m {cfg.block_m} runs on the Gluon W4A16 kernels only (decode, asm conversion), "
+                             f"not in mode {self.mode!r} here: {cfg.describe()}")
         if cfg.split_m and cfg.block_m < 32:
             raise ValueError(f"split_m needs block_m >= 32 (half tiles of >= 16 rows), got {cfg.describe()}")
         for g, gate_up in ((cfg.gemm1, True), (cfg.gemm2, False)):

@@ -401,6 +401,27 @@ def test_w4a16_gluon_decode(mode, shape, N):
     assert diff < 5e-3, f"{mode} {shape} N={N}: gluon and triton kernels differ by {diff:.3g}"
 
 
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("unroll,preset,block_n", [(1, "decode", 64), (4, "decode", 64), (2, "decode_m8", 64),
+                                                   (4, "decode_m8", 64), (2, "decode", 128)])
+def test_w4a16_gluon_variants(mode, unroll, preset, block_n, monkeypatch):
+    """The Gluon W4A16 kernels' variants (K steps per iteration, 8- or 16-row tiles, 64 or 128 weight
+    rows per program) against the float64 math, DeepSeek and GPT-OSS shapes (45 K steps: the
+    unroll falls back to one)."""
+    from epmoe.experts import triton_experts as TE
+
+    monkeypatch.setattr(TE, "GLUON_W4A16_UNROLL", unroll)
+    monkeypatch.setattr(TE, "GLUON_W4A16_BLOCK_N", block_n)
+    for cfg_kwargs, ep, N in ((DS, DS_EP, 60), (GPTOSS, GPTOSS_EP, 40)):
+        ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
+        ex.config_override = TE.presets_for(mode)[preset]
+        try:
+            assert ex.uses_gluon_w4a16(ex.config_override)
+            _run_case("triton", mode, cfg_kwargs, ep, N)
+        finally:
+            ex.config_override = None
+
+
 @pytest.mark.parametrize("E,K,N,block_m", [(32, 8, 4096, 128), (128, 8, 4096, 16), (128, 8, 128, 16), (16, 4, 1, 64)])
 def test_triton_alignment_equals_torch(E, K, N, block_m):
     """The routing alignment kernels (default) give the torch sort / padding bit for bit."""

@@ -413,6 +413,8 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, monkeypatch):
     monkeypatch.setattr(TE, "GLUON_W4A16_UNROLL", unroll)
     monkeypatch.setattr(TE, "GLUON_W4A16_BLOCK_N", block_n)
     for cfg_kwargs, ep, N in ((DS, DS_EP, 60), (GPTOSS, GPTOSS_EP, 40)):
+        if cfg_kwargs["intermediate_size"] % block_n or cfg_kwargs["hidden_size"] % block_n:
+            continue  # (GPT-OSS 2880 rows: 64-row programs only)
         ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
         ex.config_override = TE.presets_for(mode)[preset]
         try:

@@ -144,9 +144,10 @@ _FP4_PRESETS = {
 AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     "bf16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
     "fp8_block": ((16, "decode"), (40, "small"), (None, "medium")),
-    # W4A16 at T=4096 (H200, 2026-12-01): "medium" 12.5 / 11.7 ms, "prefill" 13.3 / 12.0 ms (nvfp4 / mxfp4)
-    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (None, "medium")),
-    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (None, "medium")),
+    # W4A16 at T=4096 (H200, 2026-12-01, scales read one K step ahead): "prefill_n128" 10.8 / 10.4 ms,
+    # "medium" 13.0 / 11.2, "prefill" 13.0 / 11.2 (nvfp4 / mxfp4)
+    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill_n128")),
+    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill_n128")),
 }
 # Layout of w13 in bf16 mode (gated activations): "interleaved" (rows gate j, up j: one wide dot per
 # K step) or "blocked" ([gate; up]: two dots). Quantized modes are always blocked. Fixed at load;

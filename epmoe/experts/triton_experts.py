@@ -178,6 +178,9 @@ GLUON_W4A16_BLOCK_MS = (8, 16)  # routed rows per tile (the tile preset's block_
 GLUON_W4A16_BLOCK_N = 64  # weight rows per program (4 warps x 16)
 GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first); lowered to divide K / 64
 GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None: its own choice)
+# > 0: stream weights and token rows through this many shared-memory ring slots of two K steps
+# (cp.async, `w4a16_pipe_kernel`) when K / 64 is even; 0: loads straight into registers.
+GLUON_W4A16_PIPE_STAGES = 0
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
 FP4_SCALE_PREFETCH = True
@@ -223,6 +226,12 @@ def kernel_module(device: torch.device):
     from epmoe.experts import triton_kernels
 
     return triton_kernels
+
+
+def _gluon_pipe_supported() -> bool:
+    from epmoe.experts import gluon_w4a16
+
+    return gluon_w4a16.PIPE_SUPPORTED
 
 
 def kernel_function(device: torch.device, name: str):
@@ -645,7 +654,12 @@ class TritonExperts(Experts):
         while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
-        self._launch("w4a16_swap_kernel", grid, (
+        pipe = GLUON_W4A16_PIPE_STAGES > 0 and (k // 64) % 2 == 0 and _gluon_pipe_supported()
+        if pipe:
+            extra["STAGES"] = GLUON_W4A16_PIPE_STAGES
+        else:
+            extra["UNROLL"] = unroll
+        self._launch("w4a16_pipe_kernel" if pipe else "w4a16_swap_kernel", grid, (
             x, w, ws, wg, b, out, w_flat if w_flat is not None else out,
             blocks.sorted_ids, blocks.block_expert,
             num_entries, blocks.max_blocks, n_out, k,
@@ -654,7 +668,7 @@ class TritonExperts(Experts):
         ), dict(
             GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
             HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m, BLOCK_N=BN,
-            UNROLL=unroll, num_warps=4, **extra,
+            num_warps=4, **extra,
         ))  # fmt: skip
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:

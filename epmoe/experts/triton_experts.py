@@ -228,6 +228,22 @@ def kernel_module(device: torch.device):
     return triton_kernels
 
 
+_GLUON = None
+
+
+def _gluon_available() -> bool:
+    """Does this Triton have Gluon with the pieces `gluon_w4a16` uses (Triton >= 3.5)?"""
+    global _GLUON
+    if _GLUON is None:
+        try:
+            from epmoe.experts import gluon_w4a16  # noqa: F401
+
+            _GLUON = True
+        except Exception:  # noqa: BLE001 - any import failure means: use the Triton kernels
+            _GLUON = False
+    return _GLUON
+
+
 def _gluon_pipe_supported() -> bool:
     from epmoe.experts import gluon_w4a16
 
@@ -633,6 +649,7 @@ class TritonExperts(Experts):
         return (
             self.w4a16_decode == "gluon"
             and self._fp4_kernel_convert == 2  # W4A16, bf16 model, asm conversion, not the interpreter
+            and _gluon_available()
             and cfg.block_m in GLUON_W4A16_BLOCK_MS
             and not cfg.split_m
             and self.intermediate_size % GLUON_W4A16_BLOCK_N == 0

@@ -220,7 +220,7 @@ def w4a16_swap_kernel(
     HAS_BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr,  # routed rows per tile: 8 or 16 (the mma's N)
     BLOCK_N: gl.constexpr,  # weight rows per program (per projection)
-    UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64)
+    UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64); 0: one step, prefetched
 ):
     num_warps: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = _mma_layout(num_warps)
@@ -273,9 +273,17 @@ def w4a16_swap_kernel(
         num_k = K // 64
         # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
         # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
-        for kk in range(0, num_k, UNROLL):
-            a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS, HI, GATED)
+        if UNROLL == 0:  # register prefetch: step kk + 1's loads are issued before step kk's math
+            n_xl, n_xh, n_gb, n_gsl, n_gsh, n_ub, n_usl, n_ush = _loads(
+                x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, 0, GROUPS, HI, GATED)
+        for kk in range(0, num_k, gl.maximum(UNROLL, 1)):
+            if UNROLL == 0:
+                a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = n_xl, n_xh, n_gb, n_gsl, n_gsh, n_ub, n_usl, n_ush
+                n_xl, n_xh, n_gb, n_gsl, n_gsh, n_ub, n_usl, n_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, gl.minimum(kk + 1, num_k - 1), GROUPS, HI, GATED)
+            else:
+                a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS, HI, GATED)
             if UNROLL >= 2:
                 b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
                     x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 1, GROUPS, HI, GATED)

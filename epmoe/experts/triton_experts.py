@@ -176,7 +176,7 @@ W4A16_DECODE_KERNEL = "gluon"
 W4A16_DECODE_CHOICES = ("gluon", "triton")
 GLUON_W4A16_BLOCK_MS = (8, 16)  # routed rows per tile (the tile preset's block_m: the mma's N)
 GLUON_W4A16_BLOCK_N = 64  # weight rows per program (4 warps x 16)
-GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first); lowered to divide K / 64
+GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first; lowered to divide K / 64); 0: prefetch
 GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None: its own choice)
 # > 0: stream weights and token rows through this many shared-memory ring slots of two K steps
 # (cp.async, `w4a16_pipe_kernel`) when K / 64 is even; 0: loads straight into registers.
@@ -667,8 +667,8 @@ class TritonExperts(Experts):
         ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
         BN = GLUON_W4A16_BLOCK_N
         grid = (blocks.max_blocks * (n_out // BN),)
-        unroll = GLUON_W4A16_UNROLL
-        while (k // 64) % unroll:
+        unroll = GLUON_W4A16_UNROLL  # 0: one K step per iteration with the next one's loads in flight
+        while unroll and (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
         pipe = GLUON_W4A16_PIPE_STAGES > 0 and (k // 64) % 2 == 0 and _gluon_pipe_supported()

@@ -404,7 +404,7 @@ def test_w4a16_gluon_decode(mode, shape, N):
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("unroll,preset,block_n,stages", [
     (1, "decode", 64, 0), (4, "decode", 64, 0), (2, "decode_m8", 64, 0), (4, "decode_m8", 64, 0), (2, "decode", 128, 0),
-    (2, "decode", 64, 3), (2, "decode", 64, 4), (2, "decode_m8", 64, 6), (2, "decode", 128, 4),
+    (2, "decode", 64, 3), (2, "decode", 64, 4), (2, "decode_m8", 64, 6), (2, "decode", 128, 4), (0, "decode", 64, 0),
 ])  # fmt: skip
 def test_w4a16_gluon_variants(mode, unroll, preset, block_n, stages, monkeypatch):
     """The Gluon W4A16 kernels' variants (K steps per iteration, 8- or 16-row tiles, 64 or 128 weight

@@ -40,11 +40,11 @@ SWEEP = {
     ("bf16", "prefill"): ["auto", "prefill", "prefill_nosplit", "prefill_m64", "medium"],
     ("fp8_block", "decode"): ["auto"],
     ("fp8_block", "prefill"): ["auto", "prefill", "medium_s4", "medium_s4w8", "medium_split", "medium_g2w8"],
-    ("nvfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4", "g:0:0:decode", "g:0:168:decode", "g:2:96:decode",
-                                "g:1:72:decode", "g:1:0:decode_m8", "p:3:decode"],
+    ("nvfp4_w4a16", "decode"): ["auto", "triton_w4a16", "g:0:0:decode", "g:0:168:decode", "g:2:96:decode", "g:1:72:decode",
+                                "p:2:decode", "p:3:decode", "p:4:decode", "p:3:decode_m8", "p:3:decode:128"],
     ("nvfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
-    ("mxfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4", "g:0:0:decode", "g:0:168:decode", "g:2:96:decode",
-                                "g:1:72:decode", "g:1:0:decode_m8", "p:3:decode"],
+    ("mxfp4_w4a16", "decode"): ["auto", "triton_w4a16", "g:0:0:decode", "g:0:168:decode", "g:2:96:decode", "g:1:72:decode",
+                                "p:2:decode", "p:3:decode", "p:4:decode", "p:3:decode_m8", "p:3:decode:128"],
     ("mxfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
 }
 # Pseudo presets (configuration switches, not tile presets): "legacy_fp4" / "packed_fp4" = triton with

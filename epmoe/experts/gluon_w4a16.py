@@ -93,6 +93,29 @@ def _x3_layout(BM, num_warps):
     )
 
 
+@gluon.constexpr_function
+def _flat_layout(l3):
+    """[R, 4, 8] linear layout -> the same distribution of the flat [R, 32] (column 8 t + q)."""
+
+    def flat(b):
+        return [b[0], 8 * b[1] + b[2]]
+
+    return gl.DistributedLinearLayout(
+        reg_bases=[flat(b) for b in l3.reg_bases],
+        lane_bases=[flat(b) for b in l3.lane_bases],
+        warp_bases=[flat(b) for b in l3.warp_bases],
+        block_bases=[],
+        shape=[l3.shape[0], 32],
+    )
+
+
+@gluon.jit
+def _ld3(slot, col, R: gl.constexpr, L2: gl.constexpr, L3: gl.constexpr):
+    """Columns [col, col + 32) of a ring slot [R, C] -> registers [R, 4, 8] in L3 (renaming only)."""
+    v = slot.slice(col, 32, dim=1).load(L2)
+    return gl.convert_layout(gl.reshape(v, [R, 4, 8]), L3, assert_trivial=True)
+
+
 @gluon.jit
 def _to_a(w3, BN: gl.constexpr, A_LAYOUT: gl.constexpr):
     """[BN, 4 (t), 8 (q = 2c + b)] -> [BN, 32] at k positions 8c + 2t + b (register renaming only)."""
@@ -394,11 +417,14 @@ def w4a16_pipe_kernel(
     X3: gl.constexpr = _x3_layout(BLOCK_M, num_warps)
     S2: gl.constexpr = gl.SliceLayout(2, W3)
     # copy layouts: 16 contiguous bytes per thread and copy
-    WC: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 8], threads_per_warp=[8, 4, 1],
-                                        warps_per_cta=[num_warps, 1, 1], order=[2, 1, 0])
-    XC: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[2, 16, 1],
-                                        warps_per_cta=[num_warps, 1, 1], order=[2, 1, 0])
-    SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+    WC: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4],
+                                        warps_per_cta=[num_warps, 1], order=[1, 0])
+    XC: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                        warps_per_cta=[num_warps, 1], order=[1, 0])
+    SHW: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    SHX: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    W2: gl.constexpr = _flat_layout(W3)
+    X2: gl.constexpr = _flat_layout(X3)
 
     num_n = N_OUT // BLOCK_N
     pid = gl.program_id(0)
@@ -407,26 +433,25 @@ def w4a16_pipe_kernel(
     expert = gl.load(block_expert_ptr + pid_m)
     if expert >= 0:
         e64 = expert.to(gl.int64)
-        wg_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 8, 8], SH)
-        wu_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 8, 8], SH)
-        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, 16, 8], SH)
+        # 2D slots, 8-element vectors XOR-swizzled by row: the 8 rows a warp reads at once fall on
+        # different banks
+        wg_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], SHW)
+        wu_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], SHW)
+        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, 128], SHX)
 
         # copy sources: weight rows [BN, 8 (8-byte chunks), 8], token rows [BM, 16 (8-value chunks), 8]
-        rc = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, WC)))
-        cc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, WC)))
-        qc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, WC)))
-        g_cp = (w_ptr + e64 * stride_we + rc.to(gl.int64)[:, None, None] * stride_wn + (cc * 8)[None, :, None]
-                + qc[None, None, :])
+        rc = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WC))
+        cc = gl.arange(0, 64, layout=gl.SliceLayout(0, WC))
+        g_cp = w_ptr + e64 * stride_we + rc.to(gl.int64)[:, None] * stride_wn + cc[None, :]
         u_cp = g_cp + N_OUT * stride_wn
-        mx = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(2, XC)))
+        mx = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XC))
         idx = gl.load(sorted_ids_ptr + mx)
         if GEMM1:
             xrow = gl.where(idx < num_entries, idx // TOP_K, 0).to(gl.int64)
         else:
             xrow = mx.to(gl.int64)
-        cx = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC)))
-        qx = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, XC)))
-        x_cp = x_ptr + xrow[:, None, None] * stride_xm + (cx * 8)[None, :, None] + qx[None, None, :]
+        cx = gl.arange(0, 128, layout=gl.SliceLayout(0, XC))
+        x_cp = x_ptr + xrow[:, None] * stride_xm + cx[None, :]
 
         rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
         ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
@@ -464,11 +489,11 @@ def w4a16_pipe_kernel(
             wg_t = wg_s.index(slot)
             wu_t = wu_s.index(slot)
             x_t = x_s.index(slot)
-            acc_g, acc_u = _step(acc_g, acc_u, x_t.slice(0, 4, dim=1).load(X3), x_t.slice(4, 4, dim=1).load(X3),
-                                 wg_t.slice(0, 4, dim=1).load(W3), c0, c1, wu_t.slice(0, 4, dim=1).load(W3), c4, c5,
+            acc_g, acc_u = _step(acc_g, acc_u, _ld3(x_t, 0, BLOCK_M, X2, X3), _ld3(x_t, 32, BLOCK_M, X2, X3),
+                                 _ld3(wg_t, 0, BLOCK_N, W2, W3), c0, c1, _ld3(wu_t, 0, BLOCK_N, W2, W3), c4, c5,
                                  W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
-            acc_g, acc_u = _step(acc_g, acc_u, x_t.slice(8, 4, dim=1).load(X3), x_t.slice(12, 4, dim=1).load(X3),
-                                 wg_t.slice(4, 4, dim=1).load(W3), c2, c3, wu_t.slice(4, 4, dim=1).load(W3), c6, c7,
+            acc_g, acc_u = _step(acc_g, acc_u, _ld3(x_t, 64, BLOCK_M, X2, X3), _ld3(x_t, 96, BLOCK_M, X2, X3),
+                                 _ld3(wg_t, 32, BLOCK_N, W2, W3), c2, c3, _ld3(wu_t, 32, BLOCK_N, W2, W3), c6, c7,
                                  W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
         async_copy.wait_group(0)
         _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,

@@ -30,18 +30,11 @@ with 2^126 folded in (nvfp4: s * 2^119 and 2^7 on the global scale), as the pack
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from epmoe.experts.triton_kernels import _E2M1_BF16_ASM
 
 TWO_119 = gl.constexpr(2.0**119)
-import triton as _triton
-
-# `w4a16_pipe_kernel` is written against Triton 3.6's Gluon (async_copy_global_to_shared,
-# thread_barrier), both renamed in later versions: the launcher uses it only where this is True.
-PIPE_SUPPORTED = tuple(int(v) for v in _triton.__version__.split(".")[:2]) <= (3, 6)
-# CTA-wide barrier: `thread_barrier` in Triton 3.6 (the GPU machines), `barrier` in later versions
-_cta_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
 
 
 @gluon.constexpr_function
@@ -91,29 +84,6 @@ def _x3_layout(BM, num_warps):
         block_bases=[],
         shape=[BM, 4, 8],
     )
-
-
-@gluon.constexpr_function
-def _flat_layout(l3):
-    """[R, 4, 8] linear layout -> the same distribution of the flat [R, 32] (column 8 t + q)."""
-
-    def flat(b):
-        return [b[0], 8 * b[1] + b[2]]
-
-    return gl.DistributedLinearLayout(
-        reg_bases=[flat(b) for b in l3.reg_bases],
-        lane_bases=[flat(b) for b in l3.lane_bases],
-        warp_bases=[flat(b) for b in l3.warp_bases],
-        block_bases=[],
-        shape=[l3.shape[0], 32],
-    )
-
-
-@gluon.jit
-def _ld3(slot, col, R: gl.constexpr, L2: gl.constexpr, L3: gl.constexpr):
-    """Columns [col, col + 32) of a ring slot [R, C] -> registers [R, 4, 8] in L3 (renaming only)."""
-    v = slot.slice(col, 32, dim=1).load(L2)
-    return gl.convert_layout(gl.reshape(v, [R, 4, 8]), L3, assert_trivial=True)
 
 
 @gluon.jit
@@ -243,7 +213,7 @@ def w4a16_swap_kernel(
     HAS_BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr,  # routed rows per tile: 8 or 16 (the mma's N)
     BLOCK_N: gl.constexpr,  # weight rows per program (per projection)
-    UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64); 0: one step, prefetched
+    UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64)
 ):
     num_warps: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = _mma_layout(num_warps)
@@ -296,17 +266,9 @@ def w4a16_swap_kernel(
         num_k = K // 64
         # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
         # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
-        if UNROLL == 0:  # register prefetch: step kk + 1's loads are issued before step kk's math
-            n_xl, n_xh, n_gb, n_gsl, n_gsh, n_ub, n_usl, n_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, 0, GROUPS, HI, GATED)
-        for kk in range(0, num_k, gl.maximum(UNROLL, 1)):
-            if UNROLL == 0:
-                a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = n_xl, n_xh, n_gb, n_gsl, n_gsh, n_ub, n_usl, n_ush
-                n_xl, n_xh, n_gb, n_gsl, n_gsh, n_ub, n_usl, n_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, gl.minimum(kk + 1, num_k - 1), GROUPS, HI, GATED)
-            else:
-                a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS, HI, GATED)
+        for kk in range(0, num_k, UNROLL):
+            a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
+                x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS, HI, GATED)
             if UNROLL >= 2:
                 b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
                     x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 1, GROUPS, HI, GATED)
@@ -361,141 +323,3 @@ def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_pt
         y = acc_g * rw[None, :]
         y_ptrs = out_ptr + ids64[None, :] * stride_om + n_acc[:, None]
         gl.store(y_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & (n_acc < N_OUT)[:, None])
-
-
-@gluon.jit
-def _issue_stage(wg_s, wu_s, x_s, g_cp, u_cp, x_cp, slot, st, num_st, GATED: gl.constexpr):
-    """Async copies of stage st (two K steps: 64 bytes per weight row, 128 token values per row) into
-    ring slot `slot`; past the last stage the copies are masked off (nothing read, slot unused)."""
-    ok = st < num_st
-    async_copy.async_copy_global_to_shared(wg_s.index(slot), g_cp + st * 64, mask=ok)
-    if GATED:
-        async_copy.async_copy_global_to_shared(wu_s.index(slot), u_cp + st * 64, mask=ok)
-    async_copy.async_copy_global_to_shared(x_s.index(slot), x_cp + st * 128, mask=ok)
-
-
-@gluon.jit
-def _scales_stage(sg_ptrs, su_ptrs, st, num_st, GROUPS: gl.constexpr, HI: gl.constexpr, GATED: gl.constexpr):
-    """The [BN, 4] scales of stage st's two K steps (low / high half of gate, and of up)."""
-    so = gl.minimum(st, num_st - 1) * (2 * GROUPS)
-    g0l = gl.load(sg_ptrs + so)
-    g0h = gl.load(sg_ptrs + (so + HI))
-    g1l = gl.load(sg_ptrs + (so + GROUPS))
-    g1h = gl.load(sg_ptrs + (so + GROUPS + HI))
-    if GATED:
-        u0l = gl.load(su_ptrs + so)
-        u0h = gl.load(su_ptrs + (so + HI))
-        u1l = gl.load(su_ptrs + (so + GROUPS))
-        u1h = gl.load(su_ptrs + (so + GROUPS + HI))
-    else:
-        u0l = g0l
-        u0h = g0h
-        u1l = g1l
-        u1h = g1h
-    return g0l, g0h, g1l, g1h, u0l, u0h, u1l, u1h
-
-
-@gluon.jit(do_not_specialize=["num_entries", "max_blocks"])
-def w4a16_pipe_kernel(
-    x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr,
-    num_entries, max_blocks, N_OUT, K,
-    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_om,
-    alpha, beta, limit,
-    GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
-    HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,  # ring slots of two K steps each (K // 64 must be even)
-):
-    """`w4a16_swap_kernel` with the weight bytes and token rows streamed through a ring of shared
-    memory by cp.async (STAGES - 1 stages in flight, no registers held for them), read back by each
-    thread in the operand layout (8 consecutive bytes / bf16 per row and K half). Scales are loaded
-    into registers two stages ahead."""
-    num_warps: gl.constexpr = gl.num_warps()
-    MMA: gl.constexpr = _mma_layout(num_warps)
-    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    W3: gl.constexpr = _w3_layout(BLOCK_N, num_warps)
-    X3: gl.constexpr = _x3_layout(BLOCK_M, num_warps)
-    S2: gl.constexpr = gl.SliceLayout(2, W3)
-    # copy layouts: 16 contiguous bytes per thread and copy
-    WC: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4],
-                                        warps_per_cta=[num_warps, 1], order=[1, 0])
-    XC: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
-                                        warps_per_cta=[num_warps, 1], order=[1, 0])
-    SHW: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-    SHX: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-    W2: gl.constexpr = _flat_layout(W3)
-    X2: gl.constexpr = _flat_layout(X3)
-
-    num_n = N_OUT // BLOCK_N
-    pid = gl.program_id(0)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert = gl.load(block_expert_ptr + pid_m)
-    if expert >= 0:
-        e64 = expert.to(gl.int64)
-        # 2D slots, 8-element vectors XOR-swizzled by row: the 8 rows a warp reads at once fall on
-        # different banks
-        wg_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], SHW)
-        wu_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 64], SHW)
-        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, 128], SHX)
-
-        # copy sources: weight rows [BN, 8 (8-byte chunks), 8], token rows [BM, 16 (8-value chunks), 8]
-        rc = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, WC))
-        cc = gl.arange(0, 64, layout=gl.SliceLayout(0, WC))
-        g_cp = w_ptr + e64 * stride_we + rc.to(gl.int64)[:, None] * stride_wn + cc[None, :]
-        u_cp = g_cp + N_OUT * stride_wn
-        mx = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XC))
-        idx = gl.load(sorted_ids_ptr + mx)
-        if GEMM1:
-            xrow = gl.where(idx < num_entries, idx // TOP_K, 0).to(gl.int64)
-        else:
-            xrow = mx.to(gl.int64)
-        cx = gl.arange(0, 128, layout=gl.SliceLayout(0, XC))
-        x_cp = x_ptr + xrow[:, None] * stride_xm + cx[None, :]
-
-        rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
-        ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
-        sg_ptrs = ws_ptr + e64 * stride_wse + rs.to(gl.int64)[:, None] * stride_wsn
-        if W_FMT == 2:
-            s_off = (ts // 2)[None, :]
-            GROUPS: gl.constexpr = 4
-            HI: gl.constexpr = 2
-        else:
-            s_off = (ts * 0)[None, :]
-            GROUPS: gl.constexpr = 2
-            HI: gl.constexpr = 1
-        sg_ptrs = sg_ptrs + s_off
-        su_ptrs = sg_ptrs + N_OUT * stride_wsn
-
-        acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-        acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-        num_st = K // 128
-        for i in gl.static_range(STAGES - 1):
-            _issue_stage(wg_s, wu_s, x_s, g_cp, u_cp, x_cp, i, i, num_st, GATED)
-            async_copy.commit_group()
-        a0, a1, a2, a3, a4, a5, a6, a7 = _scales_stage(sg_ptrs, su_ptrs, 0, num_st, GROUPS, HI, GATED)
-        b0, b1, b2, b3, b4, b5, b6, b7 = _scales_stage(sg_ptrs, su_ptrs, 1, num_st, GROUPS, HI, GATED)
-        for st in range(0, num_st):
-            c0, c1, c2, c3, c4, c5, c6, c7 = a0, a1, a2, a3, a4, a5, a6, a7
-            a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
-            b0, b1, b2, b3, b4, b5, b6, b7 = _scales_stage(sg_ptrs, su_ptrs, st + 2, num_st, GROUPS, HI, GATED)
-            _cta_barrier()  # every warp is done with the slot refilled next
-            nxt = st + STAGES - 1
-            _issue_stage(wg_s, wu_s, x_s, g_cp, u_cp, x_cp, nxt % STAGES, nxt, num_st, GATED)
-            async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)  # this thread's copies of stage st have landed
-            _cta_barrier()  # ... and everyone else's
-            slot = st % STAGES
-            wg_t = wg_s.index(slot)
-            wu_t = wu_s.index(slot)
-            x_t = x_s.index(slot)
-            acc_g, acc_u = _step(acc_g, acc_u, _ld3(x_t, 0, BLOCK_M, X2, X3), _ld3(x_t, 32, BLOCK_M, X2, X3),
-                                 _ld3(wg_t, 0, BLOCK_N, W2, W3), c0, c1, _ld3(wu_t, 0, BLOCK_N, W2, W3), c4, c5,
-                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
-            acc_g, acc_u = _step(acc_g, acc_u, _ld3(x_t, 64, BLOCK_M, X2, X3), _ld3(x_t, 96, BLOCK_M, X2, X3),
-                                 _ld3(wg_t, 32, BLOCK_N, W2, W3), c2, c3, _ld3(wu_t, 32, BLOCK_N, W2, W3), c6, c7,
-                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
-        async_copy.wait_group(0)
-        _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
-                  N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
-                  GEMM1, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA)

@@ -176,11 +176,8 @@ W4A16_DECODE_KERNEL = "gluon"
 W4A16_DECODE_CHOICES = ("gluon", "triton")
 GLUON_W4A16_BLOCK_MS = (8, 16)  # routed rows per tile (the tile preset's block_m: the mma's N)
 GLUON_W4A16_BLOCK_N = 64  # weight rows per program (4 warps x 16)
-GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first; lowered to divide K / 64); 0: prefetch
+GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first); lowered to divide K / 64
 GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None: its own choice)
-# > 0: stream weights and token rows through this many shared-memory ring slots of two K steps
-# (cp.async, `w4a16_pipe_kernel`) when K / 64 is even; 0: loads straight into registers.
-GLUON_W4A16_PIPE_STAGES = 0
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
 FP4_SCALE_PREFETCH = True
@@ -242,12 +239,6 @@ def _gluon_available() -> bool:
         except Exception:  # noqa: BLE001 - any import failure means: use the Triton kernels
             _GLUON = False
     return _GLUON
-
-
-def _gluon_pipe_supported() -> bool:
-    from epmoe.experts import gluon_w4a16
-
-    return gluon_w4a16.PIPE_SUPPORTED
 
 
 def kernel_function(device: torch.device, name: str):
@@ -667,16 +658,11 @@ class TritonExperts(Experts):
         ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
         BN = GLUON_W4A16_BLOCK_N
         grid = (blocks.max_blocks * (n_out // BN),)
-        unroll = GLUON_W4A16_UNROLL  # 0: one K step per iteration with the next one's loads in flight
-        while unroll and (k // 64) % unroll:
+        unroll = GLUON_W4A16_UNROLL
+        while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
-        pipe = GLUON_W4A16_PIPE_STAGES > 0 and (k // 64) % 2 == 0 and _gluon_pipe_supported()
-        if pipe:
-            extra["STAGES"] = GLUON_W4A16_PIPE_STAGES
-        else:
-            extra["UNROLL"] = unroll
-        self._launch("w4a16_pipe_kernel" if pipe else "w4a16_swap_kernel", grid, (
+        self._launch("w4a16_swap_kernel", grid, (
             x, w, ws, wg, b, out, w_flat if w_flat is not None else out,
             blocks.sorted_ids, blocks.block_expert,
             num_entries, blocks.max_blocks, n_out, k,
@@ -685,7 +671,7 @@ class TritonExperts(Experts):
         ), dict(
             GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
             HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m, BLOCK_N=BN,
-            num_warps=4, **extra,
+            UNROLL=unroll, num_warps=4, **extra,
         ))  # fmt: skip
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:

@@ -9,7 +9,6 @@ a batch above `max_num_tokens_per_rank` runs in rounds that all ranks agree on.
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Union
@@ -162,6 +161,7 @@ class EPMoE(torch.nn.Module):
         self.name = name
         self.ep_rank = edist.group_rank(group)
         self.ep_size = edist.group_size(group)
+        self._distributed = edist.is_distributed(group)  # False: one rank, the agreement is local
         if not isinstance(shared_gpu, bool):
             raise TypeError(f"shared_gpu={shared_gpu!r}; pass True or False")
         self.shared_gpu = shared_gpu
@@ -505,12 +505,18 @@ class EPMoE(torch.nn.Module):
         M = self.max_num_tokens_per_rank
         watch, to = self._watch, self._watch.collective_timeout
         watch.next_call()
-        with watch.phase("agree"):
-            agreed = edist.gather_ints([T, 0 if error is None else 1], self.group, to)
-            failed = [r for r in range(agreed.shape[0]) if agreed[r, 1]]
-            edist.raise_if_any_failed(error, failed, self.group, to)
-        tokens_per_rank = tuple(int(t) for t in agreed[:, 0])
-        rounds = max(1, max(math.ceil(t / M) for t in tokens_per_rank))
+        if not self._distributed:  # one rank: nothing to agree on, no collective
+            if error is not None:
+                with watch.phase("agree"):
+                    raise error
+            tokens_per_rank = (T,)
+        else:
+            with watch.phase("agree"):
+                agreed = edist.gather_ints([T, 0 if error is None else 1], self.group, to).tolist()
+                failed = [r for r, (_, bad) in enumerate(agreed) if bad]
+                edist.raise_if_any_failed(error, failed, self.group, to)
+            tokens_per_rank = tuple(t for t, _ in agreed)
+        rounds = max(1, max(-(-t // M) for t in tokens_per_rank))
 
         if router_logits is not None:
             routing = route(self.config, router_logits, self.e_score_correction_bias)
@@ -525,16 +531,18 @@ class EPMoE(torch.nn.Module):
         armed = self._arm_watchdog()  # None unless the dispatcher's kernels wait on peers on the GPU
         try:
             for r in range(rounds):
-                lo, hi = min(r * M, T), min((r + 1) * M, T)
                 # the one agreement of this call, handed down: the dispatcher neither validates nor agrees again
                 agreement = Agreement(tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank), inputs_checked=True,
                                       want_bytes=return_stats)
+                if rounds == 1:  # no slicing (each view costs host time)
+                    x_r, ids_r, w_r = hidden_states, routing.topk_ids, routing.topk_weights
+                else:
+                    lo, hi = min(r * M, T), min((r + 1) * M, T)
+                    x_r, ids_r, w_r = hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi]
                 if armed is not None:
                     armed.phase = "dispatch" if rounds == 1 else f"dispatch[round {r}]"
                 with watch.phase("dispatch" if rounds == 1 else f"dispatch[round {r}]"):
-                    tokens, handle = self.dispatcher.dispatch(
-                        hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi], agreement=agreement,
-                    )
+                    tokens, handle = self.dispatcher.dispatch(x_r, ids_r, w_r, agreement=agreement)
                 if armed is not None:
                     armed.phase = "experts" if rounds == 1 else f"experts[round {r}]"
                 with watch.phase("experts" if rounds == 1 else f"experts[round {r}]"):

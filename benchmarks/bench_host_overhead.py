@@ -124,12 +124,14 @@ def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warm
 
 # --------------------------------------------------------------------------- host cost without a GPU
 def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int = 0, intermediate: int = 0,
-               dispatcher: str = "torch", routing: str = "softmax"):
+               dispatcher: str = "torch", routing: str = "softmax", set_env: bool = True):
     """(layer, x, logits, counts) for a host-cost run: an ep = 1 EPMoE with triton experts whose kernel
-    launches (and torch._grouped_mm on CPU) are no-op recorders; counts["launches"] counts them. The
-    weights are empty tensors of the real shapes (the GEMMs never run). device "meta": the torch ops
-    run on meta tensors (any host sync raises)."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton backend's availability on CPU; nothing launches
+    launches (and, on CPU, torch._grouped_mm: replaced process-wide) are no-op recorders;
+    counts["launches"] counts them. The weights are empty tensors of the real shapes (the GEMMs never
+    run). device "meta": the torch ops run on meta tensors (any host sync raises). The triton backend
+    is accepted on CPU only with TRITON_INTERPRET=1 (set here unless set_env=False)."""
+    if set_env:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # nothing is launched: no interpreter runs
     from epmoe import EPMoE, MoEConfig
 
     H = hidden or (7168 if device == "meta" else 256)
@@ -158,25 +160,41 @@ def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int 
         counts["launches"] += 1
 
     ex._launch = record
-    real_gmm = torch._grouped_mm
+    if device != "meta":  # on meta tensors the real op only computes shapes
+        def grouped_mm(a, b, offs=None, **kw):  # shape only: the GEMM is not run
+            counts["grouped_mm"] += 1
+            return torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
 
-    def grouped_mm(a, b, offs=None, **kw):  # shape only: the GEMM is not run
-        counts["grouped_mm"] += 1
-        if a.is_meta:
-            return real_gmm(a, b, offs=offs, **kw)
-        return torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
-
-    torch._grouped_mm = grouped_mm
+        torch._grouped_mm = grouped_mm
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, H, generator=g).to(device=dev, dtype=cfg.dtype)
     logits = torch.randn(T, num_experts, generator=g).to(device=dev)
     return layer, x, logits, counts
 
 
+def count_torch_ops(fn) -> dict:
+    """aten ops one call of fn() dispatches (each a kernel launch or at least a host round through
+    torch's dispatcher on a GPU; views included), by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            counts[name] = counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return counts
+
+
 def measure_host(T: int, device: str, iters: int, warmup: int, profile: bool = False, **kw) -> dict:
     layer, x, logits, counts = host_layer(T, device, **kw)
     for _ in range(warmup):
         layer(x, logits)
+    ops = count_torch_ops(lambda: layer(x, logits))
     counts.update(launches=0, grouped_mm=0)
     times = []
     for _ in range(iters):
@@ -186,6 +204,7 @@ def measure_host(T: int, device: str, iters: int, warmup: int, profile: bool = F
     out = {"dispatcher": layer.dispatcher.name, "experts": "triton (launches recorded)", "tokens": T,
            "host_device": device, "hidden_size": layer.config.hidden_size,
            "host_us_median": statistics.median(times), "host_us_min": min(times),
+           "torch_ops_per_forward": sum(ops.values()), "torch_ops": dict(sorted(ops.items())),
            "triton_launches_per_forward": counts["launches"] / iters,
            "grouped_mm_per_forward": counts["grouped_mm"] / iters}
     if profile:
@@ -221,6 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="--cpu-host: print a cProfile breakdown to stderr")
     args = p.parse_args(argv)
     if args.cpu_host:
+        torch.set_num_threads(1)  # host cost, not CPU kernels: no intra-op threads to wait on
         results = []
         for T in [int(t) for t in args.tokens.split(",")]:
             iters = args.iters if args.iters != 20 else (200 if T <= 512 else 50)

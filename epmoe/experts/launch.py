@@ -13,7 +13,8 @@ constexpr / option keywords by value; the current device. A later launch with th
 kernel's launcher directly (same stream, launch metadata and launch hooks as Triton's own path). The
 first launch of each key goes through Triton (compiling if needed) and checks that Triton binds the
 arguments the way the direct path passes them; where it does not (another Triton version, an argument
-type the key does not know), that kernel keeps Triton's path. Env EPMOE_TRITON_FAST_LAUNCH=0 (read at
+type the key does not know), that kernel keeps Triton's path. Triton's debug / instrumentation knobs
+count as they were at a key's first launch. Env EPMOE_TRITON_FAST_LAUNCH=0 (read at
 import) or `KernelLauncher.fast = False` turns the direct path off. The Triton interpreter (CPU) always
 takes Triton's path.
 """

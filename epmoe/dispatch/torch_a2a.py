@@ -250,13 +250,12 @@ class TorchA2ADispatcher(Dispatcher):
 
     def _dispatch_local(self, hidden, topk_ids, topk_weights):
         """One rank, inputs checked: every token stays here with its own ids (all local; -1 stays -1)
-        and weights (0 where the id is -1, as the exchange would deliver them). No host sync, no row
-        copy (a quantized wire still quantizes and dequantizes: the same numbers as over the wire)."""
-        s = self.spec
+        and weights (a slot of id -1 keeps the caller's weight: experts read no weight of a -1 slot,
+        as with the flashinfer dispatcher). No host sync, no row copy (a quantized wire still
+        quantizes and dequantizes: the same numbers as over the wire)."""
         T = hidden.shape[0]
         ids = topk_ids.to(torch.int32)
         w = topk_weights.to(torch.float32)
-        w = torch.where(ids >= 0, w, torch.zeros((), dtype=torch.float32, device=w.device))
         if self._codec.wire.is_quantized:
             recv_hidden, ids, w = self._codec.unpack(self._codec.pack(hidden, ids, w))
         else:

@@ -46,3 +46,39 @@ def test_meta_run_does_catch_a_sync(monkeypatch):
     w = torch.zeros(16, 8, dtype=torch.float32, device="meta")
     with pytest.raises((RuntimeError, NotImplementedError)):
         layer.dispatcher.dispatch(x, ids, w)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp8", "nvfp4"])
+def test_one_rank_torch_dispatch_matches_the_exchange(wire):
+    """The torch dispatcher on one rank with the layer's agreement keeps the tokens in place; the
+    result after reference experts and combine is that of the full exchange path (standalone call),
+    with replayed ids holding -1 slots and rows of no expert."""
+    from epmoe.config import MoEConfig
+    from epmoe.dispatch.base import Agreement, DispatchSpec
+    from epmoe.dispatch.torch_a2a import TorchA2ADispatcher
+    from epmoe.experts.base import ExpertsSpec
+    from epmoe.experts.reference import ReferenceExperts
+    from epmoe.quant.codec import payload_format
+    from epmoe.quant.payload import PayloadFormat
+    from tests import experts_testing as ET
+
+    E, K, H, T = 8, 3, 128, 24
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=32, dtype=torch.bfloat16)
+    spec = DispatchSpec(group=None, ep_rank=0, ep_size=1, num_experts=E, top_k=K, hidden_size=H,
+                        max_tokens_per_rank=T, payload=PayloadFormat.unquantized(torch.bfloat16),
+                        wire=payload_format(wire, torch.bfloat16), combine_dtype=torch.bfloat16,
+                        device=torch.device("cpu"))
+    d = TorchA2ADispatcher(spec)
+    experts = ReferenceExperts(ExpertsSpec(cfg, 0, 1, torch.device("cpu")))
+    experts.load_weights(ET.random_expert_weights(cfg, E, seed=3))
+    ids, w = ET.random_local_routing(T, K, E, seed=4, invalid_frac=0.3, empty_rows=3)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    tokens, handle = d.dispatch(x, ids, w, agreement=Agreement((T,), inputs_checked=True, want_bytes=False))
+    assert tokens.num_tokens == T and handle.send_token_idx is None  # in place: no exchange
+    local = d.combine(experts(tokens), handle)
+    tokens2, handle2 = d.dispatch(x, ids, w)  # standalone: validates and exchanges
+    assert tokens2.num_tokens == T - 3
+    exchanged = d.combine(experts(tokens2), handle2)
+    assert torch.equal(local, exchanged)  # row by row the same arithmetic
+    assert (local[T - 3:] == 0).all()
+    assert d.stats.dispatch_calls == 2 and d.stats.dispatch_bytes_sent == 0

@@ -78,7 +78,8 @@ class KernelLauncher:
             module = self._module = kernel_module(self.device)
             self.fast = self.fast and not interpreter_enabled()
         fn = getattr(module, kernel_name)
-        if not self.fast or fn.pre_run_hooks:
+        # pre-run hooks, or no plain JITFunction (an autotuner / heuristics wrapper): Triton's path
+        if not self.fast or getattr(fn, "pre_run_hooks", True):
             fn[grid](*args, **kwargs)
             return
         try:

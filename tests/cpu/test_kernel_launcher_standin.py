@@ -157,3 +157,14 @@ def test_arg_key_classes():
     assert k(1.0) == k(2.5) and k(None) != k(1.0) and k(True) != k(False)
     with pytest.raises(TypeError):
         k("text")
+
+
+def test_wrapped_kernels_keep_tritons_path(launcher):
+    """An autotuner / heuristics wrapper (no pre_run_hooks list) is launched through Triton every time."""
+    fn = FakeJIT()
+    del fn.pre_run_hooks
+    lau = launcher(fn)
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    for _ in range(3):
+        lau("kern", (1,), _args(x), {})
+    assert len(fn.triton_path) == 3 and not fn.compiled.direct

@@ -57,8 +57,9 @@ def test_eager_forward_has_no_host_sync(dispatcher, T, cfg):
         layer.close()
 
 
-@pytest.mark.parametrize("N", [16, 512])
-@pytest.mark.parametrize("mode", ["bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16"])
+# decode tiles in every mode, and bf16's grouped_mm path (N = 512); few shapes: each is a compile
+@pytest.mark.parametrize("mode, N", [("bf16", 16), ("bf16", 512), ("fp8_block", 16), ("nvfp4_w4a16", 16),
+                                     ("mxfp4_w4a16", 16)])
 def test_direct_launch_same_bits_as_triton_path(mode, N):
     seed = fresh_seed()
     ex = TritonExperts(ExpertsSpec(CFG, 0, 1, torch.device("cuda"), plan=QuantPlan(expert_mode=mode)))
@@ -72,6 +73,8 @@ def test_direct_launch_same_bits_as_triton_path(mode, N):
     ex._launcher.fast = False
     slow = ex(tokens)
     assert torch.equal(first, slow) and torch.equal(direct, slow), (mode, N, seed)
+    if mode != "bf16":
+        return
     # a misaligned input (address not a multiple of 16 bytes) takes its own key (its own compile):
     # Triton's path first, then the direct one, the same bits; the numbers those of the aligned input
     ex._launcher.fast = True
@@ -82,5 +85,4 @@ def test_direct_launch_same_bits_as_triton_path(mode, N):
     odd = ex(DispatchedTokens(hidden=x_odd, topk_ids=ids, topk_weights=w))
     odd2 = ex(DispatchedTokens(hidden=x_odd, topk_ids=ids, topk_weights=w))
     assert torch.equal(odd, odd2) and max_rel_err(odd, slow) < 1e-2, (mode, N, seed)
-    if mode != "fp8_block":  # fp8 quantizes x into a fresh (aligned) buffer first
-        assert len(launch_keys(ex._launcher)) > keys
+    assert len(launch_keys(ex._launcher)) > keys

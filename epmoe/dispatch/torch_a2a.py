@@ -219,7 +219,7 @@ class TorchA2ADispatcher(Dispatcher):
             edist.raise_if_any_failed(error, failed, s.group, s.timeout_s)
 
         # rows in rank-major order, tokens ascending within a rank; their number is known: no sync
-        nz = torch.nonzero_static(sent.t(), size=sum(send_counts))
+        nz = torch.nonzero_static(sent.t().contiguous(), size=sum(send_counts))
         rank_of_row, token_of_row = nz[:, 0], nz[:, 1]
         row_dest = rank_of_row.unsqueeze(1)
         row_ids = ids[token_of_row]

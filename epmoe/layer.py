@@ -40,7 +40,8 @@ class StepStats:
 
     tokens_per_rank:       T of every rank of the group in this call
     rounds:                dispatch/combine rounds (> 1 when some rank exceeded max_num_tokens_per_rank)
-    received_rows:         rows this rank's experts processed (summed over rounds; masked layout: the
+    received_rows:         rows this rank's experts processed (summed over rounds; one rank without a
+                           group: every token, as the tokens stay in place; masked layout: the
                            valid rows of all local experts, i.e. (token, expert) pairs)
     tokens_per_local_expert: [E_local] int64, (token, expert) pairs each local expert processed
     bytes_sent:            dispatch bytes this rank sent to other ranks
@@ -549,21 +550,21 @@ class EPMoE(torch.nn.Module):
                     expert_out = self.experts(tokens)
                 if self.check_finite and isinstance(expert_out, torch.Tensor) and expert_out.numel():
                     bad_expert_out = bad_expert_out or not bool(torch.isfinite(expert_out).all())
+                if tokens.layout != "masked":
+                    rows += tokens.num_tokens
+                    if per_expert is not None and tokens.topk_ids is not None:
+                        # before combine (the received ids may be views of a dispatch workspace), no sync
+                        ids = tokens.topk_ids.reshape(-1).long()
+                        per_expert.index_add_(0, ids.clamp(min=0), (ids >= 0).long())
                 if armed is not None:
                     armed.phase = "combine" if rounds == 1 else f"combine[round {r}]"
                 with watch.phase("combine" if rounds == 1 else f"combine[round {r}]"):
                     outputs.append(self.dispatcher.combine(expert_out, handle))
                 bytes_sent += handle.bytes_sent
-                if tokens.layout == "masked":  # [E_local, slots, H] with valid rows per expert
-                    if return_stats:
-                        counts = tokens.expert_counts.to(torch.int64)
-                        per_expert += counts
-                        rows += int(counts.sum())
-                else:
-                    rows += tokens.num_tokens
-                    if per_expert is not None and tokens.topk_ids is not None:
-                        ids = tokens.topk_ids[tokens.topk_ids >= 0].long()
-                        per_expert += torch.bincount(ids, minlength=self.num_local_experts)
+                if tokens.layout == "masked" and return_stats:  # [E_local, slots, H], valid rows per expert
+                    counts = tokens.expert_counts.to(torch.int64)
+                    per_expert += counts
+                    rows += int(counts.sum())
         finally:
             if armed is not None:  # the watchdog thread disarms it once these kernels have finished
                 armed.launched(_watchdog.completion_marker(self.device))

@@ -82,3 +82,21 @@ def test_one_rank_torch_dispatch_matches_the_exchange(wire):
     assert torch.equal(local, exchanged)  # row by row the same arithmetic
     assert (local[T - 3:] == 0).all()
     assert d.stats.dispatch_calls == 2 and d.stats.dispatch_bytes_sent == 0
+
+
+def test_one_rank_stats_count_the_routed_pairs():
+    """return_stats on one rank: (token, expert) pairs per local expert from the replayed ids (-1 slots
+    not counted), every token a received row (they stay in place), nothing sent."""
+    from epmoe import EPMoE, MoEConfig
+    from tests import experts_testing as ET
+    from tests.cpu.helpers import random_weights
+
+    E, K, T = 8, 3, 20
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=32, intermediate_size=16, dtype=torch.float32)
+    layer = EPMoE(cfg, experts="reference")
+    layer.load_weights(random_weights(cfg, 5))
+    ids, w = ET.random_local_routing(T, K, E, seed=6, invalid_frac=0.3, empty_rows=2)
+    out = layer(torch.randn(T, 32), topk_ids=ids, topk_weights=w, return_stats=True)
+    want = torch.bincount(ids[ids >= 0].long(), minlength=E)
+    assert torch.equal(out.stats.tokens_per_local_expert, want)
+    assert out.stats.received_rows == T and out.stats.bytes_sent == 0 and out.stats.rounds == 1

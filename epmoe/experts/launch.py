@@ -10,7 +10,8 @@ the compiled kernel Triton returned for the first launch under a key of its own 
 as Triton's specialization: per argument, a tensor's dtype and 16-byte alignment of its address, an
 int's value class (== 1, multiple of 16, int32 / int64 / uint64 range), the type of anything else; the
 constexpr / option keywords by value; the current device. A later launch with the same key calls that
-kernel's launcher directly (same stream, launch metadata and launch hooks as Triton's own path). The
+kernel's launcher directly (same stream, launch metadata and launch hooks as Triton's own path; with
+no launch hook installed, none is called and no metadata is built). The
 first launch of each key goes through Triton (compiling if needed) and checks that Triton binds the
 arguments the way the direct path passes them; where it does not (another Triton version, an argument
 type the key does not know), that kernel keeps Triton's path. Triton's debug / instrumentation knobs
@@ -99,10 +100,13 @@ class KernelLauncher:
         g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
         stream = self._stream(key[1])
         every = args + entry.tail
-        kernel, knobs = entry.kernel, self._knobs
-        metadata = kernel.launch_metadata(grid, stream, *every)
-        entry.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, metadata,
-                  knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *every)  # fmt: skip
+        kernel, runtime = entry.kernel, self._knobs.runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if getattr(enter, "calls", True) or getattr(leave, "calls", True):
+            metadata = kernel.launch_metadata(grid, stream, *every)
+        else:  # empty hook chains (the usual case): nothing to call, no metadata to build
+            enter = leave = metadata = None
+        entry.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *every)
 
     def _direct(self, fn, kernel, args: tuple, kwargs: dict) -> Optional[_Direct]:
         """The direct launch of `kernel`, or None where this Triton does not bind as expected."""

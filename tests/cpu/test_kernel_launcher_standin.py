@@ -29,6 +29,8 @@ class FakeCompiled:
 
     def _run(self, g0, g1, g2, stream, function, packed, metadata, enter, exit_, *args):
         self.direct.append(((g0, g1, g2), stream, metadata, args))
+        if enter is not None:
+            enter(metadata)
 
 
 class FakeJIT:
@@ -94,9 +96,22 @@ def test_second_launch_with_the_same_key_is_direct(launcher):
     assert len(fn.triton_path) == 1
     grid, stream, metadata, args = fn.compiled.direct[0]
     # positional args, then BLOCK from the keywords and FLAG's default; num_warps is an option
-    assert grid == (5, 2, 1) and stream == 1234 and metadata == ("metadata", (5, 2))
+    assert grid == (5, 2, 1) and stream == 1234 and metadata is None  # no launch hooks: no metadata
     assert args == _args(x) + (64, False)
     assert len(L.launch_keys(lau)) == 1
+
+
+def test_launch_hooks_get_their_metadata(launcher, monkeypatch):
+    from triton import knobs
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [seen.append])
+    fn = FakeJIT()
+    lau = launcher(fn)
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    lau("kern", (3,), _args(x), {})
+    lau("kern", (3,), _args(x), {})
+    assert fn.compiled.direct[0][2] == ("metadata", (3,)) and seen == [("metadata", (3,))]
 
 
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "one", "multiple_of_16", "int64", "keyword", "option"])

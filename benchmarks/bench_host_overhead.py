@@ -284,7 +284,8 @@ def main(argv=None) -> int:
     report = {
         "bench": "host_overhead", "label": args.label, "revision": _git_rev(), "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "shape": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
+        "torch": torch.__version__, "triton_fast_launch_env": os.environ.get("EPMOE_TRITON_FAST_LAUNCH", "unset"),
+        "shape": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
                                               "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
                                               "dtype": str(cfg.dtype)},
         "results": results,

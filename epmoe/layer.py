@@ -533,8 +533,8 @@ class EPMoE(torch.nn.Module):
         try:
             for r in range(rounds):
                 # the one agreement of this call, handed down: the dispatcher neither validates nor agrees again
-                agreement = Agreement(tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank), inputs_checked=True,
-                                      want_bytes=return_stats)
+                per_rank = tokens_per_rank if rounds == 1 else tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank)
+                agreement = Agreement(per_rank, inputs_checked=True, want_bytes=return_stats)
                 if rounds == 1:  # no slicing (each view costs host time)
                     x_r, ids_r, w_r = hidden_states, routing.topk_ids, routing.topk_weights
                 else:

@@ -100,3 +100,32 @@ def test_one_rank_stats_count_the_routed_pairs():
     want = torch.bincount(ids[ids >= 0].long(), minlength=E)
     assert torch.equal(out.stats.tokens_per_local_expert, want)
     assert out.stats.received_rows == T and out.stats.bytes_sent == 0 and out.stats.rounds == 1
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("N", [16, 512])
+def test_triton_experts_host_code_has_no_host_sync(monkeypatch, mode, N):
+    """TritonExperts.forward in every mode on meta tensors (launches recorded, not run)."""
+    from epmoe.config import MoEConfig
+    from epmoe.dispatch.base import DispatchedTokens
+    from epmoe.experts.base import ExpertsSpec
+    from epmoe.experts.triton_experts import TritonExperts
+    from epmoe.quant.plan import QuantPlan
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the backend's CPU availability; nothing is launched
+    E, K, H, I = 16, 8, 512, 256
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, dtype=torch.bfloat16)
+    ex = TritonExperts(ExpertsSpec(cfg, 0, 1, torch.device("cpu"), plan=QuantPlan(expert_mode=mode)))
+    ex._grouped_mm_ok = mode == "bf16"  # the grouped_mm path where a GPU would take it
+    meta = torch.device("meta")
+    ex.device = meta
+    ex._params = {name: torch.empty(shape, dtype=torch.float32 if "scale" in name or name.startswith("b")
+                                    else torch.bfloat16, device=meta)
+                  for name, shape in ex._expected_shapes().items()}
+    launches = []
+    ex._launch = lambda name, grid, args, kwargs: launches.append(name)
+    tokens = DispatchedTokens(hidden=torch.empty(N, H, dtype=torch.bfloat16, device=meta),
+                              topk_ids=torch.empty(N, K, dtype=torch.int32, device=meta),
+                              topk_weights=torch.empty(N, K, dtype=torch.float32, device=meta))
+    out = ex(tokens)
+    assert out.shape == (N, H) and out.is_meta and len(launches) >= 4

@@ -39,18 +39,20 @@ SWEEP = {
     ("bf16", "decode"): ["auto", "decode_wide", "decode_deep", "small"],
     ("bf16", "prefill"): ["auto", "prefill", "prefill_nosplit", "prefill_m64", "medium"],
     ("fp8_block", "decode"): ["auto"],
-    ("fp8_block", "prefill"): ["auto", "prefill"],
-    ("nvfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
-    ("nvfp4_w4a16", "prefill"): ["auto", "legacy_fp4"],
-    ("mxfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
-    ("mxfp4_w4a16", "prefill"): ["auto", "legacy_fp4"],
+    ("fp8_block", "prefill"): ["auto", "prefill", "medium_s4", "medium_s4w8", "medium_split", "medium_g2w8"],
+    ("nvfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4", "noprefetch_fp4", "decode_n128", "decode_s6"],
+    ("nvfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
+    ("mxfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4", "noprefetch_fp4", "decode_n128", "decode_s6"],
+    ("mxfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
 }
-# Pseudo presets (configuration switches, not tile presets): "legacy_fp4" = triton with
-# triton_fp4_convert=legacy; "torch_epilogue" = grouped_mm with grouped_mm_epilogue=torch.
+# Pseudo presets (configuration switches, not tile presets): "legacy_fp4" / "packed_fp4" = triton with
+# triton_fp4_convert=legacy / packed (auto: the default, asm); "noprefetch_fp4" = FP4_SCALE_PREFETCH
+# off; "torch_epilogue" = grouped_mm with grouped_mm_epilogue=torch.
+FP4_CONVERT_PRESETS = {"legacy_fp4": "legacy", "packed_fp4": "packed"}
 QUICK_SWEEP = {
     ("triton", "bf16", "prefill"): ["auto", "prefill"],  # the grouped_mm path and the Triton GEMMs
-    ("triton", "nvfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
-    ("triton", "mxfp4_w4a16", "decode"): ["auto", "legacy_fp4"],
+    ("triton", "nvfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4"],
+    ("triton", "mxfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4"],
     ("grouped_mm", "bf16", "prefill"): ["auto", "torch_epilogue"],
 }
 
@@ -282,10 +284,12 @@ def compute_ratios(report) -> List[dict]:
         bf16_gemms, 1.25)  # fmt: skip
     for mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
         for phase in ("decode", "prefill"):
-            new, old = t("triton", mode, phase), t("triton", mode, phase, "legacy_fp4")
-            if new is not None and old is not None:
-                out.append(dict(what=f"triton {mode} {phase}: legacy fp4 conversion / packed (speed-up)", value=old / new,
-                                target=1.0, met=old / new >= 1.0))  # fmt: skip
+            new = t("triton", mode, phase)
+            for name in FP4_CONVERT_PRESETS:
+                old = t("triton", mode, phase, name)
+                if new is not None and old is not None:
+                    out.append(dict(what=f"triton {mode} {phase}: {FP4_CONVERT_PRESETS[name]} fp4 conversion / default "
+                                         "(speed-up)", value=old / new, target=1.0, met=old / new >= 1.0))  # fmt: skip
         add(f"triton bf16 decode / triton {mode} decode (speed-up)", t("triton", "bf16", "decode"),
             t("triton", mode, "decode"), 2.5, le=False)  # fmt: skip
         add(f"triton {mode} prefill / triton bf16 prefill", t("triton", mode, "prefill"), t("triton", "bf16", "prefill"), 1.0)
@@ -360,7 +364,8 @@ def run_plan(args, plan: List[Run]) -> int:
     from tests import experts_testing as T
     from epmoe.experts.base import ExpertsSpec
     from epmoe.experts.graphs import CapturedExperts
-    from epmoe.experts.triton_experts import pick_config, presets_for
+    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton_experts import FP4_CONVERT, pick_config, presets_for
     from epmoe.quant.plan import QuantPlan
 
     dev = torch.device("cuda")
@@ -419,12 +424,13 @@ def run_plan(args, plan: List[Run]) -> int:
         entries = run.num_tokens * K
         preset_used = ""
         if run.backend == "triton":
-            tile = run.preset not in ("auto", "legacy_fp4")
+            tile = run.preset not in ("auto", "noprefetch_fp4") and run.preset not in FP4_CONVERT_PRESETS
+            TE.FP4_SCALE_PREFETCH = run.preset != "noprefetch_fp4"
             ex.config_override = presets_for(run.mode)[run.preset] if tile else None
-            ex.fp4_convert = "legacy" if run.preset == "legacy_fp4" else "packed"
+            ex.fp4_convert = FP4_CONVERT_PRESETS.get(run.preset, FP4_CONVERT)
             preset_used = (ex.config_override or pick_config(run.mode, entries, E)).describe()
             if run.mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
-                preset_used += f" fp4 convert {'packed' if ex.fp4_packed else 'legacy'}"
+                preset_used += f" fp4 convert {ex.fp4_convert if ex.fp4_packed else 'legacy'}"
         elif run.backend == "grouped_mm":
             ex.epilogue = "torch" if run.preset == "torch_epilogue" else "triton"
             preset_used = f"epilogue {ex.epilogue}"

@@ -121,13 +121,20 @@ _FP8_PRESETS = {
     "medium_g2w8": _cfg("medium_g2w8", 64, (128, 128, 8, 3), (256, 128, 8, 3)),
     "prefill": _cfg("prefill", 64, (128, 128, 8, 4), (256, 128, 8, 3)),
     "medium_split": _cfg("medium_split", 64, (128, 128, 8, 3), (128, 128, 4, 4), split=True),
+    "medium_s4w8": _cfg("medium_s4w8", 64, (128, 128, 8, 4), (128, 128, 8, 4)),
 }
 # fp4 W4A16: BLOCK_K == 64 (the interleave block).
 _FP4_PRESETS = {
     "decode": _cfg("decode", 16, (64, 64, 4, 4), (64, 64, 4, 4)),
+    "decode_n128": _cfg("decode_n128", 16, (128, 64, 4, 4), (128, 64, 4, 4)),
+    "decode_s6": _cfg("decode_s6", 16, (64, 64, 4, 6), (64, 64, 4, 6)),
+    "decode_w8": _cfg("decode_w8", 16, (128, 64, 8, 4), (128, 64, 8, 4)),
     "small": _cfg("small", 32, (64, 64, 4, 4), (128, 64, 4, 4)),
     "medium": _cfg("medium", 64, (64, 64, 4, 4), (128, 64, 4, 4)),
     "prefill": _cfg("prefill", 128, (64, 64, 8, 3), (128, 64, 8, 3)),
+    "prefill_n128": _cfg("prefill_n128", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
+    "prefill_split": _cfg("prefill_split", 128, (64, 64, 8, 3), (128, 64, 8, 3), split=True),
+    "prefill_n256": _cfg("prefill_n256", 128, (128, 64, 8, 3), (256, 64, 8, 3), split=True),
 }
 
 # The tuned table: preset by mean rows per local expert (upper bounds, inclusive; None = any).
@@ -135,8 +142,9 @@ _FP4_PRESETS = {
 AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     "bf16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
     "fp8_block": ((16, "decode"), (40, "small"), (None, "medium")),
-    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
-    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
+    # W4A16 at T=4096 (H200, 2026-12-01): "medium" 12.5 / 11.7 ms, "prefill" 13.3 / 12.0 ms (nvfp4 / mxfp4)
+    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (None, "medium")),
+    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (None, "medium")),
 }
 # Layout of w13 in bf16 mode (gated activations): "interleaved" (rows gate j, up j: one wide dot per
 # K step) or "blocked" ([gate; up]: two dots). Quantized modes are always blocked. Fixed at load;
@@ -149,11 +157,17 @@ GATE_UP_LAYOUT = "interleaved"
 # A forced tile preset (`config_override` / `triton_config`) keeps the Triton GEMMs under auto.
 GROUPED_MM_MIN_ROWS: Optional[float] = 128.0
 GROUPED_MM_CHOICES = ("auto", "on", "off")
-# fp4 W4A16 weights -> bf16 in the GEMM loops: "packed" (bf16 bits built two values per integer op,
-# one bf16 multiply by the scale; `_fp4_dequant_packed`) or "legacy" (fp16 bits, fp32 multiply;
-# `_fp4_dequant`). Same weights bit for bit. Spec option `triton_fp4_convert` overrides; packed
-# needs a bf16 model (and, for mxfp4, scale exponents <= 128, checked at load).
-FP4_CONVERT = "packed"
+# fp4 W4A16 weights -> bf16 in the GEMM loops: "asm" (the bf16 bits of 8 values built by a few inline
+# PTX instructions per 4 bytes, one bf16 multiply by the scale), "packed" (the same bits from Triton
+# integer ops, two values per op; `_fp4_dequant_packed`) or "legacy" (fp16 bits, fp32 multiply;
+# `_fp4_dequant`). Same weights bit for bit. Spec option `triton_fp4_convert` overrides; asm and
+# packed need a bf16 model (and, for mxfp4, scale exponents <= 128, checked at load); asm runs as
+# packed under the Triton interpreter (which cannot run PTX).
+FP4_CONVERT = "asm"
+FP4_CONVERT_CHOICES = ("asm", "packed", "legacy")
+# fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
+# scale loads are too small for Triton's async copies). False: read them where they are used.
+FP4_SCALE_PREFETCH = True
 # Routing alignment (sort by expert, pad to BLOCK_M, tile list): "triton" (three small kernels,
 # `epmoe.experts.align.align_blocks_triton`) or "torch" (`align_blocks(sort_by_expert(...))`, ~15
 # launches); the same outputs bit for bit. Spec option `triton_align` overrides (both backends).
@@ -238,7 +252,7 @@ class TritonOptions(ExpertsOptions):
     # None = the module default (GROUPED_MM_MIN_ROWS / "auto", ALIGN, FP4_CONVERT): read at construction
     triton_grouped_mm: Optional[str] = None  # auto | on | off: bf16 through torch._grouped_mm
     triton_align: Optional[str] = None  # triton | torch: routing alignment kernels
-    triton_fp4_convert: Optional[str] = None  # packed | legacy: fp4 -> bf16 in the W4A16 loops
+    triton_fp4_convert: Optional[str] = None  # asm | packed | legacy: fp4 -> bf16 in the W4A16 loops
 
 
 class TritonExperts(Experts):
@@ -344,8 +358,8 @@ class TritonExperts(Experts):
         if self.align_impl not in ALIGN_CHOICES:
             raise ValueError(f"triton_align={self.align_impl!r}; use one of {ALIGN_CHOICES}")
         self.fp4_convert = spec.option("triton_fp4_convert") or FP4_CONVERT
-        if self.fp4_convert not in ("packed", "legacy"):
-            raise ValueError(f"triton_fp4_convert={self.fp4_convert!r}; use 'packed' or 'legacy'")
+        if self.fp4_convert not in FP4_CONVERT_CHOICES:
+            raise ValueError(f"triton_fp4_convert={self.fp4_convert!r}; use one of {FP4_CONVERT_CHOICES}")
         self._fp4_scales_ok = True  # mxfp4: every scale exponent <= 128 (set at load)
         self.grouped_mm = spec.option("triton_grouped_mm") or "auto"
         if self.grouped_mm not in GROUPED_MM_CHOICES:
@@ -373,13 +387,21 @@ class TritonExperts(Experts):
 
     @property
     def fp4_packed(self) -> bool:
-        """Do the fp4 GEMM loops use the packed bf16 conversion (`_fp4_dequant_packed`)?"""
+        """Do the fp4 GEMM loops build bf16 bits (`_fp4_dequant_packed`, Triton ops or inline PTX)?"""
         return (
             self.mode in ("nvfp4_w4a16", "mxfp4_w4a16")
-            and self.fp4_convert == "packed"
+            and self.fp4_convert in ("asm", "packed")
             and self.config.dtype == torch.bfloat16
             and self._fp4_scales_ok
         )
+
+    @property
+    def _fp4_kernel_convert(self) -> int:
+        """FP4_PACKED for the kernels: 0 legacy, 1 packed (Triton ops), 2 packed bits from inline PTX
+        (not under the interpreter, which cannot run PTX: there it is 1, the same bits)."""
+        if not self.fp4_packed:
+            return 0
+        return 2 if self.fp4_convert == "asm" and not interpreter_enabled() else 1
 
     def uses_grouped_mm(self, num_entries: int) -> bool:
         """Does a forward of `num_entries` routed (row, slot) entries run the grouped_mm path?"""
@@ -635,7 +657,7 @@ class TritonExperts(Experts):
             HAS_BIAS=self.config.has_bias, OUT_FP8=fp8,
             GATE_UP_IL=self.gate_up_interleaved, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-            EVEN_K=H % g.block_k == 0, FP4_PACKED=self.fp4_packed,
+            EVEN_K=H % g.block_k == 0, FP4_PACKED=self._fp4_kernel_convert, FP4_PREFETCH=FP4_SCALE_PREFETCH,
             num_warps=g.num_warps, num_stages=g.num_stages,
         ))  # fmt: skip
         return out, (out_s if fp8 else None)
@@ -662,7 +684,7 @@ class TritonExperts(Experts):
         ), dict(
             W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-            EVEN_K=I % g.block_k == 0, FP4_PACKED=self.fp4_packed,
+            EVEN_K=I % g.block_k == 0, FP4_PACKED=self._fp4_kernel_convert, FP4_PREFETCH=FP4_SCALE_PREFETCH,
             num_warps=g.num_warps, num_stages=g.num_stages,
         ))  # fmt: skip
 

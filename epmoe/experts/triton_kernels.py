@@ -38,12 +38,30 @@ TWO_119 = tl.constexpr(2.0**119)
 
 
 @triton.jit
-def _fp4_dequant(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _fp4_scales(s_ptrs, kk, W_FMT: tl.constexpr):
+    """The scales of one k64 block for each column: nvfp4 4 e4m3 (groups 4kk .. 4kk+3), mxfp4 2 e8m0
+    (2kk, 2kk+1), loaded as one [BN, 4] / [BN, 2] tile (a 4- / 2-byte vector per column, which the
+    pipeliner can stage like the weights) instead of one byte load per group."""
+    if W_FMT == 2:
+        s = tl.load(s_ptrs[:, None] + 4 * kk + tl.arange(0, 4)[None, :])
+        s_even, s_odd = tl.split(tl.reshape(s, (s.shape[0], 2, 2)))  # (s0, s2), (s1, s3)
+        s0, s2 = tl.split(s_even)
+        s1, s3 = tl.split(s_odd)
+        return s0, s1, s2, s3
+    else:
+        e = tl.load(s_ptrs[:, None] + 2 * kk + tl.arange(0, 2)[None, :])
+        e_lo, e_hi = tl.split(e)
+        return e_lo, e_hi, e_lo, e_hi
+
+
+@triton.jit
+def _fp4_dequant(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """One k64 block of fp4 weights -> (w_lo, w_hi) [HALF, BN] in OUT_DTYPE, exact.
 
     p:      [HALF, BN] uint8, k64-interleaved: byte j holds K elements 64kk + j (low nibble) and
             64kk + HALF + j (high nibble)
-    s_ptrs: [BN] pointers to each column's scale row (nvfp4: e4m3 per 16; mxfp4: e8m0 per 32)
+    s0..s3: [BN] the block's scales per column (`_fp4_scales`: nvfp4 e4m3 groups 0..3 of the block,
+            mxfp4 e8m0 groups 0, 1 of the block in s0, s1)
     e2m1 -> fp16 bits by shifts alone (sign -> bit 15, exponent|mantissa -> bits 11..9) is exactly
     value * 2^-14, subnormal 0.5 included; the 2^14 is folded into the scale. ~8 ops per value."""
     q = p.to(tl.int32)
@@ -51,25 +69,57 @@ def _fp4_dequant(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT_DTY
     hi = (((q & 0x70) << 5) | ((q & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     if W_FMT == 2:
         # nvfp4: groups 4kk .. 4kk+3 cover the block; each half holds two of them.
-        s0 = tl.load(s_ptrs + 4 * kk).to(tl.float32) * 16384.0
-        s1 = tl.load(s_ptrs + 4 * kk + 1).to(tl.float32) * 16384.0
-        s2 = tl.load(s_ptrs + 4 * kk + 2).to(tl.float32) * 16384.0
-        s3 = tl.load(s_ptrs + 4 * kk + 3).to(tl.float32) * 16384.0
         first = (tl.arange(0, HALF) < 16)[:, None]
+        s0 = s0.to(tl.float32) * 16384.0
+        s1 = s1.to(tl.float32) * 16384.0
+        s2 = s2.to(tl.float32) * 16384.0
+        s3 = s3.to(tl.float32) * 16384.0
         w_lo = lo * tl.where(first, s0[None, :], s1[None, :])
         w_hi = hi * tl.where(first, s2[None, :], s3[None, :])
     else:
         # mxfp4: groups 2kk (low half) and 2kk+1 (high half); 2^(s-127) * 2^14 built as fp32 bits
         # (exact for s <= 240, i.e. any weight below 2^113).
-        e_lo = tl.load(s_ptrs + 2 * kk).to(tl.int32)
-        e_hi = tl.load(s_ptrs + 2 * kk + 1).to(tl.int32)
-        w_lo = lo * ((e_lo + 14) << 23).to(tl.float32, bitcast=True)[None, :]
-        w_hi = hi * ((e_hi + 14) << 23).to(tl.float32, bitcast=True)[None, :]
+        w_lo = lo * ((s0.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[None, :]
+        w_hi = hi * ((s1.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)[None, :]
     return w_lo.to(OUT_DTYPE), w_hi.to(OUT_DTYPE)
 
 
+# e2m1 nibbles -> bf16 bit patterns (value * 2^-126), 4 bytes = 8 values per call, ~2 instructions per
+# value. Per byte i of $4 (any 4 elements Triton packs: each output depends on its own byte only):
+# prmt spreads bytes (0, 1) / (2, 3) to bits 8..15 and 24..31 of a word a; then the high nibbles
+# (bits 12..15, 28..31) give bf16 pairs (a & 0x80008000) | ((a >> 6) & 0x01C001C0) and the low nibbles
+# ((a << 4) & 0x80008000) | ((a >> 2) & 0x01C001C0): sign to bit 15, exponent|mantissa to bits 8..6,
+# exactly the words `_fp4_dequant_packed` builds with Triton integer ops. $0, $1: low nibbles of
+# bytes (0, 1), (2, 3); $2, $3: high nibbles.
+_E2M1_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 a, t, u;
+prmt.b32 a, $4, 0, 0x1404;
+shr.b32 t, a, 2;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, a, 4;
+and.b32 u, u, 0x80008000;
+or.b32 $0, t, u;
+shr.b32 t, a, 6;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, a, 0x80008000;
+or.b32 $2, t, u;
+prmt.b32 a, $4, 0, 0x3424;
+shr.b32 t, a, 2;
+and.b32 t, t, 0x01C001C0;
+shl.b32 u, a, 4;
+and.b32 u, u, 0x80008000;
+or.b32 $1, t, u;
+shr.b32 t, a, 6;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, a, 0x80008000;
+or.b32 $3, t, u;
+}
+""")
+
+
 @triton.jit
-def _fp4_dequant_packed(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr):
+def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, ASM: tl.constexpr = False):
     """`_fp4_dequant` with bf16 built from the bits, two values per integer op (bf16 models only).
 
     For each byte b (low nibble = K element j, high nibble = j + HALF), one 32-bit word holds both
@@ -84,24 +134,27 @@ def _fp4_dequant_packed(p, s_ptrs, kk, HALF: tl.constexpr, W_FMT: tl.constexpr):
       nvfp4  s * 2^119 (e4m3 s <= 448: finite): weights = value * s * 2^-7 exactly; the 2^7 goes
              into the per-expert global scale on the fp32 accumulator (power-of-two scaling
              commutes with fp32 rounding: the same result bit for bit)
-    bf16 multiplies keep subnormal operands (PTX mul/fma .bf16 have no flush-to-zero)."""
-    b = p.to(tl.uint32)
-    w = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)
-    lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    if W_FMT == 2:
-        s0 = (tl.load(s_ptrs + 4 * kk).to(tl.float32) * TWO_119).to(tl.bfloat16)
-        s1 = (tl.load(s_ptrs + 4 * kk + 1).to(tl.float32) * TWO_119).to(tl.bfloat16)
-        s2 = (tl.load(s_ptrs + 4 * kk + 2).to(tl.float32) * TWO_119).to(tl.bfloat16)
-        s3 = (tl.load(s_ptrs + 4 * kk + 3).to(tl.float32) * TWO_119).to(tl.bfloat16)
-        first = (tl.arange(0, HALF) < 16)[:, None]
-        w_lo = lo * tl.where(first, s0[None, :], s1[None, :])
-        w_hi = hi * tl.where(first, s2[None, :], s3[None, :])
+    bf16 multiplies keep subnormal operands (PTX mul/fma .bf16 have no flush-to-zero).
+    ASM: the same bit patterns from inline PTX (`_E2M1_BF16_ASM`, 4 bytes per call: ~2 instructions
+    per value instead of ~5); the interpreter cannot run PTX, so launches under it pass ASM=False."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
     else:
-        e_lo = tl.load(s_ptrs + 2 * kk).to(tl.uint16)
-        e_hi = tl.load(s_ptrs + 2 * kk + 1).to(tl.uint16)
-        w_lo = lo * ((e_lo + 126) << 7).to(tl.bfloat16, bitcast=True)[None, :]
-        w_hi = hi * ((e_hi + 126) << 7).to(tl.bfloat16, bitcast=True)[None, :]
+        b = p.to(tl.uint32)
+        w = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)
+        lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    if W_FMT == 2:
+        first = (tl.arange(0, HALF) < 16)[:, None]
+        w_lo = lo * tl.where(first, (s0.to(tl.float32) * TWO_119).to(tl.bfloat16)[None, :],
+                             (s1.to(tl.float32) * TWO_119).to(tl.bfloat16)[None, :])
+        w_hi = hi * tl.where(first, (s2.to(tl.float32) * TWO_119).to(tl.bfloat16)[None, :],
+                             (s3.to(tl.float32) * TWO_119).to(tl.bfloat16)[None, :])
+    else:
+        w_lo = lo * ((s0.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)[None, :]
+        w_hi = hi * ((s1.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)[None, :]
     return w_lo, w_hi
 
 
@@ -145,7 +198,7 @@ def _gemm1_tile(
     TOP_K: tl.constexpr, W_FMT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_IL: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr,
 ):
     """One gemm1 output tile: rows [pid_m*BLOCK_M, +TILE_M) of the padded routing (TILE_M is BLOCK_M,
     or BLOCK_M/2 for a tail tile whose real rows fit in the first half), intermediate columns
@@ -194,9 +247,11 @@ def _gemm1_tile(
         g_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         u_ptrs = g_ptrs + I * stride_wn
         if W_FMT == 1:
+            # BLOCK_N == 128: the tile's columns share one 128-row weight block, so its scale is a
+            # scalar per K step and the promotion is one FMA per accumulator element.
             s_half = tl.cdiv(I, 128)
-            sg_ptrs = ws_base + (n_c // 128) * stride_wsn
-            su_ptrs = ws_base + (s_half + n_c // 128) * stride_wsn
+            sg_ptr = ws_base + pid_n * stride_wsn
+            su_ptr = ws_base + (s_half + pid_n) * stride_wsn
             as_ptrs = xs_ptr + tok * stride_xsm
         for kk in range(0, num_k):
             if EVEN_K:
@@ -218,11 +273,9 @@ def _gemm1_tile(
                 # Scale promotion per 128-K block (BLOCK_K == 128): each fp8 dot covers one block of
                 # the activation's 1x128 and the weight's 128x128 scale grids.
                 a_s = tl.load(as_ptrs + kk)
-                g_s = tl.load(sg_ptrs + kk)
-                acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
+                acc_g += tl.dot(a, g) * (a_s * tl.load(sg_ptr + kk))[:, None]
                 if GATED:
-                    u_s = tl.load(su_ptrs + kk)
-                    acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+                    acc_u += tl.dot(a, u) * (a_s * tl.load(su_ptr + kk))[:, None]
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -236,20 +289,35 @@ def _gemm1_tile(
         u_ptrs = g_ptrs + I * stride_wn
         sg_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
         su_ptrs = sg_ptrs + I * stride_wsn
+        # Scales are read one K step ahead (FP4_PREFETCH): their loads are too small for the
+        # pipeliner's async copies, so without this each step waits for a global load.
+        g0, g1, g2, g3 = _fp4_scales(sg_ptrs, 0, W_FMT)
+        if GATED:
+            u0, u1, u2, u3 = _fp4_scales(su_ptrs, 0, W_FMT)
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            if FP4_PACKED:
-                w_lo, w_hi = _fp4_dequant_packed(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT)
+            c0, c1, c2, c3 = g0, g1, g2, g3
+            if FP4_PREFETCH:
+                g0, g1, g2, g3 = _fp4_scales(sg_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
             else:
-                w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), sg_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
+                c0, c1, c2, c3 = _fp4_scales(sg_ptrs, kk, W_FMT)
+            if FP4_PACKED:
+                w_lo, w_hi = _fp4_dequant_packed(tl.load(g_ptrs), c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED == 2)
+            else:
+                w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), c0, c1, c2, c3, HALF, W_FMT, x_ptr.dtype.element_ty)
             acc_g = tl.dot(a_lo, w_lo, acc_g)
             acc_g = tl.dot(a_hi, w_hi, acc_g)
             if GATED:
-                if FP4_PACKED:
-                    v_lo, v_hi = _fp4_dequant_packed(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT)
+                d0, d1, d2, d3 = u0, u1, u2, u3
+                if FP4_PREFETCH:
+                    u0, u1, u2, u3 = _fp4_scales(su_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
                 else:
-                    v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), su_ptrs, kk, HALF, W_FMT, x_ptr.dtype.element_ty)
+                    d0, d1, d2, d3 = _fp4_scales(su_ptrs, kk, W_FMT)
+                if FP4_PACKED:
+                    v_lo, v_hi = _fp4_dequant_packed(tl.load(u_ptrs), d0, d1, d2, d3, HALF, W_FMT, FP4_PACKED == 2)
+                else:
+                    v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), d0, d1, d2, d3, HALF, W_FMT, x_ptr.dtype.element_ty)
                 acc_u = tl.dot(a_lo, v_lo, acc_u)
                 acc_u = tl.dot(a_hi, v_hi, acc_u)
             a_lo_ptrs += BLOCK_K
@@ -328,7 +396,8 @@ def moe_gemm1_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    FP4_PACKED: tl.constexpr,  # fp4 weights: _fp4_dequant_packed instead of _fp4_dequant
+    FP4_PACKED: tl.constexpr,  # fp4 -> bf16: 0 _fp4_dequant, 1 _fp4_dequant_packed, 2 the same with inline PTX
+    FP4_PREFETCH: tl.constexpr = True,  # fp4: load the scales one K step ahead
 ):
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -347,7 +416,7 @@ def moe_gemm1_kernel(
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
-            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
+            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
         )  # fmt: skip
     else:
         _gemm1_tile(
@@ -355,7 +424,7 @@ def moe_gemm1_kernel(
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
-            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
+            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
         )  # fmt: skip
 
 
@@ -367,7 +436,7 @@ def _gemm2_tile(
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_ym,
     W_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr,
 ):
     """One gemm2 output tile: padded rows [pid_m*BLOCK_M, +TILE_M), hidden columns [pid_n*BLOCK_N, +BLOCK_N)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
@@ -386,7 +455,10 @@ def _gemm2_tile(
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
         b_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         if W_FMT == 1:
-            bs_ptrs = ws_base + (n_c // 128) * stride_wsn
+            if BLOCK_N <= 128:  # one weight block per tile (BLOCK_N divides 128): scalar scale
+                bs_ptr = ws_base + (pid_n * BLOCK_N // 128) * stride_wsn
+            else:
+                bs_ptrs = ws_base + (n_c // 128) * stride_wsn
             as_ptrs = as_ptr + rows * stride_asm
         for kk in range(0, num_k):
             if EVEN_K:
@@ -400,8 +472,10 @@ def _gemm2_tile(
                 acc = tl.dot(a, b, acc)
             else:
                 a_s = tl.load(as_ptrs + kk)
-                b_s = tl.load(bs_ptrs + kk)
-                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+                if BLOCK_N <= 128:
+                    acc += tl.dot(a, b) * (a_s * tl.load(bs_ptr + kk))[:, None]
+                else:
+                    acc += tl.dot(a, b) * a_s[:, None] * tl.load(bs_ptrs + kk)[None, :]
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
     else:
@@ -410,13 +484,19 @@ def _gemm2_tile(
         a_lo_ptrs = a_ptr + rows[:, None] * stride_am + offs_h[None, :]
         b_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_h[:, None]
         s_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
+        n0, n1, n2, n3 = _fp4_scales(s_ptrs, 0, W_FMT)
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            if FP4_PACKED:
-                w_lo, w_hi = _fp4_dequant_packed(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT)
+            c0, c1, c2, c3 = n0, n1, n2, n3
+            if FP4_PREFETCH:
+                n0, n1, n2, n3 = _fp4_scales(s_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
             else:
-                w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), s_ptrs, kk, HALF, W_FMT, a_ptr.dtype.element_ty)
+                c0, c1, c2, c3 = _fp4_scales(s_ptrs, kk, W_FMT)
+            if FP4_PACKED:
+                w_lo, w_hi = _fp4_dequant_packed(tl.load(b_ptrs), c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED == 2)
+            else:
+                w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), c0, c1, c2, c3, HALF, W_FMT, a_ptr.dtype.element_ty)
             acc = tl.dot(a_lo, w_lo, acc)
             acc = tl.dot(a_hi, w_hi, acc)
             a_lo_ptrs += BLOCK_K
@@ -470,7 +550,8 @@ def moe_gemm2_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    FP4_PACKED: tl.constexpr,  # fp4 weights: _fp4_dequant_packed instead of _fp4_dequant
+    FP4_PACKED: tl.constexpr,  # fp4 -> bf16: 0 _fp4_dequant, 1 _fp4_dequant_packed, 2 the same with inline PTX
+    FP4_PREFETCH: tl.constexpr = True,  # fp4: load the scales one K step ahead
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -486,14 +567,14 @@ def moe_gemm2_kernel(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_ym,
-            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
+            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
         )  # fmt: skip
     else:
         _gemm2_tile(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_ym,
-            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED,
+            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
         )  # fmt: skip
 
 

@@ -31,3 +31,65 @@ def test_packed_fp4_conversion_is_bit_exact(results, case):
         assert r["mismatch"] == 0, f"{case} (seed {r['seed']}): {r}"
     else:
         assert r["equal"], f"{case} (seed {r['seed']}): packed vs legacy output differ by {r['max_diff']}"
+
+
+def _run_ptx(asm: str, word: int) -> dict:
+    """A model of the few PTX b32 instructions `_E2M1_BF16_ASM` uses (prmt default mode, shr, shl,
+    and, or), run on one input word. Checks the text of the asm (operands, constants, selectors);
+    whether the GPU executes it so is checked on the device
+    (tests/gpu/test_hopper_experts.py::test_fp4_packed_conversion_equals_legacy)."""
+    import re
+
+    regs = {"$4": word}
+    M = 0xFFFFFFFF
+
+    def val(tok):
+        tok = tok.strip()
+        return int(tok, 0) if re.match(r"^(0x[0-9a-fA-F]+|\d+)$", tok) else regs[tok]
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        v = [val(a) for a in src]
+        if op == "prmt.b32":
+            pool = (v[0] & M) | ((v[1] & M) << 32)
+            regs[d] = sum(((pool >> (8 * ((v[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "shr.b32":
+            regs[d] = (v[0] & M) >> v[1]
+        elif op == "shl.b32":
+            regs[d] = (v[0] << v[1]) & M
+        elif op == "and.b32":
+            regs[d] = v[0] & v[1]
+        elif op == "or.b32":
+            regs[d] = v[0] | v[1]
+        else:
+            raise AssertionError(f"model has no {op}")
+    return regs
+
+
+def test_asm_conversion_text_builds_the_packed_bits():
+    """The inline-PTX conversion (default on the GPU) builds, for every byte in every one of the 4 lanes
+    of its input word, the bf16 words `_fp4_dequant_packed` builds with Triton integer ops:
+    low nibble -> outputs $0 / $1, high nibble -> $2 / $3 (PTX model, see `_run_ptx`)."""
+    import random
+
+    from epmoe.experts.triton_kernels import _E2M1_BF16_ASM
+
+    asm = _E2M1_BF16_ASM.value if hasattr(_E2M1_BF16_ASM, "value") else _E2M1_BF16_ASM
+
+    def packed(b):  # the Triton-ops formula of _fp4_dequant_packed: (low nibble, high nibble) bf16 bits
+        w = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & 0x80008000)
+        return w & 0xFFFF, w >> 16
+
+    rng = random.Random(0)
+    words = [b * 0x01010101 for b in range(256)] + [rng.getrandbits(32) for _ in range(2000)]
+    for word in words:
+        r = _run_ptx(asm, word)
+        b = [(word >> (8 * i)) & 0xFF for i in range(4)]
+        lo = [packed(x)[0] for x in b]
+        hi = [packed(x)[1] for x in b]
+        assert r["$0"] == lo[0] | (lo[1] << 16) and r["$1"] == lo[2] | (lo[3] << 16), hex(word)
+        assert r["$2"] == hi[0] | (hi[1] << 16) and r["$3"] == hi[2] | (hi[3] << 16), hex(word)

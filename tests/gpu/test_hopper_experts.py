@@ -339,29 +339,37 @@ def test_cuda_graph_replay_equals_eager(name, mode, options):
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("shape,N", [("ds", 1), ("ds", 256), ("gptoss", 512)])
 def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
-    """The packed fp4 -> bf16 conversion (default) gives the legacy conversion's output bit for bit on
-    the GPU (decode, small and prefill tiles): bf16 subnormal operands (code 0.5 -> 2^-127) survive
-    the bf16 multiply, and the nvfp4 2^-7 folded into the global scale changes no bit."""
+    """The fp4 -> bf16 conversions give the legacy conversion's output bit for bit on the GPU
+    (decode, small and prefill tiles): the default (bf16 bits from inline PTX, which the CPU
+    interpreter cannot run: this is its only check) and the packed Triton-ops one. bf16 subnormal
+    operands (code 0.5 -> 2^-127) survive the bf16 multiply, and the nvfp4 2^-7 folded into the
+    global scale changes no bit."""
     seed = _seed()
     cfg_kwargs, ep = (DS, DS_EP) if shape == "ds" else (GPTOSS, GPTOSS_EP)
-    packed, w = _backend("triton", mode, cfg_kwargs, ep, seed)
-    assert packed.fp4_packed, "packed is the default conversion for bf16 models"
+    default, w = _backend("triton", mode, cfg_kwargs, ep, seed)
+    assert default.fp4_packed and default.fp4_convert == "asm", "asm is the default conversion for bf16 models"
+    assert default._fp4_kernel_convert == 2
     from epmoe.experts import EXPERTS
 
-    legacy = EXPERTS.get("triton")(ExpertsSpec(packed.config, ep - 1, ep, torch.device("cuda"),
+    def other(conv):
+        ex = EXPERTS.get("triton")(ExpertsSpec(default.config, ep - 1, ep, torch.device("cuda"),
                                                plan=QuantPlan(expert_mode=mode),
-                                               options=(("triton_fp4_convert", "legacy"),)))  # fmt: skip
-    legacy.load_weights(w)
-    assert not legacy.fp4_packed
-    E = packed.spec.num_local_experts
+                                               options=(("triton_fp4_convert", conv),)))  # fmt: skip
+        ex.load_weights(w)
+        return ex
+
+    E = default.spec.num_local_experts
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
-    x = torch.randn(N, packed.config.hidden_size, generator=g, device="cuda").bfloat16()
-    ids, tw = T.random_local_routing(N, packed.config.top_k, E, "cuda", seed + 2, invalid_frac=0.2)
-    out_p = packed(DispatchedTokens(x, ids, tw))
-    out_l = legacy(DispatchedTokens(x, ids, tw))
-    del legacy
-    diff = (out_p.float() - out_l.float()).abs().max().item()
-    assert torch.equal(out_p, out_l), f"{mode} {shape} N={N} seed={seed}: packed != legacy (max diff {diff:.3g})"
+    x = torch.randn(N, default.config.hidden_size, generator=g, device="cuda").bfloat16()
+    ids, tw = T.random_local_routing(N, default.config.top_k, E, "cuda", seed + 2, invalid_frac=0.2)
+    out_a = default(DispatchedTokens(x, ids, tw))
+    for conv in ("legacy", "packed"):
+        ex = other(conv)
+        assert ex.fp4_packed == (conv == "packed")
+        out_o = ex(DispatchedTokens(x, ids, tw))
+        del ex
+        diff = (out_a.float() - out_o.float()).abs().max().item()
+        assert torch.equal(out_a, out_o), f"{mode} {shape} N={N} seed={seed}: asm != {conv} (max diff {diff:.3g})"
 
 
 @pytest.mark.parametrize("E,K,N,block_m", [(32, 8, 4096, 128), (128, 8, 4096, 16), (128, 8, 128, 16), (16, 4, 1, 64)])

@@ -85,10 +85,10 @@ class KernelLauncher:
             return
         try:
             key = (kernel_name, torch.cuda.current_device(), tuple(kwargs.items()), tuple(map(arg_key, args)))
-        except TypeError:
+            entry = self._cache.get(key)
+        except TypeError:  # an argument kind the key does not know, or an unhashable keyword value
             fn[grid](*args, **kwargs)
             return
-        entry = self._cache.get(key)
         if entry is None:
             kernel = fn[grid](*args, **kwargs)  # Triton's path: compiles or finds the kernel, launches it
             self._cache[key] = self._direct(fn, kernel, args, kwargs) or _TRITON_PATH

@@ -156,10 +156,13 @@ def test_unbindable_kernels_and_unknown_arguments_keep_tritons_path(launcher):
     for _ in range(3):
         lau("kern", (1,), (x, x, "a string", 7168, 1.5), {})
     assert len(fn2.triton_path) == 3 and not fn2.compiled.direct
+    for _ in range(2):  # an unhashable keyword value
+        lau("kern", (1,), _args(x), {"BLOCK": [16]})
+    assert len(fn2.triton_path) == 5 and not fn2.compiled.direct
     lau.fast = False
     for _ in range(2):
         lau("kern", (1,), _args(x), {})
-    assert len(fn2.triton_path) == 5 and not fn2.compiled.direct
+    assert len(fn2.triton_path) == 7 and not fn2.compiled.direct
 
 
 def test_arg_key_classes():

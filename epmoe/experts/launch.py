@@ -44,7 +44,7 @@ def arg_key(a: Any, _tensor=torch.Tensor) -> Any:
     if c is float or a is None:
         return c
     if c is bool:
-        return a
+        return ("u1", a)  # never equal to an int's key (True == 1)
     raise TypeError(f"no launch key for a {c.__name__}")
 
 

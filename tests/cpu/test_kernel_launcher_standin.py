@@ -173,6 +173,7 @@ def test_arg_key_classes():
     x = torch.zeros(16, dtype=torch.bfloat16)
     assert k(x) == k(torch.zeros(8, dtype=torch.bfloat16)) and k(x[1:]) != k(x) and k(x[8:]) == k(x)
     assert k(1.0) == k(2.5) and k(None) != k(1.0) and k(True) != k(False)
+    assert k(True) != k(1) and k(False) != k(0) and k(1.0) != k(1)
     with pytest.raises(TypeError):
         k("text")
 

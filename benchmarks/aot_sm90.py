@@ -82,6 +82,10 @@ def to_source(launch: Launch):
 
     from epmoe.experts import triton_kernels
 
+    if launch.kernel.startswith("w4a16_"):  # Gluon kernels (epmoe.experts.gluon_w4a16)
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+
+        from epmoe.experts import gluon_w4a16 as triton_kernels
     fn = getattr(triton_kernels, launch.kernel)
     kwargs = dict(launch.kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}

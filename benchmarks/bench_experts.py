@@ -40,19 +40,23 @@ SWEEP = {
     ("bf16", "prefill"): ["auto", "prefill", "prefill_nosplit", "prefill_m64", "medium"],
     ("fp8_block", "decode"): ["auto"],
     ("fp8_block", "prefill"): ["auto", "prefill", "medium_s4", "medium_s4w8", "medium_split", "medium_g2w8"],
-    ("nvfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4", "noprefetch_fp4", "decode_n128", "decode_s6"],
+    ("nvfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4", "g:0:0:decode", "g:0:168:decode", "g:2:96:decode",
+                                "g:1:72:decode", "g:1:0:decode_m8", "p:3:decode"],
     ("nvfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
-    ("mxfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4", "noprefetch_fp4", "decode_n128", "decode_s6"],
+    ("mxfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4", "g:0:0:decode", "g:0:168:decode", "g:2:96:decode",
+                                "g:1:72:decode", "g:1:0:decode_m8", "p:3:decode"],
     ("mxfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
 }
 # Pseudo presets (configuration switches, not tile presets): "legacy_fp4" / "packed_fp4" = triton with
-# triton_fp4_convert=legacy / packed (auto: the default, asm); "noprefetch_fp4" = FP4_SCALE_PREFETCH
-# off; "torch_epilogue" = grouped_mm with grouped_mm_epilogue=torch.
+# triton_fp4_convert=legacy / packed (auto: the default, asm; legacy and packed run the Triton
+# kernels); "triton_w4a16" = W4A16 decode tiles on the Triton kernels instead of the Gluon ones
+# (triton_w4a16_decode=triton); "noprefetch_fp4" = FP4_SCALE_PREFETCH off; "torch_epilogue" =
+# grouped_mm with grouped_mm_epilogue=torch.
 FP4_CONVERT_PRESETS = {"legacy_fp4": "legacy", "packed_fp4": "packed"}
 QUICK_SWEEP = {
     ("triton", "bf16", "prefill"): ["auto", "prefill"],  # the grouped_mm path and the Triton GEMMs
-    ("triton", "nvfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4"],
-    ("triton", "mxfp4_w4a16", "decode"): ["auto", "packed_fp4", "legacy_fp4"],
+    ("triton", "nvfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4"],
+    ("triton", "mxfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4"],
     ("grouped_mm", "bf16", "prefill"): ["auto", "torch_epilogue"],
 }
 
@@ -285,11 +289,12 @@ def compute_ratios(report) -> List[dict]:
     for mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
         for phase in ("decode", "prefill"):
             new = t("triton", mode, phase)
-            for name in FP4_CONVERT_PRESETS:
+            for name in list(FP4_CONVERT_PRESETS) + ["triton_w4a16"]:
                 old = t("triton", mode, phase, name)
                 if new is not None and old is not None:
-                    out.append(dict(what=f"triton {mode} {phase}: {FP4_CONVERT_PRESETS[name]} fp4 conversion / default "
-                                         "(speed-up)", value=old / new, target=1.0, met=old / new >= 1.0))  # fmt: skip
+                    what = ("Triton kernels" if name == "triton_w4a16" else f"{FP4_CONVERT_PRESETS[name]} fp4 conversion")
+                    out.append(dict(what=f"triton {mode} {phase}: {what} / default (speed-up)", value=old / new,
+                                    target=1.0, met=old / new >= 1.0))  # fmt: skip
         add(f"triton bf16 decode / triton {mode} decode (speed-up)", t("triton", "bf16", "decode"),
             t("triton", mode, "decode"), 2.5, le=False)  # fmt: skip
         add(f"triton {mode} prefill / triton bf16 prefill", t("triton", mode, "prefill"), t("triton", "bf16", "prefill"), 1.0)
@@ -365,6 +370,9 @@ def run_plan(args, plan: List[Run]) -> int:
     from epmoe.experts.base import ExpertsSpec
     from epmoe.experts.graphs import CapturedExperts
     from epmoe.experts import triton_experts as TE
+
+    GLUON_DEFAULTS = (TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N,
+                      TE.GLUON_W4A16_PIPE_STAGES)
     from epmoe.experts.triton_experts import FP4_CONVERT, pick_config, presets_for
     from epmoe.quant.plan import QuantPlan
 
@@ -424,13 +432,28 @@ def run_plan(args, plan: List[Run]) -> int:
         entries = run.num_tokens * K
         preset_used = ""
         if run.backend == "triton":
-            tile = run.preset not in ("auto", "noprefetch_fp4") and run.preset not in FP4_CONVERT_PRESETS
-            TE.FP4_SCALE_PREFETCH = run.preset != "noprefetch_fp4"
-            ex.config_override = presets_for(run.mode)[run.preset] if tile else None
+            preset = run.preset
+            (TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N,
+             TE.GLUON_W4A16_PIPE_STAGES) = GLUON_DEFAULTS
+            if preset.startswith("g:"):  # Gluon W4A16 variant g:<unroll>:<maxnreg or 0>:<tile preset>[:<block_n>]
+                _, unroll, maxnreg, preset, *bn = preset.split(":")
+                TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG = int(unroll), (int(maxnreg) or None)
+                TE.GLUON_W4A16_BLOCK_N = int(bn[0]) if bn else GLUON_DEFAULTS[2]
+                TE.GLUON_W4A16_PIPE_STAGES = 0
+            elif preset.startswith("p:"):  # pipelined Gluon W4A16: p:<stages>:<tile preset>[:<block_n>]
+                _, stages, preset, *bn = preset.split(":")
+                TE.GLUON_W4A16_PIPE_STAGES = int(stages)
+                TE.GLUON_W4A16_BLOCK_N = int(bn[0]) if bn else GLUON_DEFAULTS[2]
+            tile = preset not in ("auto", "noprefetch_fp4", "triton_w4a16") and preset not in FP4_CONVERT_PRESETS
+            TE.FP4_SCALE_PREFETCH = preset != "noprefetch_fp4"
+            ex.w4a16_decode = "triton" if preset == "triton_w4a16" else TE.W4A16_DECODE_KERNEL
+            ex.config_override = presets_for(run.mode)[preset] if tile else None
             ex.fp4_convert = FP4_CONVERT_PRESETS.get(run.preset, FP4_CONVERT)
             preset_used = (ex.config_override or pick_config(run.mode, entries, E)).describe()
             if run.mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
                 preset_used += f" fp4 convert {ex.fp4_convert if ex.fp4_packed else 'legacy'}"
+                if ex.uses_gluon_w4a16(ex.config_override or pick_config(run.mode, entries, E)):
+                    preset_used += " (Gluon kernels)"
         elif run.backend == "grouped_mm":
             ex.epilogue = "torch" if run.preset == "torch_epilogue" else "triton"
             preset_used = f"epilogue {ex.epilogue}"

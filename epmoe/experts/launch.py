@@ -48,6 +48,11 @@ def arg_key(a: Any, _tensor=torch.Tensor) -> Any:
     raise TypeError(f"no launch key for a {c.__name__}")
 
 
+def plain_jit(fn) -> bool:
+    """A plain Triton JITFunction (not an autotuner / heuristics wrapper)?"""
+    return isinstance(getattr(fn, "pre_run_hooks", None), list) and hasattr(fn, "device_caches")
+
+
 class _Direct:
     """A compiled kernel and the constexpr arguments that follow the positional ones."""
 
@@ -66,21 +71,19 @@ class KernelLauncher:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.fast = FAST_LAUNCH and self.device.type == "cuda"
-        self._module = None
+        self._kernels: Dict[str, tuple] = {}  # name -> (kernel, may launch directly)
         self._cache: Dict[tuple, Any] = {}
         self._stream = None
         self._knobs = None
 
     def __call__(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
-        module = self._module
-        if module is None:
-            from epmoe.experts.triton_experts import interpreter_enabled, kernel_module
-
-            module = self._module = kernel_module(self.device)
-            self.fast = self.fast and not interpreter_enabled()
-        fn = getattr(module, kernel_name)
-        # pre-run hooks, or no plain JITFunction (an autotuner / heuristics wrapper): Triton's path
-        if not self.fast or getattr(fn, "pre_run_hooks", True):
+        found = self._kernels.get(kernel_name)
+        if found is None:
+            found = self._kernels[kernel_name] = self._resolve(kernel_name)
+        fn, direct_ok = found
+        # not a plain Triton kernel of triton_kernels (Gluon, an autotuner / heuristics wrapper), or
+        # pre-run hooks: Triton's path
+        if not (self.fast and direct_ok) or fn.pre_run_hooks:
             fn[grid](*args, **kwargs)
             return
         try:
@@ -107,6 +110,17 @@ class KernelLauncher:
         else:  # empty hook chains (the usual case): nothing to call, no metadata to build
             enter = leave = metadata = None
         entry.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *every)
+
+    def _resolve(self, kernel_name: str) -> tuple:
+        """(kernel, direct launch allowed): `kernel_function`'s kernel; only plain JITFunctions of
+        `epmoe.experts.triton_kernels` launch directly (Gluon kernels keep Triton's path)."""
+        from epmoe.experts import triton_experts as te
+
+        fn = te.kernel_function(self.device, kernel_name)
+        if te.interpreter_enabled():
+            self.fast = False
+            return fn, False
+        return fn, getattr(te.kernel_module(self.device), kernel_name, None) is fn and plain_jit(fn)
 
     def _direct(self, fn, kernel, args: tuple, kwargs: dict) -> Optional[_Direct]:
         """The direct launch of `kernel`, or None where this Triton does not bind as expected."""

@@ -129,6 +129,8 @@ _FP4_PRESETS = {
     "decode_n128": _cfg("decode_n128", 16, (128, 64, 4, 4), (128, 64, 4, 4)),
     "decode_s6": _cfg("decode_s6", 16, (64, 64, 4, 6), (64, 64, 4, 6)),
     "decode_w8": _cfg("decode_w8", 16, (128, 64, 8, 4), (128, 64, 8, 4)),
+    # 8-row tiles: the Gluon kernels only (tl.dot needs 16 rows)
+    "decode_m8": _cfg("decode_m8", 8, (64, 64, 4, 4), (64, 64, 4, 4)),
     "small": _cfg("small", 32, (64, 64, 4, 4), (128, 64, 4, 4)),
     "medium": _cfg("medium", 64, (64, 64, 4, 4), (128, 64, 4, 4)),
     "prefill": _cfg("prefill", 128, (64, 64, 8, 3), (128, 64, 8, 3)),
@@ -142,9 +144,10 @@ _FP4_PRESETS = {
 AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     "bf16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
     "fp8_block": ((16, "decode"), (40, "small"), (None, "medium")),
-    # W4A16 at T=4096 (H200, 2026-12-01): "medium" 12.5 / 11.7 ms, "prefill" 13.3 / 12.0 ms (nvfp4 / mxfp4)
-    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (None, "medium")),
-    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (None, "medium")),
+    # W4A16 at T=4096 (H200, 2026-12-01, scales read one K step ahead): "prefill_n128" 10.8 / 10.4 ms,
+    # "medium" 13.0 / 11.2, "prefill" 13.0 / 11.2 (nvfp4 / mxfp4)
+    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill_n128")),
+    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill_n128")),
 }
 # Layout of w13 in bf16 mode (gated activations): "interleaved" (rows gate j, up j: one wide dot per
 # K step) or "blocked" ([gate; up]: two dots). Quantized modes are always blocked. Fixed at load;
@@ -165,6 +168,19 @@ GROUPED_MM_CHOICES = ("auto", "on", "off")
 # packed under the Triton interpreter (which cannot run PTX).
 FP4_CONVERT = "asm"
 FP4_CONVERT_CHOICES = ("asm", "packed", "legacy")
+# W4A16 decode tiles (block_m 16) with the asm conversion: "gluon" runs `epmoe.experts.gluon_w4a16`
+# (weights straight from global memory into the mma operand registers, no shared memory; swap-AB),
+# "triton" the Triton kernels. Spec option `triton_w4a16_decode` overrides. Under the Triton
+# interpreter (no Gluon) the Triton kernels run.
+W4A16_DECODE_KERNEL = "gluon"
+W4A16_DECODE_CHOICES = ("gluon", "triton")
+GLUON_W4A16_BLOCK_MS = (8, 16)  # routed rows per tile (the tile preset's block_m: the mma's N)
+GLUON_W4A16_BLOCK_N = 64  # weight rows per program (4 warps x 16)
+GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first; lowered to divide K / 64); 0: prefetch
+GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None: its own choice)
+# > 0: stream weights and token rows through this many shared-memory ring slots of two K steps
+# (cp.async, `w4a16_pipe_kernel`) when K / 64 is even; 0: loads straight into registers.
+GLUON_W4A16_PIPE_STAGES = 0
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
 FP4_SCALE_PREFETCH = True
@@ -212,6 +228,39 @@ def kernel_module(device: torch.device):
     return triton_kernels
 
 
+_GLUON = None
+
+
+def _gluon_available() -> bool:
+    """Does this Triton have Gluon with the pieces `gluon_w4a16` uses (Triton >= 3.5)?"""
+    global _GLUON
+    if _GLUON is None:
+        try:
+            from epmoe.experts import gluon_w4a16  # noqa: F401
+
+            _GLUON = True
+        except Exception:  # noqa: BLE001 - any import failure means: use the Triton kernels
+            _GLUON = False
+    return _GLUON
+
+
+def _gluon_pipe_supported() -> bool:
+    from epmoe.experts import gluon_w4a16
+
+    return gluon_w4a16.PIPE_SUPPORTED
+
+
+def kernel_function(device: torch.device, name: str):
+    """A kernel by name: the Gluon W4A16 kernels (`gluon_w4a16`, GPU only) or a Triton kernel."""
+    if name.startswith("w4a16_"):
+        if device.type != "cuda":
+            raise RuntimeError(f"Gluon kernel {name} needs a CUDA device (the Triton interpreter cannot run it)")
+        from epmoe.experts import gluon_w4a16
+
+        return getattr(gluon_w4a16, name)
+    return getattr(kernel_module(device), name)
+
+
 # --------------------------------------------------------------------------- backend
 
 
@@ -253,6 +302,7 @@ class TritonOptions(ExpertsOptions):
     triton_grouped_mm: Optional[str] = None  # auto | on | off: bf16 through torch._grouped_mm
     triton_align: Optional[str] = None  # triton | torch: routing alignment kernels
     triton_fp4_convert: Optional[str] = None  # asm | packed | legacy: fp4 -> bf16 in the W4A16 loops
+    triton_w4a16_decode: Optional[str] = None  # gluon | triton: kernels of W4A16 decode tiles
 
 
 class TritonExperts(Experts):
@@ -360,6 +410,9 @@ class TritonExperts(Experts):
         self.fp4_convert = spec.option("triton_fp4_convert") or FP4_CONVERT
         if self.fp4_convert not in FP4_CONVERT_CHOICES:
             raise ValueError(f"triton_fp4_convert={self.fp4_convert!r}; use one of {FP4_CONVERT_CHOICES}")
+        self.w4a16_decode = spec.option("triton_w4a16_decode") or W4A16_DECODE_KERNEL
+        if self.w4a16_decode not in W4A16_DECODE_CHOICES:
+            raise ValueError(f"triton_w4a16_decode={self.w4a16_decode!r}; use one of {W4A16_DECODE_CHOICES}")
         self._fp4_scales_ok = True  # mxfp4: every scale exponent <= 128 (set at load)
         self.grouped_mm = spec.option("triton_grouped_mm") or "auto"
         if self.grouped_mm not in GROUPED_MM_CHOICES:
@@ -591,9 +644,53 @@ class TritonExperts(Experts):
         )
         return out
 
+    def uses_gluon_w4a16(self, cfg: TritonConfig) -> bool:
+        """Do this tile preset's GEMMs run the Gluon W4A16 kernels (`epmoe.experts.gluon_w4a16`)?"""
+        return (
+            self.w4a16_decode == "gluon"
+            and self._fp4_kernel_convert == 2  # W4A16, bf16 model, asm conversion, not the interpreter
+            and _gluon_available()
+            and cfg.block_m in GLUON_W4A16_BLOCK_MS
+            and not cfg.split_m
+            and self.intermediate_size % GLUON_W4A16_BLOCK_N == 0
+            and self.hidden_size % GLUON_W4A16_BLOCK_N == 0
+        )
+
+    def _gluon_w4a16(self, gemm1: bool, x, out, blocks, num_entries, top_k, w_flat) -> None:
+        """One Gluon W4A16 GEMM (swap-AB): gemm1 x [N, H] -> act [P, I]; gemm2 act -> y [N*K, H]."""
+        p = self._params
+        H, I = self.hidden_size, self.intermediate_size
+        w, ws = (p["w13"], p["w13_scale"]) if gemm1 else (p["w2"], p["w2_scale"])
+        wg = p.get("w13_global_scale" if gemm1 else "w2_global_scale", w)
+        b = p.get("b13" if gemm1 else "b2", w)
+        n_out, k = (I, H) if gemm1 else (H, I)
+        ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
+        BN = GLUON_W4A16_BLOCK_N
+        grid = (blocks.max_blocks * (n_out // BN),)
+        unroll = GLUON_W4A16_UNROLL  # 0: one K step per iteration with the next one's loads in flight
+        while unroll and (k // 64) % unroll:
+            unroll //= 2
+        extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
+        pipe = GLUON_W4A16_PIPE_STAGES > 0 and (k // 64) % 2 == 0 and _gluon_pipe_supported()
+        if pipe:
+            extra["STAGES"] = GLUON_W4A16_PIPE_STAGES
+        else:
+            extra["UNROLL"] = unroll
+        self._launch("w4a16_pipe_kernel" if pipe else "w4a16_swap_kernel", grid, (
+            x, w, ws, wg, b, out, w_flat if w_flat is not None else out,
+            blocks.sorted_ids, blocks.block_expert,
+            num_entries, blocks.max_blocks, n_out, k,
+            x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), wg.stride(0), b.stride(0),
+            out.stride(0), alpha, beta, limit,
+        ), dict(
+            GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
+            HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m, BLOCK_N=BN,
+            num_warps=4, **extra,
+        ))  # fmt: skip
+
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);
-        `epmoe.experts.launch.KernelLauncher` keeps its host cost small."""
+        `epmoe.experts.launch.KernelLauncher` (kernels by `kernel_function`) keeps its host cost small."""
         launcher = self.__dict__.get("_launcher")
         if launcher is None:
             from epmoe.experts.launch import KernelLauncher
@@ -634,6 +731,9 @@ class TritonExperts(Experts):
         g = cfg.gemm1
         fp8 = self.mode == "fp8_block"
         out = torch.empty(P, I, dtype=torch.float8_e4m3fn if fp8 else self.config.dtype, device=self.device)
+        if self.uses_gluon_w4a16(cfg):
+            self._gluon_w4a16(True, x, out, blocks, num_entries, top_k, None)
+            return out, None
         out_s = torch.empty(P, triton_cdiv(I, 128), dtype=torch.float32, device=self.device) if fp8 else out
         w, ws = p["w13"], p.get("w13_scale", p["w13"])
         wg = p.get("w13_global_scale", w)
@@ -663,6 +763,9 @@ class TritonExperts(Experts):
         return out, (out_s if fp8 else None)
 
     def _gemm2(self, act, act_scale, blocks, num_entries, w_flat, y, cfg: TritonConfig):
+        if self.uses_gluon_w4a16(cfg):
+            self._gluon_w4a16(False, act, y, blocks, num_entries, 1, w_flat)
+            return
         p = self._params
         H, I = self.hidden_size, self.intermediate_size
         g = cfg.gemm2
@@ -689,6 +792,9 @@ class TritonExperts(Experts):
         ))  # fmt: skip
 
     def _check_tile_config(self, cfg: TritonConfig) -> None:
+        if cfg.block_m < 16 and not self.uses_gluon_w4a16(cfg):
+            raise ValueError(f"block_m {cfg.block_m} runs on the Gluon W4A16 kernels only (decode, asm conversion), "
+                             f"not in mode {self.mode!r} here: {cfg.describe()}")
         if cfg.split_m and cfg.block_m < 32:
             raise ValueError(f"split_m needs block_m >= 32 (half tiles of >= 16 rows), got {cfg.describe()}")
         for g, gate_up in ((cfg.gemm1, True), (cfg.gemm2, False)):

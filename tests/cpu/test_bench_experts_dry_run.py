@@ -33,7 +33,8 @@ def test_dry_run_quick_and_bad_args():
     r = _run("--dry-run", "--quick", "--backends", "grouped_mm,triton", "--modes", "bf16,nvfp4_w4a16")
     assert r.returncode == 0, r.stderr
     for needle in ("grouped_mm bf16         prefill T= 4096 preset=torch_epilogue",  # before / after rows
-                   "nvfp4_w4a16  decode  T=  128 preset=legacy_fp4"):
+                   "nvfp4_w4a16  decode  T=  128 preset=triton_w4a16",  # Triton kernels vs the Gluon default
+                   "nvfp4_w4a16  decode  T=  128 preset=packed_fp4"):
         assert needle in r.stdout, needle
     r = _run("--dry-run", "--backends", "nope")
     assert r.returncode != 0 and "unknown backend 'nope'" in r.stderr

@@ -35,6 +35,7 @@ def _aot():
         ("fp8_block", "decode", False),
         ("fp8_block", "prefill", True),
         ("nvfp4_w4a16", "decode", False),
+        ("mxfp4_w4a16", "decode", False),
         ("mxfp4_w4a16", "prefill", True),
     ],
 )
@@ -50,7 +51,9 @@ def test_sm90_compile_no_spills(mode, preset, wgmma, monkeypatch):
         swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0,
     )  # fmt: skip
     launches = aot.record_launches(cfg, mode, num_tokens=16, num_experts=2, preset=preset)
-    assert {l.kernel for l in launches} >= {"moe_gemm1_kernel", "moe_gemm2_kernel", "moe_reduce_kernel"}
+    gluon = mode.endswith("w4a16") and preset == "decode"  # W4A16 decode tiles: the Gluon kernels
+    gemms = {"w4a16_swap_kernel"} if gluon else {"moe_gemm1_kernel", "moe_gemm2_kernel"}
+    assert {l.kernel for l in launches} >= gemms | {"moe_reduce_kernel"}
     for launch in launches:
         src, opts = aot.to_source(launch)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -59,6 +62,9 @@ def test_sm90_compile_no_spills(mode, preset, wgmma, monkeypatch):
         assert info["local"] == 0 and info["ldl_stl"] == 0, f"register spills: {where}"
         if wgmma and launch.kernel.startswith("moe_gemm"):
             assert info["hgmma"] + info["qgmma"] > 0, f"no wgmma: {where}"
+        if launch.kernel == "w4a16_swap_kernel":
+            # fp4 bytes go from global memory straight into the mma.sync operand registers
+            assert info["smem"] == 0 and info["hmma"] > 0, f"Gluon W4A16 kernel: {where}"
         ptx = compiled.asm["ptx"]
         if launch.kernel == "quant_fp8_rows_kernel":
             # The torch codec divides with IEEE rounding; Triton's `/` is div.full.f32 (<= 2 ulp),

@@ -346,7 +346,10 @@ def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
     global scale changes no bit."""
     seed = _seed()
     cfg_kwargs, ep = (DS, DS_EP) if shape == "ds" else (GPTOSS, GPTOSS_EP)
-    default, w = _backend("triton", mode, cfg_kwargs, ep, seed)
+    # the Triton kernels at every tile size (decode tiles would otherwise run the Gluon kernels,
+    # which sum K in another order: test_w4a16_gluon_decode)
+    tk = (("triton_w4a16_decode", "triton"),)
+    default, w = _backend("triton", mode, cfg_kwargs, ep, seed, tk)
     assert default.fp4_packed and default.fp4_convert == "asm", "asm is the default conversion for bf16 models"
     assert default._fp4_kernel_convert == 2
     from epmoe.experts import EXPERTS
@@ -354,7 +357,7 @@ def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
     def other(conv):
         ex = EXPERTS.get("triton")(ExpertsSpec(default.config, ep - 1, ep, torch.device("cuda"),
                                                plan=QuantPlan(expert_mode=mode),
-                                               options=(("triton_fp4_convert", conv),)))  # fmt: skip
+                                               options=(("triton_fp4_convert", conv),) + tk))  # fmt: skip
         ex.load_weights(w)
         return ex
 
@@ -370,6 +373,59 @@ def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
         del ex
         diff = (out_a.float() - out_o.float()).abs().max().item()
         assert torch.equal(out_a, out_o), f"{mode} {shape} N={N} seed={seed}: asm != {conv} (max diff {diff:.3g})"
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("shape,N", [("ds", 1), ("ds", 60), ("gptoss", 1), ("gptoss", 60), ("relu2", 16)])
+def test_w4a16_gluon_decode(mode, shape, N):
+    """W4A16 decode tiles run the Gluon kernels (weights straight into the mma registers, K summed in
+    the swap-AB order) by default: within the bound of the float64 math and close to the Triton
+    kernels' output; GPT-OSS has K // 64 = 45 (the one-step loop) plus biases and the clamped swiglu,
+    relu2 is not gated."""
+    cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
+    ex, x, ids, tw, out = _run_case("triton", mode, cfg_kwargs, ep, N)
+    from epmoe.experts.triton_experts import pick_config
+
+    cfg = pick_config(mode, N * ex.config.top_k, ex.spec.num_local_experts)
+    assert ex.uses_gluon_w4a16(cfg), f"{mode} {shape} N={N}: {cfg.describe()} should run the Gluon kernels"
+    from epmoe.experts import EXPERTS
+
+    tk = EXPERTS.get("triton")(ExpertsSpec(ex.config, ep - 1, ep, torch.device("cuda"), plan=QuantPlan(expert_mode=mode),
+                                           options=(("triton_w4a16_decode", "triton"),)))  # fmt: skip
+    tk.load_weights(_CACHE[next(iter(_CACHE))][1])
+    assert not tk.uses_gluon_w4a16(cfg)
+    out_t = tk(DispatchedTokens(x, ids, tw))
+    del tk
+    diff = T.relative_error(out, out_t.double())
+    print(f"{mode} {shape} N={N}: gluon vs triton kernels rel diff {diff:.2e}")
+    assert diff < 5e-3, f"{mode} {shape} N={N}: gluon and triton kernels differ by {diff:.3g}"
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("unroll,preset,block_n,stages", [
+    (1, "decode", 64, 0), (4, "decode", 64, 0), (2, "decode_m8", 64, 0), (4, "decode_m8", 64, 0), (2, "decode", 128, 0),
+    (2, "decode", 64, 3), (2, "decode", 64, 4), (2, "decode_m8", 64, 6), (2, "decode", 128, 4), (0, "decode", 64, 0),
+])  # fmt: skip
+def test_w4a16_gluon_variants(mode, unroll, preset, block_n, stages, monkeypatch):
+    """The Gluon W4A16 kernels' variants (K steps per iteration, 8- or 16-row tiles, 64 or 128 weight
+    rows per program, the cp.async ring of `w4a16_pipe_kernel`) against the float64 math, DeepSeek
+    and GPT-OSS shapes (45 K steps: the unroll falls back to one, and the ring to the register
+    loads)."""
+    from epmoe.experts import triton_experts as TE
+
+    monkeypatch.setattr(TE, "GLUON_W4A16_UNROLL", unroll)
+    monkeypatch.setattr(TE, "GLUON_W4A16_BLOCK_N", block_n)
+    monkeypatch.setattr(TE, "GLUON_W4A16_PIPE_STAGES", stages)
+    for cfg_kwargs, ep, N in ((DS, DS_EP, 60), (GPTOSS, GPTOSS_EP, 40)):
+        if cfg_kwargs["intermediate_size"] % block_n or cfg_kwargs["hidden_size"] % block_n:
+            continue  # (GPT-OSS 2880 rows: 64-row programs only)
+        ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
+        ex.config_override = TE.presets_for(mode)[preset]
+        try:
+            assert ex.uses_gluon_w4a16(ex.config_override)
+            _run_case("triton", mode, cfg_kwargs, ep, N)
+        finally:
+            ex.config_override = None
 
 
 @pytest.mark.parametrize("E,K,N,block_m", [(32, 8, 4096, 128), (128, 8, 4096, 16), (128, 8, 128, 16), (16, 4, 1, 64)])

@@ -1,0 +1,476 @@
+"""W4A16 decode GEMMs in Gluon (Triton's explicit-layout dialect): fp4 weights go from global memory
+straight into the registers of the tensor-core operand, with no shared-memory round trip.
+
+Imported only when the `triton` experts backend runs an nvfp4 / mxfp4 decode tile on an NVIDIA GPU
+(the Triton interpreter cannot run Gluon; there the Triton kernels of `triton_kernels.py` run).
+
+Why: the Triton kernels dequantize the weights in a blocked layout, store the bf16 values to shared
+memory and read them back in the MMA layout, and Triton picks a k-width of 4 for an operand that
+comes from bytes, which costs register moves around every mma. At decode (~8 rows per expert) that
+made W4A16 instruction-bound (~6 SASS instructions per weight value) at 30-43 % of the HBM limit.
+
+Swap-AB: per expert, out^T [weight rows, tokens] = W [rows, K] @ X^T [K, tokens]; the weights are the
+A operand of mma.sync m16n8k16 (rows = M), the <= 16 routed rows of the tile are N.
+
+K order. The MMA's result does not depend on which logical K each of its k positions holds, as long
+as A and B agree. Thread (lane 4g + t) holds A's k positions 2t, 2t+1, 2t+8, 2t+9 (+16 per k16
+repetition), i.e. k = 8c + 2t + b (c = 0..3, b = 0..1) over a 32-wide half block. We give k position
+8c + 2t + b the logical K 8t + 2c + b, so each thread's 8 K values are 8 consecutive bytes of the
+k64-interleaved weights (`kernel_formats.interleave_fp4_k64`: byte j = K j, j + 32) and 8 consecutive
+bf16 of the token row: one 8-byte load per weight row, one 16-byte load per token row and half.
+The loads are 3D tensors [rows, 4 (t), 8 (q = 2c + b)] in a linear layout whose lanes and warps are
+those of the MMA operand; reshape / permute to [rows, 32] then only renames registers
+(`convert_layout(..., assert_trivial=True)` checks it at compile time).
+
+Scales: logical K 8t + 2c + b of the low half is in nvfp4 group 4kk + t // 2 (+ 2 for the high half),
+mxfp4 group 2kk (high half 2kk + 1), so each thread needs one scale per row and half.
+The e2m1 -> bf16 bits are `triton_kernels._E2M1_BF16_ASM` (value * 2^-126), times the bf16 scale
+with 2^126 folded in (nvfp4: s * 2^119 and 2^7 on the global scale), as the packed conversion.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from epmoe.experts.triton_kernels import _E2M1_BF16_ASM
+
+TWO_119 = gl.constexpr(2.0**119)
+import triton as _triton
+
+# `w4a16_pipe_kernel` is written against Triton 3.6's Gluon (async_copy_global_to_shared,
+# thread_barrier), both renamed in later versions: the launcher uses it only where this is True.
+PIPE_SUPPORTED = tuple(int(v) for v in _triton.__version__.split(".")[:2]) <= (3, 6)
+# CTA-wide barrier: `thread_barrier` in Triton 3.6 (the GPU machines), `barrier` in later versions
+_cta_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
+
+
+@gluon.constexpr_function
+def _mma_layout(num_warps):
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def _w3_layout(BN, num_warps):
+    """[BN rows, 4 (t), 8 (q)] bytes: lane 4g + t holds rows g (+8, + 16 * warps * rep) and its t's 8
+    bytes; warps stack 16-row groups (the mma's warps_per_cta [num_warps, 1])."""
+    reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]]
+    rep = 16 * num_warps
+    while rep < BN:
+        reg.append([rep, 0, 0])
+        rep *= 2
+    warps = []
+    w = 16
+    while w < 16 * num_warps:
+        warps.append([w, 0, 0])
+        w *= 2
+    return gl.DistributedLinearLayout(
+        reg_bases=reg,
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=warps,
+        block_bases=[],
+        shape=[BN, 4, 8],
+    )
+
+
+@gluon.constexpr_function
+def _x3_layout(BM, num_warps):
+    """[BM tokens, 4 (t), 8 (q)] bf16: lane 4g + t holds tokens g (+8) and its t's 8 values; every warp
+    holds the same (B is shared by the warps of the M dimension)."""
+    reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4]]
+    if BM == 16:
+        reg.append([8, 0, 0])
+    warps = []
+    w = 1
+    while w < num_warps:
+        warps.append([0, 0, 0])
+        w *= 2
+    return gl.DistributedLinearLayout(
+        reg_bases=reg,
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=warps,
+        block_bases=[],
+        shape=[BM, 4, 8],
+    )
+
+
+@gluon.jit
+def _to_a(w3, BN: gl.constexpr, A_LAYOUT: gl.constexpr):
+    """[BN, 4 (t), 8 (q = 2c + b)] -> [BN, 32] at k positions 8c + 2t + b (register renaming only)."""
+    w = gl.reshape(w3, [BN, 4, 4, 2])
+    w = gl.permute(w, [0, 2, 1, 3])
+    w = gl.reshape(w, [BN, 32])
+    return gl.convert_layout(w, A_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _to_b(x3, BM: gl.constexpr, B_LAYOUT: gl.constexpr):
+    """[BM, 4 (t), 8 (q = 2c + b)] -> [32, BM] at k positions 8c + 2t + b (register renaming only)."""
+    x = gl.reshape(x3, [BM, 4, 4, 2])
+    x = gl.permute(x, [2, 1, 3, 0])
+    x = gl.reshape(x, [32, BM])
+    return gl.convert_layout(x, B_LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _loads(x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS: gl.constexpr, HI: gl.constexpr, GATED: gl.constexpr):
+    """Everything K step kk reads: token halves [BM, 4, 8], weight bytes [BN, 4, 8] and scales
+    [BN, 4] (low / high half) of gate (and up)."""
+    xo = kk * 64
+    wo = kk * 32
+    so = kk * GROUPS
+    xl = gl.load(x_ptrs + xo)
+    xh = gl.load(x_ptrs + (xo + 32))
+    gb = gl.load(g_ptrs + wo)
+    gsl = gl.load(sg_ptrs + so)
+    gsh = gl.load(sg_ptrs + (so + HI))
+    if GATED:
+        ub = gl.load(u_ptrs + wo)
+        usl = gl.load(su_ptrs + so)
+        ush = gl.load(su_ptrs + (so + HI))
+    else:
+        ub = gb
+        usl = gsl
+        ush = gsh
+    return xl, xh, gb, gsl, gsh, ub, usl, ush
+
+
+@gluon.jit
+def _step(acc_g, acc_u, xl, xh, gb, gsl, gsh, ub, usl, ush, W_FMT: gl.constexpr, GATED: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
+    """One K step of 64: both halves of gate (and up) against the token halves."""
+    x_lo = _to_b(xl, BLOCK_M, B_L)
+    x_hi = _to_b(xh, BLOCK_M, B_L)
+    w_lo, w_hi = _dequant3(gb, gl.expand_dims(gsl, 2), gl.expand_dims(gsh, 2), W_FMT)
+    acc_g = mma_v2(_to_a(w_lo, BLOCK_N, A_L), x_lo, acc_g)
+    acc_g = mma_v2(_to_a(w_hi, BLOCK_N, A_L), x_hi, acc_g)
+    if GATED:
+        v_lo, v_hi = _dequant3(ub, gl.expand_dims(usl, 2), gl.expand_dims(ush, 2), W_FMT)
+        acc_u = mma_v2(_to_a(v_lo, BLOCK_N, A_L), x_lo, acc_u)
+        acc_u = mma_v2(_to_a(v_hi, BLOCK_N, A_L), x_hi, acc_u)
+    return acc_g, acc_u
+
+
+@gluon.jit
+def _dequant3(p3, s_lo, s_hi, W_FMT: gl.constexpr):
+    """bytes [BN, 4, 8] + per (row, t) scales [BN, 4, 1] (raw e4m3 / e8m0) -> bf16 (lo, hi) [BN, 4, 8]."""
+    lo, hi = gl.inline_asm_elementwise(
+        _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [p3], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+    )
+    if W_FMT == 2:
+        f_lo = (s_lo.to(gl.float32) * TWO_119).to(gl.bfloat16)
+        f_hi = (s_hi.to(gl.float32) * TWO_119).to(gl.bfloat16)
+    else:
+        f_lo = ((s_lo.to(gl.uint16) + 126) << 7).to(gl.bfloat16, bitcast=True)
+        f_hi = ((s_hi.to(gl.uint16) + 126) << 7).to(gl.bfloat16, bitcast=True)
+    return lo * f_lo, hi * f_hi
+
+
+@gluon.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + gl.exp(-x))  # what tl.sigmoid computes
+
+
+@gluon.jit
+def _act(g, u, alpha, beta, limit, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    if ACT == 0:
+        r = g * _sigmoid(g) * u
+    elif ACT == 1:
+        if HAS_LIMIT:
+            g = gl.minimum(g, limit)
+            u = gl.minimum(gl.maximum(u, -limit), limit)
+        r = g * _sigmoid(alpha * g) * (u + beta)
+    else:
+        p = gl.maximum(g, 0.0)
+        r = p * p
+    return r
+
+
+@gluon.jit(do_not_specialize=["num_entries", "max_blocks"])
+def w4a16_swap_kernel(
+    x_ptr,  # gemm1: [N, H] tokens (bf16); gemm2: [P, I] activations of gemm1 (rows = padded positions)
+    w_ptr,  # [E, R, K/2] uint8 k64-interleaved (gemm1 R = 2I gate then up, or I; gemm2 R = H)
+    ws_ptr,  # [E, R, K/group] e4m3 (nvfp4) / e8m0 (mxfp4)
+    wg_ptr,  # nvfp4 [E, G] fp32 global scales
+    b_ptr,  # [E, R] fp32 bias
+    out_ptr,  # gemm1: [P, I] bf16 activation; gemm2: [num_entries, H] bf16 y by entry
+    topk_w_ptr,  # gemm2: [num_entries] fp32 routing weights
+    sorted_ids_ptr,  # [P] int32 entry of each padded row (>= num_entries: padding)
+    block_expert_ptr,  # [max_blocks] int32 (-1: unused tile)
+    num_entries,
+    max_blocks,
+    N_OUT,  # weight rows per projection: gemm1 I, gemm2 H
+    K,  # reduction: gemm1 H, gemm2 I
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_wge,
+    stride_be,
+    stride_om,
+    alpha,
+    beta,
+    limit,
+    GEMM1: gl.constexpr,
+    TOP_K: gl.constexpr,
+    W_FMT: gl.constexpr,  # 2 nvfp4, 3 mxfp4
+    GATED: gl.constexpr,
+    ACT: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    BLOCK_M: gl.constexpr,  # routed rows per tile: 8 or 16 (the mma's N)
+    BLOCK_N: gl.constexpr,  # weight rows per program (per projection)
+    UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64); 0: one step, prefetched
+):
+    num_warps: gl.constexpr = gl.num_warps()
+    MMA: gl.constexpr = _mma_layout(num_warps)
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    W3: gl.constexpr = _w3_layout(BLOCK_N, num_warps)
+    X3: gl.constexpr = _x3_layout(BLOCK_M, num_warps)
+    S2: gl.constexpr = gl.SliceLayout(2, W3)  # [BN, 4] scales per (row, t)
+
+    num_n = N_OUT // BLOCK_N
+    pid = gl.program_id(0)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert = gl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        e64 = expert.to(gl.int64)
+        # token rows of this tile: [BM] in the layouts of the X3 row axis and of the accumulator columns
+        offs_m3 = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(2, X3)))
+        ids3 = gl.load(sorted_ids_ptr + offs_m3)
+        if GEMM1:
+            xrow = gl.where(ids3 < num_entries, ids3 // TOP_K, 0).to(gl.int64)  # padding reads token 0
+        else:
+            xrow = offs_m3.to(gl.int64)
+        t3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
+        q3 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
+        x_ptrs = (x_ptr + xrow[:, None, None] * stride_xm + (t3 * 8)[None, :, None] + q3[None, None, :])
+
+        rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, W3)))
+        tw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W3)))
+        qw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
+        w_base = w_ptr + e64 * stride_we
+        g_ptrs = w_base + rows.to(gl.int64)[:, None, None] * stride_wn + (tw * 8)[None, :, None] + qw[None, None, :]
+        u_ptrs = g_ptrs + N_OUT * stride_wn
+        rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
+        ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
+        sg_ptrs = ws_ptr + e64 * stride_wse + rs.to(gl.int64)[:, None] * stride_wsn
+        if W_FMT == 2:
+            s_off = (ts // 2)[None, :]  # group 4kk + t // 2 (low half), + 2 (high half)
+            GROUPS: gl.constexpr = 4
+            HI: gl.constexpr = 2
+        else:
+            s_off = (ts * 0)[None, :]  # group 2kk (low half), 2kk + 1 (high half)
+            GROUPS: gl.constexpr = 2
+            HI: gl.constexpr = 1
+        sg_ptrs = sg_ptrs + s_off
+        su_ptrs = sg_ptrs + N_OUT * stride_wsn
+
+        acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        num_k = K // 64
+        # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
+        # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
+        if UNROLL == 0:  # register prefetch: step kk + 1's loads are issued before step kk's math
+            n_xl, n_xh, n_gb, n_gsl, n_gsh, n_ub, n_usl, n_ush = _loads(
+                x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, 0, GROUPS, HI, GATED)
+        for kk in range(0, num_k, gl.maximum(UNROLL, 1)):
+            if UNROLL == 0:
+                a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = n_xl, n_xh, n_gb, n_gsl, n_gsh, n_ub, n_usl, n_ush
+                n_xl, n_xh, n_gb, n_gsl, n_gsh, n_ub, n_usl, n_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, gl.minimum(kk + 1, num_k - 1), GROUPS, HI, GATED)
+            else:
+                a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS, HI, GATED)
+            if UNROLL >= 2:
+                b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 1, GROUPS, HI, GATED)
+            if UNROLL == 4:
+                c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 2, GROUPS, HI, GATED)
+                d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 3, GROUPS, HI, GATED)
+            acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
+                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+            if UNROLL >= 2:
+                acc_g, acc_u = _step(acc_g, acc_u, b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush,
+                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+            if UNROLL == 4:
+                acc_g, acc_u = _step(acc_g, acc_u, c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush,
+                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+                acc_g, acc_u = _step(acc_g, acc_u, d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush,
+                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+
+        _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
+                  N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
+                  GEMM1, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA)
+
+
+@gluon.jit
+def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
+              N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
+              GEMM1: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+              HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              MMA: gl.constexpr):
+    # epilogue in the accumulator layout: rows n (weight rows), columns p (tile rows)
+    n_acc = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    offs_p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    if W_FMT == 2:
+        # the packed conversion leaves 2^-7 in the weights
+        acc_g = acc_g * (gl.load(wg_ptr + e64 * stride_wge) * 128.0)
+        if GATED:
+            acc_u = acc_u * (gl.load(wg_ptr + e64 * stride_wge + 1) * 128.0)
+    if HAS_BIAS:
+        acc_g += gl.load(b_ptr + e64 * stride_be + n_acc)[:, None]
+        if GATED:
+            acc_u += gl.load(b_ptr + e64 * stride_be + N_OUT + n_acc)[:, None]
+    if GEMM1:
+        act = _act(acc_g, acc_u, alpha, beta, limit, ACT, HAS_LIMIT)
+        o_ptrs = out_ptr + offs_p.to(gl.int64)[None, :] * stride_om + n_acc[:, None]
+        gl.store(o_ptrs, act.to(out_ptr.dtype.element_ty))
+    else:
+        ids = gl.load(sorted_ids_ptr + offs_p)
+        row_ok = ids < num_entries
+        ids64 = gl.where(row_ok, ids, 0).to(gl.int64)
+        rw = gl.load(topk_w_ptr + ids64, mask=row_ok, other=0.0)
+        y = acc_g * rw[None, :]
+        y_ptrs = out_ptr + ids64[None, :] * stride_om + n_acc[:, None]
+        gl.store(y_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & (n_acc < N_OUT)[:, None])
+
+
+@gluon.jit
+def _issue_stage(wg_s, wu_s, x_s, g_cp, u_cp, x_cp, slot, st, num_st, GATED: gl.constexpr):
+    """Async copies of stage st (two K steps: 64 bytes per weight row, 128 token values per row) into
+    ring slot `slot`; past the last stage the copies are masked off (nothing read, slot unused)."""
+    ok = st < num_st
+    async_copy.async_copy_global_to_shared(wg_s.index(slot), g_cp + st * 64, mask=ok)
+    if GATED:
+        async_copy.async_copy_global_to_shared(wu_s.index(slot), u_cp + st * 64, mask=ok)
+    async_copy.async_copy_global_to_shared(x_s.index(slot), x_cp + st * 128, mask=ok)
+
+
+@gluon.jit
+def _scales_stage(sg_ptrs, su_ptrs, st, num_st, GROUPS: gl.constexpr, HI: gl.constexpr, GATED: gl.constexpr):
+    """The [BN, 4] scales of stage st's two K steps (low / high half of gate, and of up)."""
+    so = gl.minimum(st, num_st - 1) * (2 * GROUPS)
+    g0l = gl.load(sg_ptrs + so)
+    g0h = gl.load(sg_ptrs + (so + HI))
+    g1l = gl.load(sg_ptrs + (so + GROUPS))
+    g1h = gl.load(sg_ptrs + (so + GROUPS + HI))
+    if GATED:
+        u0l = gl.load(su_ptrs + so)
+        u0h = gl.load(su_ptrs + (so + HI))
+        u1l = gl.load(su_ptrs + (so + GROUPS))
+        u1h = gl.load(su_ptrs + (so + GROUPS + HI))
+    else:
+        u0l = g0l
+        u0h = g0h
+        u1l = g1l
+        u1h = g1h
+    return g0l, g0h, g1l, g1h, u0l, u0h, u1l, u1h
+
+
+@gluon.jit(do_not_specialize=["num_entries", "max_blocks"])
+def w4a16_pipe_kernel(
+    x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr,
+    num_entries, max_blocks, N_OUT, K,
+    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_om,
+    alpha, beta, limit,
+    GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+    HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,  # ring slots of two K steps each (K // 64 must be even)
+):
+    """`w4a16_swap_kernel` with the weight bytes and token rows streamed through a ring of shared
+    memory by cp.async (STAGES - 1 stages in flight, no registers held for them), read back by each
+    thread in the operand layout (8 consecutive bytes / bf16 per row and K half). Scales are loaded
+    into registers two stages ahead."""
+    num_warps: gl.constexpr = gl.num_warps()
+    MMA: gl.constexpr = _mma_layout(num_warps)
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    W3: gl.constexpr = _w3_layout(BLOCK_N, num_warps)
+    X3: gl.constexpr = _x3_layout(BLOCK_M, num_warps)
+    S2: gl.constexpr = gl.SliceLayout(2, W3)
+    # copy layouts: 16 contiguous bytes per thread and copy
+    WC: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 8], threads_per_warp=[8, 4, 1],
+                                        warps_per_cta=[num_warps, 1, 1], order=[2, 1, 0])
+    XC: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[2, 16, 1],
+                                        warps_per_cta=[num_warps, 1, 1], order=[2, 1, 0])
+    SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+
+    num_n = N_OUT // BLOCK_N
+    pid = gl.program_id(0)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert = gl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        e64 = expert.to(gl.int64)
+        wg_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 8, 8], SH)
+        wu_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 8, 8], SH)
+        x_s = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_M, 16, 8], SH)
+
+        # copy sources: weight rows [BN, 8 (8-byte chunks), 8], token rows [BM, 16 (8-value chunks), 8]
+        rc = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, WC)))
+        cc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, WC)))
+        qc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, WC)))
+        g_cp = (w_ptr + e64 * stride_we + rc.to(gl.int64)[:, None, None] * stride_wn + (cc * 8)[None, :, None]
+                + qc[None, None, :])
+        u_cp = g_cp + N_OUT * stride_wn
+        mx = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(2, XC)))
+        idx = gl.load(sorted_ids_ptr + mx)
+        if GEMM1:
+            xrow = gl.where(idx < num_entries, idx // TOP_K, 0).to(gl.int64)
+        else:
+            xrow = mx.to(gl.int64)
+        cx = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC)))
+        qx = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, XC)))
+        x_cp = x_ptr + xrow[:, None, None] * stride_xm + (cx * 8)[None, :, None] + qx[None, None, :]
+
+        rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
+        ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
+        sg_ptrs = ws_ptr + e64 * stride_wse + rs.to(gl.int64)[:, None] * stride_wsn
+        if W_FMT == 2:
+            s_off = (ts // 2)[None, :]
+            GROUPS: gl.constexpr = 4
+            HI: gl.constexpr = 2
+        else:
+            s_off = (ts * 0)[None, :]
+            GROUPS: gl.constexpr = 2
+            HI: gl.constexpr = 1
+        sg_ptrs = sg_ptrs + s_off
+        su_ptrs = sg_ptrs + N_OUT * stride_wsn
+
+        acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        num_st = K // 128
+        for i in gl.static_range(STAGES - 1):
+            _issue_stage(wg_s, wu_s, x_s, g_cp, u_cp, x_cp, i, i, num_st, GATED)
+            async_copy.commit_group()
+        a0, a1, a2, a3, a4, a5, a6, a7 = _scales_stage(sg_ptrs, su_ptrs, 0, num_st, GROUPS, HI, GATED)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _scales_stage(sg_ptrs, su_ptrs, 1, num_st, GROUPS, HI, GATED)
+        for st in range(0, num_st):
+            c0, c1, c2, c3, c4, c5, c6, c7 = a0, a1, a2, a3, a4, a5, a6, a7
+            a0, a1, a2, a3, a4, a5, a6, a7 = b0, b1, b2, b3, b4, b5, b6, b7
+            b0, b1, b2, b3, b4, b5, b6, b7 = _scales_stage(sg_ptrs, su_ptrs, st + 2, num_st, GROUPS, HI, GATED)
+            _cta_barrier()  # every warp is done with the slot refilled next
+            nxt = st + STAGES - 1
+            _issue_stage(wg_s, wu_s, x_s, g_cp, u_cp, x_cp, nxt % STAGES, nxt, num_st, GATED)
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)  # this thread's copies of stage st have landed
+            _cta_barrier()  # ... and everyone else's
+            slot = st % STAGES
+            wg_t = wg_s.index(slot)
+            wu_t = wu_s.index(slot)
+            x_t = x_s.index(slot)
+            acc_g, acc_u = _step(acc_g, acc_u, x_t.slice(0, 4, dim=1).load(X3), x_t.slice(4, 4, dim=1).load(X3),
+                                 wg_t.slice(0, 4, dim=1).load(W3), c0, c1, wu_t.slice(0, 4, dim=1).load(W3), c4, c5,
+                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+            acc_g, acc_u = _step(acc_g, acc_u, x_t.slice(8, 4, dim=1).load(X3), x_t.slice(12, 4, dim=1).load(X3),
+                                 wg_t.slice(4, 4, dim=1).load(W3), c2, c3, wu_t.slice(4, 4, dim=1).load(W3), c6, c7,
+                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+        async_copy.wait_group(0)
+        _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
+                  N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
+                  GEMM1, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA)

@@ -5,12 +5,22 @@ span. overhead = wall - busy: Python, launches and host syncs that the GPU waits
     python benchmarks/bench_host_overhead.py                      # torch + flashinfer dispatchers, T 128 / 4096
     python benchmarks/bench_host_overhead.py --dispatchers torch --tokens 128 --json out.json
     python benchmarks/bench_host_overhead.py --cpu-smoke          # tiny shape on CPU (CI): wall time only
+    python benchmarks/bench_host_overhead.py --cpu-host [--host-device meta] [--profile]
+                                                                  # host cost only, no GPU (below)
 
 ep = 1 (one GPU, no process group), DeepSeek-V3 MoE shape with the experts scaled to fit (default 128
 local experts, H 7168, I 2048, top-8, bf16, triton experts). Uses only the API that existed before the
 resolver redesign (EPMoE(config, dispatcher=, experts=, max_num_tokens_per_rank=), load_weights with
 an ExpertWeights, forward), so the same file measures an older checkout too: run it from each checkout
 (PYTHONPATH=<checkout>) and compare the JSON.
+
+--cpu-host measures the Python side of the eager forward without a GPU: the layer (torch dispatcher,
+triton experts) runs with every Triton launch and every torch._grouped_mm replaced by a no-op
+recorder, and the report gives host microseconds per forward and the launches per forward.
+--host-device cpu (default) runs the remaining torch ops on small CPU tensors (H 256, I 128; the same
+op count as on the GPU, any checkout); --host-device meta runs them on meta tensors at the real shape
+(no data at all: a host sync, e.g. .item() / .cpu() / nonzero, raises, so only a sync-free forward
+runs there). Neither includes the CUDA launch itself (~5 us per torch op / Triton kernel on an H200).
 """
 
 from __future__ import annotations
@@ -112,6 +122,107 @@ def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warm
     return out
 
 
+# --------------------------------------------------------------------------- host cost without a GPU
+def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int = 0, intermediate: int = 0,
+               dispatcher: str = "torch", routing: str = "softmax", set_env: bool = True):
+    """(layer, x, logits, counts) for a host-cost run: an ep = 1 EPMoE with triton experts whose kernel
+    launches (and, on CPU, torch._grouped_mm: replaced process-wide) are no-op recorders;
+    counts["launches"] counts them. The weights are empty tensors of the real shapes (the GEMMs never
+    run). device "meta": the torch ops run on meta tensors (any host sync raises). The triton backend
+    is accepted on CPU only with TRITON_INTERPRET=1 (set here unless set_env=False)."""
+    if set_env:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # nothing is launched: no interpreter runs
+    from epmoe import EPMoE, MoEConfig
+
+    H = hidden or (7168 if device == "meta" else 256)
+    I = intermediate or (2048 if device == "meta" else 128)
+    extra = dict(n_group=8, topk_group=4) if routing == "sigmoid_grouped" else {}
+    cfg = MoEConfig(num_experts=num_experts, top_k=8, hidden_size=H, intermediate_size=I, dtype=torch.bfloat16,
+                    routing=routing, **extra)
+    from epmoe.resolve import detect_environment, resolve_plan
+
+    # the plan an H200 resolves (arch sm90); the layer is built on the CPU
+    plan = resolve_plan(cfg, dispatcher=dispatcher, experts="triton", environment=detect_environment(arch="sm90"))
+    layer = EPMoE(cfg, dispatcher=dispatcher, experts="triton", device="cpu", max_num_tokens_per_rank=max(T, 128),
+                  plan=plan)
+    dev = torch.device(device)
+    ex = layer.experts
+    ex.device = dev
+    ex._params = {"w13": torch.empty(num_experts, cfg.w13_rows, H, dtype=cfg.dtype, device=dev),
+                  "w2": torch.empty(num_experts, H, I, dtype=cfg.dtype, device=dev)}
+    layer._weights_loaded = True
+    layer.device = dev
+    if layer.e_score_correction_bias is not None:
+        layer.e_score_correction_bias = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    counts = {"launches": 0, "grouped_mm": 0}
+
+    def record(name, grid, args, kwargs):
+        counts["launches"] += 1
+
+    ex._launch = record
+    if device != "meta":  # on meta tensors the real op only computes shapes
+        def grouped_mm(a, b, offs=None, **kw):  # shape only: the GEMM is not run
+            counts["grouped_mm"] += 1
+            return torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
+
+        torch._grouped_mm = grouped_mm
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=g).to(device=dev, dtype=cfg.dtype)
+    logits = torch.randn(T, num_experts, generator=g).to(device=dev)
+    return layer, x, logits, counts
+
+
+def count_torch_ops(fn) -> dict:
+    """aten ops one call of fn() dispatches (each a kernel launch or at least a host round through
+    torch's dispatcher on a GPU; views included), by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            counts[name] = counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return counts
+
+
+def measure_host(T: int, device: str, iters: int, warmup: int, profile: bool = False, **kw) -> dict:
+    layer, x, logits, counts = host_layer(T, device, **kw)
+    for _ in range(warmup):
+        layer(x, logits)
+    ops = count_torch_ops(lambda: layer(x, logits))
+    counts.update(launches=0, grouped_mm=0)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        layer(x, logits)
+        times.append((time.perf_counter() - t0) * 1e6)
+    out = {"dispatcher": layer.dispatcher.name, "experts": "triton (launches recorded)", "tokens": T,
+           "host_device": device, "hidden_size": layer.config.hidden_size,
+           "host_us_median": statistics.median(times), "host_us_min": min(times),
+           "torch_ops_per_forward": sum(ops.values()), "torch_ops": dict(sorted(ops.items())),
+           "triton_launches_per_forward": counts["launches"] / iters,
+           "grouped_mm_per_forward": counts["grouped_mm"] / iters}
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(iters):
+            layer(x, logits)
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+        print(f"--- cProfile, T={T}, {iters} forwards ---\n{buf.getvalue()}", file=sys.stderr)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dispatchers", default="torch,flashinfer")
@@ -123,7 +234,31 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--label", default=None, help="name this run in the JSON (e.g. before / after)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU, reference experts (CI)")
+    p.add_argument("--cpu-host", action="store_true", help="host cost per forward without a GPU (launches recorded)")
+    p.add_argument("--host-device", default="cpu", choices=("cpu", "meta"), help="--cpu-host: where torch ops run")
+    p.add_argument("--routing", default="softmax", choices=("softmax", "sigmoid_grouped"), help="--cpu-host routing")
+    p.add_argument("--profile", action="store_true", help="--cpu-host: print a cProfile breakdown to stderr")
     args = p.parse_args(argv)
+    if args.cpu_host:
+        torch.set_num_threads(1)  # host cost, not CPU kernels: no intra-op threads to wait on
+        results = []
+        for T in [int(t) for t in args.tokens.split(",")]:
+            iters = args.iters if args.iters != 20 else (200 if T <= 512 else 50)
+            try:
+                results.append(measure_host(T, args.host_device, iters, args.warmup, args.profile,
+                                            num_experts=args.num_experts, routing=args.routing))
+            except Exception as e:  # noqa: BLE001 - e.g. a host sync on meta tensors
+                results.append({"tokens": T, "host_device": args.host_device, "error": f"{type(e).__name__}: {e}"})
+            print(json.dumps(results[-1]), file=sys.stderr)
+        report = {"bench": "host_overhead_cpu", "label": args.label, "revision": _git_rev(),
+                  "date": time.strftime("%Y-%m-%d"), "device": platform.processor() or "cpu",
+                  "torch": torch.__version__, "routing": args.routing, "results": results}
+        text = json.dumps(report, indent=1)
+        print(text)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+        return 0 if all("error" not in r for r in results) else 1
 
     from epmoe import MoEConfig
 
@@ -149,7 +284,8 @@ def main(argv=None) -> int:
     report = {
         "bench": "host_overhead", "label": args.label, "revision": _git_rev(), "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "shape": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
+        "torch": torch.__version__, "triton_fast_launch_env": os.environ.get("EPMOE_TRITON_FAST_LAUNCH", "unset"),
+        "shape": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
                                               "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
                                               "dtype": str(cfg.dtype)},
         "results": results,

@@ -9,7 +9,6 @@ a batch above `max_num_tokens_per_rank` runs in rounds that all ranks agree on.
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Union
@@ -41,7 +40,8 @@ class StepStats:
 
     tokens_per_rank:       T of every rank of the group in this call
     rounds:                dispatch/combine rounds (> 1 when some rank exceeded max_num_tokens_per_rank)
-    received_rows:         rows this rank's experts processed (summed over rounds; masked layout: the
+    received_rows:         rows this rank's experts processed (summed over rounds; one rank without a
+                           group: every token, as the tokens stay in place; masked layout: the
                            valid rows of all local experts, i.e. (token, expert) pairs)
     tokens_per_local_expert: [E_local] int64, (token, expert) pairs each local expert processed
     bytes_sent:            dispatch bytes this rank sent to other ranks
@@ -162,6 +162,7 @@ class EPMoE(torch.nn.Module):
         self.name = name
         self.ep_rank = edist.group_rank(group)
         self.ep_size = edist.group_size(group)
+        self._distributed = edist.is_distributed(group)  # False: one rank, the agreement is local
         if not isinstance(shared_gpu, bool):
             raise TypeError(f"shared_gpu={shared_gpu!r}; pass True or False")
         self.shared_gpu = shared_gpu
@@ -505,12 +506,18 @@ class EPMoE(torch.nn.Module):
         M = self.max_num_tokens_per_rank
         watch, to = self._watch, self._watch.collective_timeout
         watch.next_call()
-        with watch.phase("agree"):
-            agreed = edist.gather_ints([T, 0 if error is None else 1], self.group, to)
-            failed = [r for r in range(agreed.shape[0]) if agreed[r, 1]]
-            edist.raise_if_any_failed(error, failed, self.group, to)
-        tokens_per_rank = tuple(int(t) for t in agreed[:, 0])
-        rounds = max(1, max(math.ceil(t / M) for t in tokens_per_rank))
+        if not self._distributed:  # one rank: nothing to agree on, no collective
+            if error is not None:
+                with watch.phase("agree"):
+                    raise error
+            tokens_per_rank = (T,)
+        else:
+            with watch.phase("agree"):
+                agreed = edist.gather_ints([T, 0 if error is None else 1], self.group, to).tolist()
+                failed = [r for r, (_, bad) in enumerate(agreed) if bad]
+                edist.raise_if_any_failed(error, failed, self.group, to)
+            tokens_per_rank = tuple(t for t, _ in agreed)
+        rounds = max(1, max(-(-t // M) for t in tokens_per_rank))
 
         if router_logits is not None:
             routing = route(self.config, router_logits, self.e_score_correction_bias)
@@ -525,37 +532,39 @@ class EPMoE(torch.nn.Module):
         armed = self._arm_watchdog()  # None unless the dispatcher's kernels wait on peers on the GPU
         try:
             for r in range(rounds):
-                lo, hi = min(r * M, T), min((r + 1) * M, T)
                 # the one agreement of this call, handed down: the dispatcher neither validates nor agrees again
-                agreement = Agreement(tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank), inputs_checked=True,
-                                      want_bytes=return_stats)
+                per_rank = tokens_per_rank if rounds == 1 else tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank)
+                agreement = Agreement(per_rank, inputs_checked=True, want_bytes=return_stats)
+                if rounds == 1:  # no slicing (each view costs host time)
+                    x_r, ids_r, w_r = hidden_states, routing.topk_ids, routing.topk_weights
+                else:
+                    lo, hi = min(r * M, T), min((r + 1) * M, T)
+                    x_r, ids_r, w_r = hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi]
                 if armed is not None:
                     armed.phase = "dispatch" if rounds == 1 else f"dispatch[round {r}]"
                 with watch.phase("dispatch" if rounds == 1 else f"dispatch[round {r}]"):
-                    tokens, handle = self.dispatcher.dispatch(
-                        hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi], agreement=agreement,
-                    )
+                    tokens, handle = self.dispatcher.dispatch(x_r, ids_r, w_r, agreement=agreement)
                 if armed is not None:
                     armed.phase = "experts" if rounds == 1 else f"experts[round {r}]"
                 with watch.phase("experts" if rounds == 1 else f"experts[round {r}]"):
                     expert_out = self.experts(tokens)
                 if self.check_finite and isinstance(expert_out, torch.Tensor) and expert_out.numel():
                     bad_expert_out = bad_expert_out or not bool(torch.isfinite(expert_out).all())
+                if tokens.layout != "masked":
+                    rows += tokens.num_tokens
+                    if per_expert is not None and tokens.topk_ids is not None:
+                        # before combine (the received ids may be views of a dispatch workspace), no sync
+                        ids = tokens.topk_ids.reshape(-1).long()
+                        per_expert.index_add_(0, ids.clamp(min=0), (ids >= 0).long())
                 if armed is not None:
                     armed.phase = "combine" if rounds == 1 else f"combine[round {r}]"
                 with watch.phase("combine" if rounds == 1 else f"combine[round {r}]"):
                     outputs.append(self.dispatcher.combine(expert_out, handle))
                 bytes_sent += handle.bytes_sent
-                if tokens.layout == "masked":  # [E_local, slots, H] with valid rows per expert
-                    if return_stats:
-                        counts = tokens.expert_counts.to(torch.int64)
-                        per_expert += counts
-                        rows += int(counts.sum())
-                else:
-                    rows += tokens.num_tokens
-                    if per_expert is not None and tokens.topk_ids is not None:
-                        ids = tokens.topk_ids[tokens.topk_ids >= 0].long()
-                        per_expert += torch.bincount(ids, minlength=self.num_local_experts)
+                if tokens.layout == "masked" and return_stats:  # [E_local, slots, H], valid rows per expert
+                    counts = tokens.expert_counts.to(torch.int64)
+                    per_expert += counts
+                    rows += int(counts.sum())
         finally:
             if armed is not None:  # the watchdog thread disarms it once these kernels have finished
                 armed.launched(_watchdog.completion_marker(self.device))

@@ -46,7 +46,7 @@ def route(
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
         group_idx = group_scores.topk(topk_group, dim=-1).indices
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        masked = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(T, E)
+        masked = torch.where(group_mask.unsqueeze(-1), grouped, float("-inf")).view(T, E)
         ids = masked.topk(K, dim=-1).indices
         weights = scores.gather(1, ids)
         if config.renormalize:

@@ -14,12 +14,11 @@ timeout and watchdog apply (init_process_group(timeout=...), the launcher's --ti
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -211,19 +210,36 @@ class FaultWatch:
         return tuple(states.get(r, RankState(r, "no report", detail="alive elsewhere or gone"))
                      for r in self.ranks)
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        try:
-            yield
-        except CollectiveFailure as e:
+    def phase(self, name: str) -> "_Phase":
+        """Context manager for one phase of a call (a plain class: entered several times per call, so
+        it costs no generator)."""
+        return _Phase(self, name)
+
+    def _failed(self, name: str, e: BaseException) -> None:
+        """Called for an exception leaving phase `name`: a collective failure becomes one raised with
+        its FaultReport; anything else is recorded as this rank's state (the caller re-raises it)."""
+        if isinstance(e, CollectiveFailure):
             if e.report is not None:
-                raise
+                return
             lost = isinstance(e, PeerLostError)
             self._write("lost a peer" if lost else "timed out", name, str(e))
             grace = min(5.0, max(1.0, (self.timeout_s or 4.0) / 4))
             report = FaultReport(self.layer_uid, self.call, name, self.rank, self.timeout_s, self._read_peers(grace),
                                  cause="lost a peer" if lost else "timed out")
             raise type(e)(report.format(), report) from e
-        except BaseException as e:
-            self._write("failed", name, f"{type(e).__name__}: {e}")
-            raise
+        self._write("failed", name, f"{type(e).__name__}: {e}")
+
+
+class _Phase:
+    __slots__ = ("watch", "name")
+
+    def __init__(self, watch: FaultWatch, name: str):
+        self.watch, self.name = watch, name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None:
+            self.watch._failed(self.name, exc)
+        return False

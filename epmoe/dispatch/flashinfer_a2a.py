@@ -340,6 +340,8 @@ class FlashInferA2ADispatcher(Dispatcher):
         self._pending: Optional[int] = None
         # [remote (token, rank) sends, rows computed for other ranks]; folded into stats on read.
         self._counters = torch.zeros(2, dtype=torch.int64, device=dev)
+        self._zero = torch.zeros((), dtype=torch.int64, device=dev)  # one rank's remote counts, every call
+        self._combine_ptr: dict = {}  # runtime max tokens -> address of the combine payload in the workspace
 
     # ------------------------------------------------------------------ communicator
     def _make_comm(self, spec: DispatchSpec):
@@ -445,10 +447,14 @@ class FlashInferA2ADispatcher(Dispatcher):
             runtime_max_tokens_per_rank = max(1, agreement.max_tokens)
         T = hidden.shape[0] if local_error is None else 0
         route = sends = None
+        single = s.ep_size == 1
         if local_error is None:  # before the collective: its sync then makes the counts free
             ids = topk_ids.to(torch.int32).contiguous()
-            route = route_expert_ids(ids, s.num_experts, s.first_local_expert)
-            sends = remote_destinations(route, s.num_experts // s.ep_size, s.ep_size, s.ep_rank)
+            if single:  # every id (valid or not) leads to the one rank: one op, and nothing crosses a link
+                route, sends = ids.clamp(0, s.num_experts - 1), self._zero
+            else:
+                route = route_expert_ids(ids, s.num_experts, s.first_local_expert)
+                sends = remote_destinations(route, s.num_experts // s.ep_size, s.ep_size, s.ep_rank)
         rt = self._runtime_max(T, topk_ids, local_error, runtime_max_tokens_per_rank)
         payloads: List[torch.Tensor] = []
         quantized = None
@@ -470,11 +476,15 @@ class FlashInferA2ADispatcher(Dispatcher):
             route, payloads, rt, invalid_token_expert_id=-1, expert_id_payload_index=self._ids_index
         )
         recv = {slot.name: r.flatten(0, 1) for slot, r in zip(self.slots, recv)}
-        local_ids = to_local_ids(recv["topk_ids"], s.first_local_expert, s.num_local_experts)
-
-        rows = remote_rows(local_ids, s.ep_size, rt, s.ep_rank)
-        self._counters[0] += sends
-        self._counters[1] += rows
+        if single and agreement is not None and agreement.inputs_checked:
+            local_ids = recv["topk_ids"]  # ids in [-1, E) (checked), padding -1 (sanitized): local already
+            rows = self._zero
+        else:
+            local_ids = to_local_ids(recv["topk_ids"], s.first_local_expert, s.num_local_experts)
+            rows = remote_rows(local_ids, s.ep_size, rt, s.ep_rank)
+        if not single:  # one rank sends and receives nothing over a link: the counters stay 0
+            self._counters[0] += sends
+            self._counters[1] += rows
         self._stats.dispatch_calls += 1
 
         x = recv["hidden"]
@@ -498,7 +508,9 @@ class FlashInferA2ADispatcher(Dispatcher):
         self._round += 1
         self._pending = self._round
         bytes_sent = -1
-        if self.handle_bytes and not _capturing(hidden.device) and (agreement is None or agreement.want_bytes):
+        if single and self.handle_bytes:
+            bytes_sent = 0
+        elif self.handle_bytes and not _capturing(hidden.device) and (agreement is None or agreement.want_bytes):
             bytes_sent = int(sends) * self.dispatch_bytes_per_token
         handle = FlashInferDispatchHandle(
             num_tokens=T,
@@ -608,7 +620,10 @@ class FlashInferA2ADispatcher(Dispatcher):
         if expert_output.dtype != s.combine_dtype:
             raise TypeError(f"expert_output has dtype {expert_output.dtype}; expected {s.combine_dtype}")
         payload = expert_output.contiguous().view(s.ep_size, rt, s.hidden_size)
-        in_workspace = payload.data_ptr() == self.combine_input_buffer(handle).data_ptr()
+        ptr = self._combine_ptr.get(rt)
+        if ptr is None:  # the workspace is fixed for the dispatcher's life: asked once per rt
+            ptr = self._combine_ptr[rt] = self.combine_input_buffer(handle).data_ptr()
+        in_workspace = payload.data_ptr() == ptr
         kwargs = {"payload_in_workspace": in_workspace}
         if self.low_precision_combine:
             kwargs["use_low_precision"] = True

@@ -11,6 +11,12 @@ dispatch (per call, three collectives):
 combine: all_to_all of the expert outputs back (model dtype), then each rank adds its partial sums
   per source rank in rank order, in fp32: deterministic on every device.
 
+Host syncs: the split sizes must reach the host (all_to_all_single takes python ints), so a call over
+several ranks reads both [ep] count vectors back in ONE device -> host copy; the rows to send are then
+listed with `nonzero_static` of that known size (no second sync). One rank without a process group,
+inputs already checked by the layer (`Agreement.inputs_checked`), has nothing to exchange: every token
+stays in place (rows of no expert give 0 in the experts), no sync and no copy of the rows.
+
 CUDA tensors over a gloo group (several ranks sharing one GPU, `spec.shared_gpu`, where NCCL refuses
 duplicate devices): every collective stages its tensors through host memory (device -> host copy,
 gloo all_to_all, host -> device copy). The bytes and the arithmetic are those of the NCCL path, so
@@ -95,6 +101,7 @@ class TorchA2ADispatcher(Dispatcher):
 
         self._codec = _RowCodec(spec)
         self._distributed = edist.is_distributed(spec.group)
+        self._combine_elem = torch.empty((), dtype=spec.combine_dtype).element_size()
         # gloo moves host memory only: CUDA tensors are staged through the host (shared-GPU mode)
         self._host_staging = self._distributed and dist.get_backend(spec.group) == "gloo"
 
@@ -180,6 +187,8 @@ class TorchA2ADispatcher(Dispatcher):
             return self._dispatch_static(hidden, topk_ids, topk_weights)
         ep, E_local = s.ep_size, s.num_local_experts
         checked = agreement is not None and agreement.inputs_checked
+        if checked and not self._distributed:
+            return self._dispatch_local(hidden, topk_ids, topk_weights)
         error, bad_ids = (None, None) if checked else self._validate(hidden, topk_ids, topk_weights)
 
         # split sizes (and, standalone, the "my input is bad" flag): one small all_to_all
@@ -196,13 +205,12 @@ class TorchA2ADispatcher(Dispatcher):
             meta[:, 1] = 1
         recv_meta = torch.empty_like(meta)
         self._a2a_meta(recv_meta, meta)
-        meta_cpu = meta.cpu()
-        send_counts = meta_cpu[:, 0].tolist()
-        recv_meta_cpu = recv_meta.cpu()
-        recv_counts = recv_meta_cpu[:, 0].tolist()
+        both = torch.stack([meta, recv_meta]).tolist()  # the one host sync of this dispatch
+        send_counts = [row[0] for row in both[0]]
+        recv_counts = [row[0] for row in both[1]]
         if not checked:
-            failed = [r for r in range(ep) if recv_meta_cpu[r, 1].item()]
-            if error is None and bad_ids is not None and meta_cpu[0, 1].item():
+            failed = [r for r in range(ep) if both[1][r][1]]
+            if error is None and bad_ids is not None and both[0][0][1]:
                 bad = topk_ids[(topk_ids < -1) | (topk_ids >= s.num_experts)]
                 error = ValueError(
                     f"topk_ids holds expert id {int(bad[0])} outside [0, {s.num_experts}) "
@@ -210,8 +218,9 @@ class TorchA2ADispatcher(Dispatcher):
                 )
             edist.raise_if_any_failed(error, failed, s.group, s.timeout_s)
 
-        # rows in rank-major order, tokens ascending within a rank
-        rank_of_row, token_of_row = sent.t().nonzero(as_tuple=True)
+        # rows in rank-major order, tokens ascending within a rank; their number is known: no sync
+        nz = torch.nonzero_static(sent.t().contiguous(), size=sum(send_counts))
+        rank_of_row, token_of_row = nz[:, 0], nz[:, 1]
         row_dest = rank_of_row.unsqueeze(1)
         row_ids = ids[token_of_row]
         on_dest = dest[token_of_row] == row_dest
@@ -239,6 +248,24 @@ class TorchA2ADispatcher(Dispatcher):
         )
         return DispatchedTokens(hidden=recv_hidden, topk_ids=recv_ids, topk_weights=recv_w), handle
 
+    def _dispatch_local(self, hidden, topk_ids, topk_weights):
+        """One rank, inputs checked: every token stays here with its own ids (all local; -1 stays -1)
+        and weights (a slot of id -1 keeps the caller's weight: experts read no weight of a -1 slot,
+        as with the flashinfer dispatcher). No host sync, no row copy (a quantized wire still
+        quantizes and dequantizes: the same numbers as over the wire)."""
+        T = hidden.shape[0]
+        ids = topk_ids.to(torch.int32)
+        w = topk_weights.to(torch.float32)
+        if self._codec.wire.is_quantized:
+            recv_hidden, ids, w = self._codec.unpack(self._codec.pack(hidden, ids, w))
+        else:
+            recv_hidden = hidden.to(self._codec.wire.dtype)
+        st = self.stats
+        st.dispatch_calls += 1
+        st.by_format.setdefault(self._codec.wire.name, {"payload": 0, "routing": 0})
+        handle = TorchA2AHandle(num_tokens=T, bytes_sent=0, send_token_idx=None, send_counts=(T,), recv_counts=(T,))
+        return DispatchedTokens(hidden=recv_hidden, topk_ids=ids, topk_weights=w), handle
+
     def _a2a_meta(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         self._all_to_all(out, inp, None, None, "all_to_all of split sizes")
 
@@ -253,13 +280,15 @@ class TorchA2ADispatcher(Dispatcher):
                 f"expert_output has shape {list(expert_output.shape)}; expected [{N}, {s.hidden_size}] "
                 "(one row per dispatched token)"
             )
+        if handle.send_token_idx is None:  # _dispatch_local: the rows are the tokens, in order
+            return expert_output.to(s.combine_dtype)
         back = expert_output.to(s.combine_dtype).contiguous()
         S = sum(handle.send_counts)
         got = torch.empty(S, s.hidden_size, dtype=s.combine_dtype, device=expert_output.device)
         self._a2a(got, back, list(handle.send_counts), list(handle.recv_counts))
         me = s.ep_rank
-        elem = torch.tensor([], dtype=s.combine_dtype).element_size()
-        self.stats.combine_bytes_sent += sum(c for r, c in enumerate(handle.recv_counts) if r != me) * s.hidden_size * elem
+        self.stats.combine_bytes_sent += (sum(c for r, c in enumerate(handle.recv_counts) if r != me) * s.hidden_size
+                                          * self._combine_elem)
 
         out = torch.zeros(handle.num_tokens, s.hidden_size, dtype=torch.float32, device=expert_output.device)
         start = 0

@@ -330,6 +330,9 @@ class GroupedMMExperts(Experts):
                                         align=self.align_impl)  # fmt: skip
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
-        from epmoe.experts.triton_experts import kernel_module
+        launcher = self.__dict__.get("_launcher")
+        if launcher is None:
+            from epmoe.experts.launch import KernelLauncher
 
-        getattr(kernel_module(self.device), kernel_name)[grid](*args, **kwargs)
+            launcher = self._launcher = KernelLauncher(self.device)
+        launcher(kernel_name, grid, args, kwargs)

@@ -471,3 +471,25 @@ def test_static_shapes_mode(fake_fi):
         assert n == 0, "static mode must not run a collective per dispatch"
         assert h.runtime_max_tokens_per_rank == 6 and tokens.num_tokens == 12 and tokens.static
         assert h.bytes_sent == -1
+
+
+def test_single_rank_with_agreement_skips_conversions_same_result(fake_fi):
+    """ep = 1 with the layer's agreement (ids checked): routing tensor by one clamp, received ids used
+    as local ids, no counter updates; the result equals the standalone (validating) call's and the
+    reference, and nothing counts as sent over a link."""
+    from epmoe.dispatch.base import Agreement
+    from epmoe.dispatch.flashinfer_a2a import FlashInferA2ADispatcher
+
+    E, K, H, T = 8, 3, 32, 6
+    d = FlashInferA2ADispatcher(_spec(0, 1, E, K, H, 8))
+    inputs = _inputs(11, 1, [T], E, K, H)
+    x, ids, w = inputs[0]
+    tokens, h = d.dispatch(x, ids, w, agreement=Agreement((T,), inputs_checked=True, want_bytes=True))
+    assert h.bytes_sent == 0 and h.runtime_max_tokens_per_rank == T
+    fast = d.combine(fake_experts(tokens, 0, E), h)
+    tokens2, h2 = d.dispatch(x, ids, w)
+    slow = d.combine(fake_experts(tokens2, 0, E), h2)
+    assert torch.equal(fast, slow)
+    torch.testing.assert_close(fast.float(), reference(inputs, 0, 1, E).float(), rtol=2e-2, atol=2e-2)
+    st = d.stats
+    assert st.dispatch_calls == 2 and st.dispatch_bytes_sent == 0 and st.combine_bytes_sent == 0

@@ -1,0 +1,163 @@
+"""Triton kernel launches for the experts backends, with the host side of each launch kept small.
+
+    launch = KernelLauncher(device)
+    launch("moe_gemm1_kernel", grid, args, kwargs)     # = triton_kernels.moe_gemm1_kernel[grid](*args, **kwargs)
+
+`kernel[grid](...)` costs ~15-30 us of Python per launch in Triton 3.6 (binding the arguments, computing
+the specialization key, formatting the options into a string key, launch metadata), several times a
+kernel's own time at decode sizes, paid again on every layer call. On a CUDA device the launcher keeps
+the compiled kernel Triton returned for the first launch under a key of its own that is at least as fine
+as Triton's specialization: per argument, a tensor's dtype and 16-byte alignment of its address, an
+int's value class (== 1, multiple of 16, int32 / int64 / uint64 range), the type of anything else; the
+constexpr / option keywords by value; the current device. A later launch with the same key calls that
+kernel's launcher directly (same stream, launch metadata and launch hooks as Triton's own path; with
+no launch hook installed, none is called and no metadata is built). The
+first launch of each key goes through Triton (compiling if needed) and checks that Triton binds the
+arguments the way the direct path passes them; where it does not (another Triton version, an argument
+type the key does not know), that kernel keeps Triton's path. Triton's debug / instrumentation knobs
+count as they were at a key's first launch. Env EPMOE_TRITON_FAST_LAUNCH=0 (read at
+import) or `KernelLauncher.fast = False` turns the direct path off. The Triton interpreter (CPU) always
+takes Triton's path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+FAST_LAUNCH = os.environ.get("EPMOE_TRITON_FAST_LAUNCH", "1") != "0"
+_INT32_MIN, _INT32_MAX, _INT64_MAX = -(1 << 31), (1 << 31) - 1, (1 << 63) - 1
+
+
+def arg_key(a: Any, _tensor=torch.Tensor) -> Any:
+    """What Triton specializes a kernel argument on, or finer (TypeError: unknown kind -> Triton's path)."""
+    c = a.__class__
+    if c is int:
+        if _INT32_MIN <= a <= _INT32_MAX:
+            return 1 if a == 1 else (16 if a & 15 == 0 else 0)
+        return (64 if a <= _INT64_MAX else 65, a & 15 == 0)
+    if isinstance(a, _tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
+    if c is float or a is None:
+        return c
+    if c is bool:
+        return ("u1", a)  # never equal to an int's key (True == 1)
+    raise TypeError(f"no launch key for a {c.__name__}")
+
+
+def plain_jit(fn) -> bool:
+    """A plain Triton JITFunction (not an autotuner / heuristics wrapper)?"""
+    return isinstance(getattr(fn, "pre_run_hooks", None), list) and hasattr(fn, "device_caches")
+
+
+class _Direct:
+    """A compiled kernel and the constexpr arguments that follow the positional ones."""
+
+    __slots__ = ("kernel", "run", "tail")
+
+    def __init__(self, kernel, run, tail: tuple):
+        self.kernel, self.run, self.tail = kernel, run, tail
+
+
+_TRITON_PATH = object()  # cache value: this key launches through kernel[grid]
+
+
+class KernelLauncher:
+    """Launches the kernels of `epmoe.experts.triton_kernels` by name (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.fast = FAST_LAUNCH and self.device.type == "cuda"
+        self._kernels: Dict[str, tuple] = {}  # name -> (kernel, may launch directly)
+        self._cache: Dict[tuple, Any] = {}
+        self._stream = None
+        self._knobs = None
+
+    def __call__(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
+        found = self._kernels.get(kernel_name)
+        if found is None:
+            found = self._kernels[kernel_name] = self._resolve(kernel_name)
+        fn, direct_ok = found
+        # not a plain Triton kernel of triton_kernels (Gluon, an autotuner / heuristics wrapper), or
+        # pre-run hooks: Triton's path
+        if not (self.fast and direct_ok) or fn.pre_run_hooks:
+            fn[grid](*args, **kwargs)
+            return
+        try:
+            key = (kernel_name, torch.cuda.current_device(), tuple(kwargs.items()), tuple(map(arg_key, args)))
+            entry = self._cache.get(key)
+        except TypeError:  # an argument kind the key does not know, or an unhashable keyword value
+            fn[grid](*args, **kwargs)
+            return
+        if entry is None:
+            kernel = fn[grid](*args, **kwargs)  # Triton's path: compiles or finds the kernel, launches it
+            self._cache[key] = self._direct(fn, kernel, args, kwargs) or _TRITON_PATH
+            return
+        if entry is _TRITON_PATH:
+            fn[grid](*args, **kwargs)
+            return
+        n = len(grid)
+        g0, g1, g2 = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+        stream = self._stream(key[1])
+        every = args + entry.tail
+        kernel, runtime = entry.kernel, self._knobs.runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if getattr(enter, "calls", True) or getattr(leave, "calls", True):
+            metadata = kernel.launch_metadata(grid, stream, *every)
+        else:  # empty hook chains (the usual case): nothing to call, no metadata to build
+            enter = leave = metadata = None
+        entry.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *every)
+
+    def _resolve(self, kernel_name: str) -> tuple:
+        """(kernel, direct launch allowed): `kernel_function`'s kernel; only plain JITFunctions of
+        `epmoe.experts.triton_kernels` launch directly (Gluon kernels keep Triton's path)."""
+        from epmoe.experts import triton_experts as te
+
+        fn = te.kernel_function(self.device, kernel_name)
+        if te.interpreter_enabled():
+            self.fast = False
+            return fn, False
+        return fn, getattr(te.kernel_module(self.device), kernel_name, None) is fn and plain_jit(fn)
+
+    def _direct(self, fn, kernel, args: tuple, kwargs: dict) -> Optional[_Direct]:
+        """The direct launch of `kernel`, or None where this Triton does not bind as expected."""
+        try:
+            from triton import knobs
+            from triton.runtime.driver import driver
+
+            if kernel is None or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None:
+                return None
+            params = list(fn.signature.parameters.values())
+            if len(args) > len(params) or any(p.name in kwargs for p in params[: len(args)]):
+                return None
+            tail = []
+            for p in params[len(args):]:
+                if p.name in kwargs:
+                    tail.append(kwargs[p.name])
+                elif p.default is not inspect.Parameter.empty:
+                    tail.append(p.default)
+                else:
+                    return None
+            tail = tuple(tail)
+            # Triton's own binding of these arguments must be exactly what the direct launch passes
+            device = driver.active.get_current_device()
+            binder = fn.device_caches[device][4]
+            bound, _, _ = binder(*args, **kwargs)
+            if len(bound) != len(args) + len(tail) or any(
+                    a is not b for a, b in zip(bound.values(), args + tail)):  # fmt: skip
+                return None
+            run = kernel.run
+            if self._stream is None:
+                self._stream = driver.active.get_current_stream
+                self._knobs = knobs
+            return _Direct(kernel, run, tail)
+        except Exception:  # noqa: BLE001 - any difference in Triton's internals: keep Triton's path
+            return None
+
+
+def launch_keys(launcher: KernelLauncher) -> Tuple[tuple, ...]:
+    """The keys launched directly so far (tests and benchmarks)."""
+    return tuple(k for k, v in launcher._cache.items() if v is not _TRITON_PATH)

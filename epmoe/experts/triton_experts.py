@@ -229,8 +229,11 @@ _GLUON = None
 
 
 def _gluon_available() -> bool:
-    """Does this Triton have Gluon with the pieces `gluon_w4a16` uses (Triton >= 3.5)?"""
+    """Does this Triton have Gluon with the pieces `gluon_w4a16` uses (Triton >= 3.5)? Never under the
+    Triton interpreter (it cannot run Gluon; nothing is cached then)."""
     global _GLUON
+    if interpreter_enabled():
+        return False
     if _GLUON is None:
         try:
             from epmoe.experts import gluon_w4a16  # noqa: F401

@@ -15,6 +15,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _cpu_availability(monkeypatch):
+    """The triton backend constructs on CPU as under the interpreter, without setting TRITON_INTERPRET:
+    a Triton first imported with it set stays in interpreter mode for the process (Gluon then fails
+    to import, and the sm90 compile tests after these would lose the Gluon kernels)."""
+    monkeypatch.setattr("epmoe.experts.triton_experts.interpreter_enabled", lambda: True)
+
+
 def _bench():
     spec = importlib.util.spec_from_file_location("bench_host_overhead",
                                                   os.path.join(ROOT, "benchmarks", "bench_host_overhead.py"))
@@ -27,7 +34,7 @@ def _bench():
 @pytest.mark.parametrize("T", [16, 512])
 @pytest.mark.parametrize("routing", ["softmax", "sigmoid_grouped"])
 def test_eager_forward_recorded_launches_has_no_host_sync(monkeypatch, T, routing):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the backend's CPU availability; nothing is launched
+    _cpu_availability(monkeypatch)  # nothing is launched
     layer, x, logits, counts = _bench().host_layer(T, "meta", num_experts=16, hidden=256, intermediate=128,
                                                    routing=routing, set_env=False)
     out = layer(x, logits)  # raises on the first host sync
@@ -40,7 +47,7 @@ def test_eager_forward_recorded_launches_has_no_host_sync(monkeypatch, T, routin
 def test_meta_run_does_catch_a_sync(monkeypatch):
     """The check has teeth: the standalone dispatcher (no agreement from the layer) validates ids on the
     host, and that raises on meta tensors."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _cpu_availability(monkeypatch)
     layer, x, logits, _ = _bench().host_layer(16, "meta", num_experts=16, hidden=256, intermediate=128, set_env=False)
     ids = torch.zeros(16, 8, dtype=torch.int32, device="meta")
     w = torch.zeros(16, 8, dtype=torch.float32, device="meta")
@@ -112,7 +119,7 @@ def test_triton_experts_host_code_has_no_host_sync(monkeypatch, mode, N):
     from epmoe.experts.triton_experts import TritonExperts
     from epmoe.quant.plan import QuantPlan
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the backend's CPU availability; nothing is launched
+    _cpu_availability(monkeypatch)  # nothing is launched
     E, K, H, I = 16, 8, 512, 256
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, dtype=torch.bfloat16)
     ex = TritonExperts(ExpertsSpec(cfg, 0, 1, torch.device("cpu"), plan=QuantPlan(expert_mode=mode)))

@@ -1,6 +1,9 @@
 """Eager host overhead of one EPMoE layer call: wall time of a synchronized call (CPU timer) against
 the GPU's busy time for the same call (sum of kernel durations from the profiler) and the CUDA-event
-span. overhead = wall - busy: Python, launches and host syncs that the GPU waits for.
+span. overhead = wall - busy: Python, launches and host syncs that the GPU waits for. Also: the host
+time to issue one call while the GPU is busy with earlier work (`host_issue_ms_median`: the CPU cost
+of a layer when layers follow each other without a sync) and the wall time per call of 10 calls back
+to back against the busy time (`back_to_back_overhead_ms`).
 
     python benchmarks/bench_host_overhead.py                      # torch + flashinfer dispatchers, T 128 / 4096
     python benchmarks/bench_host_overhead.py --dispatchers torch --tokens 128 --json out.json
@@ -114,6 +117,28 @@ def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warm
         busy = _busy_ms(prof, n)
         out.update(event_ms_median=statistics.median(spans), device_busy_ms=busy,
                    host_overhead_ms=out["wall_ms_median"] - busy)
+        # Host time to issue one call while the GPU is still busy with earlier work (a queued sleep
+        # kernel): what each layer costs the CPU when layers follow each other without a sync. A host
+        # sync inside the call would show up here as the sleep's length.
+        issue = []
+        for _ in range(iters):
+            sync()
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time queued ahead of the call
+            t0 = time.perf_counter()
+            layer(x, logits)
+            issue.append((time.perf_counter() - t0) * 1e3)
+        sync()
+        # Layers back to back (one sync per 10 calls): wall per call against the GPU's busy time.
+        reps = []
+        for _ in range(max(3, iters // 5)):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                layer(x, logits)
+            sync()
+            reps.append((time.perf_counter() - t0) * 1e3 / 10)
+        out.update(host_issue_ms_median=statistics.median(issue), back_to_back_ms_per_call=statistics.median(reps),
+                   back_to_back_overhead_ms=statistics.median(reps) - busy)
     close = getattr(layer, "close", None)
     if close is not None:
         close()

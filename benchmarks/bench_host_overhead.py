@@ -248,6 +248,16 @@ def measure_host(T: int, device: str, iters: int, warmup: int, profile: bool = F
     return out
 
 
+def _emit(report: dict, json_path) -> int:
+    """Print the report (and write it to json_path); exit code 1 if any row failed."""
+    text = json.dumps(report, indent=1)
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
+    return 0 if all("error" not in r for r in report["results"]) else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dispatchers", default="torch,flashinfer")
@@ -278,12 +288,7 @@ def main(argv=None) -> int:
         report = {"bench": "host_overhead_cpu", "label": args.label, "revision": _git_rev(),
                   "date": time.strftime("%Y-%m-%d"), "device": platform.processor() or "cpu",
                   "torch": torch.__version__, "routing": args.routing, "results": results}
-        text = json.dumps(report, indent=1)
-        print(text)
-        if args.json:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-        return 0 if all("error" not in r for r in results) else 1
+        return _emit(report, args.json)
 
     from epmoe import MoEConfig
 
@@ -315,12 +320,7 @@ def main(argv=None) -> int:
                                               "dtype": str(cfg.dtype)},
         "results": results,
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    return 0 if all("error" not in r for r in results) else 1
+    return _emit(report, args.json)
 
 
 if __name__ == "__main__":

@@ -43,47 +43,34 @@ def _mma_layout(num_warps):
 
 
 @gluon.constexpr_function
-def _w3_layout(BN, num_warps):
-    """[BN rows, 4 (t), 8 (q)] bytes: lane 4g + t holds rows g (+8, + 16 * warps * rep) and its t's 8
-    bytes; warps stack 16-row groups (the mma's warps_per_cta [num_warps, 1])."""
-    reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]]
-    rep = 16 * num_warps
-    while rep < BN:
-        reg.append([rep, 0, 0])
-        rep *= 2
-    warps = []
-    w = 16
-    while w < 16 * num_warps:
-        warps.append([w, 0, 0])
-        w *= 2
+def _operand3_layout(rows, reg_rows, warp_rows, warps):
+    """[rows, 4 (t), 8 (q)]: lane 4g + t holds row g and its t's 8 consecutive values (registers q),
+    plus the rows of `reg_rows` (register bases) and `warp_rows` (warp bases, 0 = every warp the same)."""
+    reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4]] + [[r, 0, 0] for r in reg_rows]
+    assert len(warp_rows) == warps.bit_length() - 1
     return gl.DistributedLinearLayout(
         reg_bases=reg,
         lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=warps,
+        warp_bases=[[r, 0, 0] for r in warp_rows],
         block_bases=[],
-        shape=[BN, 4, 8],
+        shape=[rows, 4, 8],
     )
+
+
+@gluon.constexpr_function
+def _w3_layout(BN, num_warps):
+    """[BN rows, 4 (t), 8 (q)] bytes: lane 4g + t holds rows g (+8, + 16 * warps * rep) and its t's 8
+    bytes; warps stack 16-row groups (the mma's warps_per_cta [num_warps, 1])."""
+    reps = [16 * num_warps * (1 << i) for i in range(max(0, (BN // (16 * num_warps)).bit_length() - 1))]
+    warp_rows = [16 * (1 << i) for i in range(num_warps.bit_length() - 1)]
+    return _operand3_layout(BN, [8] + reps, warp_rows, num_warps)
 
 
 @gluon.constexpr_function
 def _x3_layout(BM, num_warps):
     """[BM tokens, 4 (t), 8 (q)] bf16: lane 4g + t holds tokens g (+8) and its t's 8 values; every warp
     holds the same (B is shared by the warps of the M dimension)."""
-    reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4]]
-    if BM == 16:
-        reg.append([8, 0, 0])
-    warps = []
-    w = 1
-    while w < num_warps:
-        warps.append([0, 0, 0])
-        w *= 2
-    return gl.DistributedLinearLayout(
-        reg_bases=reg,
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=warps,
-        block_bases=[],
-        shape=[BM, 4, 8],
-    )
+    return _operand3_layout(BM, [8] if BM == 16 else [], [0] * (num_warps.bit_length() - 1), num_warps)
 
 
 @gluon.jit

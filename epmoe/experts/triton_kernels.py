@@ -91,31 +91,21 @@ def _fp4_dequant(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT
 # ((a << 4) & 0x80008000) | ((a >> 2) & 0x01C001C0): sign to bit 15, exponent|mantissa to bits 8..6,
 # exactly the words `_fp4_dequant_packed` builds with Triton integer ops. $0, $1: low nibbles of
 # bytes (0, 1), (2, 3); $2, $3: high nibbles.
-_E2M1_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 a, t, u;
-prmt.b32 a, $4, 0, 0x1404;
-shr.b32 t, a, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, a, 4;
-and.b32 u, u, 0x80008000;
-or.b32 $0, t, u;
-shr.b32 t, a, 6;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, a, 0x80008000;
-or.b32 $2, t, u;
-prmt.b32 a, $4, 0, 0x3424;
-shr.b32 t, a, 2;
-and.b32 t, t, 0x01C001C0;
-shl.b32 u, a, 4;
-and.b32 u, u, 0x80008000;
-or.b32 $1, t, u;
-shr.b32 t, a, 6;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, a, 0x80008000;
-or.b32 $3, t, u;
-}
-""")
+def _e2m1_bf16_asm() -> str:
+    """The PTX of `_E2M1_BF16_ASM`: bytes (0, 1) then (2, 3) of $4, each pair spread by one prmt."""
+    lines = ["{", ".reg .b32 a, t, u;"]
+    for selector, lo_out, hi_out in (("0x1404", "$0", "$2"), ("0x3424", "$1", "$3")):
+        lines += [
+            f"prmt.b32 a, $4, 0, {selector};",
+            "shr.b32 t, a, 2;", "and.b32 t, t, 0x01C001C0;", "shl.b32 u, a, 4;", "and.b32 u, u, 0x80008000;",
+            f"or.b32 {lo_out}, t, u;",  # low nibbles
+            "shr.b32 t, a, 6;", "and.b32 t, t, 0x01C001C0;", "and.b32 u, a, 0x80008000;",
+            f"or.b32 {hi_out}, t, u;",  # high nibbles
+        ]  # fmt: skip
+    return "\n".join(lines + ["}"])
+
+
+_E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm())
 
 
 @triton.jit

@@ -40,11 +40,11 @@ SWEEP = {
     ("bf16", "prefill"): ["auto", "prefill", "prefill_nosplit", "prefill_m64", "medium"],
     ("fp8_block", "decode"): ["auto"],
     ("fp8_block", "prefill"): ["auto", "prefill", "medium_s4", "medium_s4w8", "medium_split", "medium_g2w8"],
-    ("nvfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4", "g:1:0:decode", "g:4:0:decode", "g:2:0:decode_m8",
-                                "g:2:96:decode", "g:2:0:decode:128"],
+    ("nvfp4_w4a16", "decode"): ["auto", "triton_w4a16", "g:2:0:decode:128:8", "g:2:0:decode:256:16", "g:4:0:decode:128:8",
+                                "g:1:0:decode:128:8", "g:2:0:decode:64:2"],
     ("nvfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
-    ("mxfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4", "g:1:0:decode", "g:4:0:decode", "g:2:0:decode_m8",
-                                "g:2:96:decode", "g:2:0:decode:128"],
+    ("mxfp4_w4a16", "decode"): ["auto", "triton_w4a16", "g:2:0:decode:128:8", "g:2:0:decode:256:16", "g:4:0:decode:128:8",
+                                "g:1:0:decode:128:8", "g:2:0:decode:64:2"],
     ("mxfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
 }
 # Pseudo presets (configuration switches, not tile presets): "legacy_fp4" / "packed_fp4" = triton with
@@ -371,7 +371,7 @@ def run_plan(args, plan: List[Run]) -> int:
     from epmoe.experts.graphs import CapturedExperts
     from epmoe.experts import triton_experts as TE
 
-    GLUON_DEFAULTS = (TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N)
+    GLUON_DEFAULTS = (TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS)
     from epmoe.experts.triton_experts import FP4_CONVERT, pick_config, presets_for
     from epmoe.quant.plan import QuantPlan
 
@@ -432,11 +432,12 @@ def run_plan(args, plan: List[Run]) -> int:
         preset_used = ""
         if run.backend == "triton":
             preset = run.preset
-            TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N = GLUON_DEFAULTS
-            if preset.startswith("g:"):  # Gluon W4A16 variant g:<unroll>:<maxnreg or 0>:<tile preset>[:<block_n>]
-                _, unroll, maxnreg, preset, *bn = preset.split(":")
+            TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS = GLUON_DEFAULTS
+            if preset.startswith("g:"):  # Gluon W4A16: g:<unroll>:<maxnreg or 0>:<tile preset>[:<block_n>[:<warps>]]
+                _, unroll, maxnreg, preset, *more = preset.split(":")
                 TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG = int(unroll), (int(maxnreg) or None)
-                TE.GLUON_W4A16_BLOCK_N = int(bn[0]) if bn else GLUON_DEFAULTS[2]
+                TE.GLUON_W4A16_BLOCK_N = int(more[0]) if more else GLUON_DEFAULTS[2]
+                TE.GLUON_W4A16_WARPS = int(more[1]) if len(more) > 1 else GLUON_DEFAULTS[3]
             tile = preset not in ("auto", "noprefetch_fp4", "triton_w4a16") and preset not in FP4_CONVERT_PRESETS
             TE.FP4_SCALE_PREFETCH = preset != "noprefetch_fp4"
             ex.w4a16_decode = "triton" if preset == "triton_w4a16" else TE.W4A16_DECODE_KERNEL

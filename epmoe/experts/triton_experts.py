@@ -175,7 +175,8 @@ FP4_CONVERT_CHOICES = ("asm", "packed", "legacy")
 W4A16_DECODE_KERNEL = "gluon"
 W4A16_DECODE_CHOICES = ("gluon", "triton")
 GLUON_W4A16_BLOCK_MS = (8, 16)  # routed rows per tile (the tile preset's block_m: the mma's N)
-GLUON_W4A16_BLOCK_N = 64  # weight rows per program (4 warps x 16)
+GLUON_W4A16_BLOCK_N = 64  # weight rows per program (16 per warp at GLUON_W4A16_WARPS, 32 with two row groups)
+GLUON_W4A16_WARPS = 4  # warps per program (each owns 16 weight rows per row group)
 GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first); lowered to divide K / 64
 GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None: its own choice)
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
@@ -674,7 +675,7 @@ class TritonExperts(Experts):
         ), dict(
             GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
             HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m, BLOCK_N=BN,
-            UNROLL=unroll, num_warps=4, **extra,
+            UNROLL=unroll, num_warps=GLUON_W4A16_WARPS, **extra,
         ))  # fmt: skip
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:

@@ -402,16 +402,19 @@ def test_w4a16_gluon_decode(mode, shape, N):
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("unroll,preset,block_n", [(1, "decode", 64), (4, "decode", 64), (2, "decode_m8", 64),
-                                                   (4, "decode_m8", 64), (2, "decode", 128)])
-def test_w4a16_gluon_variants(mode, unroll, preset, block_n, monkeypatch):
-    """The Gluon W4A16 kernel's variants (K steps per iteration, 8- or 16-row tiles, 64 or 128 weight
-    rows per program) against the float64 math, DeepSeek and GPT-OSS shapes (45 K steps: the
+@pytest.mark.parametrize("unroll,preset,block_n,warps", [
+    (1, "decode", 64, 4), (4, "decode", 64, 4), (2, "decode_m8", 64, 4), (4, "decode_m8", 64, 4), (2, "decode", 128, 4),
+    (2, "decode", 128, 8), (2, "decode", 256, 16), (2, "decode", 64, 2),
+])  # fmt: skip
+def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch):
+    """The Gluon W4A16 kernel's variants (K steps per iteration, 8- or 16-row tiles, 64 to 256 weight
+    rows per program over 2 to 16 warps) against the float64 math, DeepSeek and GPT-OSS shapes (45 K steps: the
     unroll falls back to one)."""
     from epmoe.experts import triton_experts as TE
 
     monkeypatch.setattr(TE, "GLUON_W4A16_UNROLL", unroll)
     monkeypatch.setattr(TE, "GLUON_W4A16_BLOCK_N", block_n)
+    monkeypatch.setattr(TE, "GLUON_W4A16_WARPS", warps)
     for cfg_kwargs, ep, N in ((DS, DS_EP, 60), (GPTOSS, GPTOSS_EP, 40)):
         if cfg_kwargs["intermediate_size"] % block_n or cfg_kwargs["hidden_size"] % block_n:
             continue  # (GPT-OSS 2880 rows: 64-row programs only)

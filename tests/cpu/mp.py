@@ -14,8 +14,9 @@ import multiprocessing as mp
 import os
 import socket
 import tempfile
+import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 _CTX = None
 _HF_PRELOAD = [
@@ -113,3 +114,26 @@ def run_group(fn: Callable, world_size: int, *args: Any, timeout: float = 120, p
     if errors:
         raise WorkerError("\n".join(errors))
     return [results[r][1] for r in range(world_size)]
+
+
+def run_checks(tag: str, checks: Iterable[Tuple[str, Callable[[], Any]]]) -> Dict[str, Tuple[bool, str]]:
+    """Inside a worker: run every (name, fn) check, keep going after a failure, print one line each.
+    -> name -> (ok, message: fn's return value and the time, or the exception with its traceback)."""
+    out = {}
+    for name, fn in checks:
+        t0 = time.perf_counter()
+        try:
+            msg = fn() or ""
+            out[name] = (True, f"{msg} [{time.perf_counter() - t0:.1f}s]")
+        except BaseException as e:  # noqa: BLE001 - reported per check
+            out[name] = (False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        print(f"[{tag}] {name}: {'ok' if out[name][0] else 'FAILED'} {out[name][1].splitlines()[0]}", flush=True)
+    return out
+
+
+def assert_checks(per_rank: List[Dict[str, Tuple[bool, str]]], names: Iterable[str], seed: int) -> None:
+    """In the test: every rank's `run_checks` result passed for each of `names`."""
+    for rank, res in enumerate(per_rank):
+        for name in names:
+            ok, msg = res[name]
+            assert ok, f"seed {seed} rank {rank} {name}: {msg}"

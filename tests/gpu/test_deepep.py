@@ -20,14 +20,12 @@ Every check prints its seed on failure (EPMOE_TEST_SEED replays it).
 from __future__ import annotations
 
 import os
-import time
-import traceback
 
 import pytest
 import torch
 
 from tests.cpu.helpers import fresh_seed, max_rel_err, random_weights
-from tests.cpu.mp import run_group
+from tests.cpu.mp import assert_checks, run_checks, run_group
 
 pytestmark = [pytest.mark.gpu, pytest.mark.requires_deepep]
 
@@ -63,20 +61,6 @@ def _spec(rank, world, cfg_kw, M, device, payload, wire=None, **options):
         hidden_size=cfg_kw["hidden_size"], max_tokens_per_rank=M, payload=payload, wire=wire,
         combine_dtype=torch.bfloat16, device=device, options=tuple(sorted(options.items())),
     )
-
-
-def _run_checks(checks):
-    """name -> fn(): run all, keep going after failures; -> name -> (ok, message)."""
-    out = {}
-    for name, fn in checks:
-        t0 = time.perf_counter()
-        try:
-            msg = fn() or ""
-            out[name] = (True, f"{msg} [{time.perf_counter() - t0:.1f}s]")
-        except BaseException as e:  # noqa: BLE001 - reported per check
-            out[name] = (False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        print(f"[deepep-gpu] {name}: {'ok' if out[name][0] else 'FAILED'} {out[name][1].splitlines()[0]}", flush=True)
-    return out
 
 
 # ------------------------------------------------------------------ one GPU: low latency, one rank
@@ -215,7 +199,7 @@ def _ll_one_rank_worker(rank, world, seed):
         disp, comb = times[len(times) // 2]
         return f"T={T} H={H} K={K} E={E}: dispatch {disp:.1f} us, combine {comb:.1f} us (median of 20)"
 
-    results = _run_checks([
+    results = run_checks("deepep-gpu", [
         ("normal_mode_unavailable", normal_mode_unavailable),
         ("ll_bf16", ll_bf16),
         ("ll_fp8", ll_fp8),
@@ -353,17 +337,10 @@ def _normal_two_rank_worker(rank, world, seed):
         return "FP8 bytes exactly as sent, within the e4m3 bound"
 
     state = {}
-    results = _run_checks([("bf16_vs_torch", bf16_vs_torch), ("fp8_exact_bytes", fp8_exact_bytes)])
+    results = run_checks("deepep-gpu", [("bf16_vs_torch", bf16_vs_torch), ("fp8_exact_bytes", fp8_exact_bytes)])
     if "buffer" in state:
         state["buffer"].close()
     return results
-
-
-def _assert_all(seed, per_rank, names):
-    for rank, res in enumerate(per_rank):
-        for name in names:
-            ok, msg = res[name]
-            assert ok, f"seed {seed} rank {rank} {name}: {msg}"
 
 
 @pytest.mark.multigpu(2)
@@ -371,7 +348,7 @@ def _assert_all(seed, per_rank, names):
 def test_normal_two_ranks_bf16_bit_exact_and_fp8():
     seed = fresh_seed()
     res = run_group(_normal_two_rank_worker, 2, seed, timeout=240, pg_timeout=240)
-    _assert_all(seed, res, ["bf16_vs_torch", "fp8_exact_bytes"])
+    assert_checks(res, ["bf16_vs_torch", "fp8_exact_bytes"], seed)
 
 
 @pytest.mark.skipif(not SHARED_GPU, reason="opt-in experiment: set EPMOE_DEEPEP_SHARED_GPU=1 (two ranks on one GPU)")
@@ -379,7 +356,7 @@ def test_normal_two_ranks_bf16_bit_exact_and_fp8():
 def test_normal_two_ranks_sharing_one_gpu():
     seed = fresh_seed()
     res = run_group(_normal_two_rank_worker, 2, seed, timeout=150, pg_timeout=150)
-    _assert_all(seed, res, ["bf16_vs_torch", "fp8_exact_bytes"])
+    assert_checks(res, ["bf16_vs_torch", "fp8_exact_bytes"], seed)
 
 
 # ------------------------------------------------------------------ two ranks: low latency
@@ -421,7 +398,7 @@ def _ll_two_rank_worker(rank, world, seed):
         assert d.stats.tokens_sent == remote
         return f"max rel err {err:.2e}, {remote} messages to the other rank"
 
-    results = _run_checks([("ll_bf16", lambda: run("bf16")), ("ll_fp8", lambda: run("fp8_block"))])
+    results = run_checks("deepep-gpu", [("ll_bf16", lambda: run("bf16")), ("ll_fp8", lambda: run("fp8_block"))])
     if "buffer" in state:
         state["buffer"].close()
     return results
@@ -433,7 +410,7 @@ def test_ll_two_ranks_sharing_one_gpu():
     """Low latency with both ranks on GPU 0 (two NVSHMEM PEs on one device)."""
     seed = fresh_seed()
     res = run_group(_ll_two_rank_worker, 2, seed, timeout=150, pg_timeout=150)
-    _assert_all(seed, res, ["ll_bf16", "ll_fp8"])
+    assert_checks(res, ["ll_bf16", "ll_fp8"], seed)
 
 
 @pytest.mark.multigpu(2)
@@ -441,4 +418,4 @@ def test_ll_two_ranks_sharing_one_gpu():
 def test_ll_two_ranks_vs_float64():
     seed = fresh_seed()
     res = run_group(_ll_two_rank_worker, 2, seed, timeout=240, pg_timeout=240)
-    _assert_all(seed, res, ["ll_bf16", "ll_fp8"])
+    assert_checks(res, ["ll_bf16", "ll_fp8"], seed)

@@ -32,12 +32,11 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 
 import pytest
 import torch
 
-from tests.cpu.mp import run_group
+from tests.cpu.mp import assert_checks, run_checks, run_group
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,26 +46,6 @@ HAS_FI = importlib.util.find_spec("flashinfer") is not None
 needs_fi = [pytest.mark.requires_flashinfer,
             pytest.mark.skipif(not HAS_FI, reason="needs flashinfer-python")]
 TIMEOUT_S = 15.0  # the layers' collective timeout in the fault tests
-
-
-def _run_checks(tag, checks):
-    out = {}
-    for name, fn in checks:
-        t0 = time.perf_counter()
-        try:
-            msg = fn() or ""
-            out[name] = (True, f"{msg} [{time.perf_counter() - t0:.1f}s]")
-        except BaseException as e:  # noqa: BLE001 - reported per check
-            out[name] = (False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        print(f"[shared-gpu {tag}] {name}: {'ok' if out[name][0] else 'FAILED'} {out[name][1].splitlines()[0]}",
-              flush=True)
-    return out
-
-
-def _assert_check(results, name, seed):
-    for rank, res in enumerate(results):
-        ok, msg = res[name]
-        assert ok, f"seed {seed} rank {rank} {name}: {msg}"
 
 
 # ----------------------------------------------------------------------------- dispatch level
@@ -83,7 +62,7 @@ def _dispatch_worker(rank, world, seed, with_fi):
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
     group = dist.group.WORLD
-    E, H, per = fa.E, fa.H, fa.E // world
+    per = fa.E // world
 
     def owners(ids):  # [T] distinct owner ranks per token
         rk = torch.where(ids >= 0, ids.long() // per, torch.full_like(ids.long(), -1))
@@ -166,7 +145,7 @@ def _dispatch_worker(rank, world, seed, with_fi):
     checks = [("bf16", lambda: compare("bf16")), ("nvfp4", lambda: compare("nvfp4"))]
     if with_fi:
         checks.append(("low_precision_combine", low_precision_combine))
-    return _run_checks(f"ep={world} dispatch", checks)
+    return run_checks(f"shared-gpu ep={world} dispatch", checks)
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -184,7 +163,7 @@ def test_dispatch_flashinfer_vs_torch(dispatch_results, check):
     ep, seed, res = dispatch_results
     if check not in res[0]:
         pytest.skip("not run")
-    _assert_check(res, check, seed)
+    assert_checks(res, [check], seed)
 
 
 @pytest.mark.requires_flashinfer
@@ -192,7 +171,7 @@ def test_dispatch_low_precision_combine(dispatch_results):
     ep, seed, res = dispatch_results
     if "low_precision_combine" not in res[0]:
         pytest.skip("flashinfer not installed")
-    _assert_check(res, "low_precision_combine", seed)
+    assert_checks(res, ["low_precision_combine"], seed)
 
 
 # ----------------------------------------------------------------------------- layer level
@@ -327,7 +306,7 @@ def _layer_worker(rank, world, seed, dispatcher):
 
     if dispatcher == "flashinfer":
         checks.append(("cuda_graph_decode", cuda_graph_decode))
-    results = _run_checks(f"ep={world} layer {dispatcher}", checks)
+    results = run_checks(f"shared-gpu ep={world} layer {dispatcher}", checks)
     layer.dispatcher.close()
     dist.barrier()
     return results
@@ -354,7 +333,7 @@ def test_layer(layer_results, check):
     seed, res = layer_results
     if check not in res[0]:
         pytest.skip("CUDA graphs need a dispatcher without host staging (flashinfer)")
-    _assert_check(res, check, seed)
+    assert_checks(res, [check], seed)
 
 
 # ----------------------------------------------------------------------------- faults

@@ -149,6 +149,25 @@ def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constex
 
 
 @triton.jit
+def _fp4_block(p, s_ptrs, n0, n1, n2, n3, kk, num_k, HALF: tl.constexpr, W_FMT: tl.constexpr,
+               FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """K step kk of a W4A16 loop: bytes p -> (w_lo, w_hi) and the scales the next step uses.
+    FP4_PREFETCH: n0..n3 are step kk's scales (read one step earlier) and step kk + 1's are read
+    now; otherwise step kk's are read here (n0..n3 pass through). FP4_PACKED: 0 `_fp4_dequant`,
+    1 `_fp4_dequant_packed`, 2 the same with inline PTX."""
+    c0, c1, c2, c3 = n0, n1, n2, n3
+    if FP4_PREFETCH:
+        n0, n1, n2, n3 = _fp4_scales(s_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
+    else:
+        c0, c1, c2, c3 = _fp4_scales(s_ptrs, kk, W_FMT)
+    if FP4_PACKED:
+        w_lo, w_hi = _fp4_dequant_packed(p, c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED == 2)
+    else:
+        w_lo, w_hi = _fp4_dequant(p, c0, c1, c2, c3, HALF, W_FMT, OUT_DTYPE)
+    return w_lo, w_hi, n0, n1, n2, n3
+
+
+@triton.jit
 def _activation(g, u, alpha, beta, limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
     if ACT == 0:
         r = g * tl.sigmoid(g) * u
@@ -287,27 +306,13 @@ def _gemm1_tile(
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            c0, c1, c2, c3 = g0, g1, g2, g3
-            if FP4_PREFETCH:
-                g0, g1, g2, g3 = _fp4_scales(sg_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
-            else:
-                c0, c1, c2, c3 = _fp4_scales(sg_ptrs, kk, W_FMT)
-            if FP4_PACKED:
-                w_lo, w_hi = _fp4_dequant_packed(tl.load(g_ptrs), c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED == 2)
-            else:
-                w_lo, w_hi = _fp4_dequant(tl.load(g_ptrs), c0, c1, c2, c3, HALF, W_FMT, x_ptr.dtype.element_ty)
+            w_lo, w_hi, g0, g1, g2, g3 = _fp4_block(tl.load(g_ptrs), sg_ptrs, g0, g1, g2, g3, kk, num_k, HALF, W_FMT,
+                                                    FP4_PACKED, FP4_PREFETCH, x_ptr.dtype.element_ty)
             acc_g = tl.dot(a_lo, w_lo, acc_g)
             acc_g = tl.dot(a_hi, w_hi, acc_g)
             if GATED:
-                d0, d1, d2, d3 = u0, u1, u2, u3
-                if FP4_PREFETCH:
-                    u0, u1, u2, u3 = _fp4_scales(su_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
-                else:
-                    d0, d1, d2, d3 = _fp4_scales(su_ptrs, kk, W_FMT)
-                if FP4_PACKED:
-                    v_lo, v_hi = _fp4_dequant_packed(tl.load(u_ptrs), d0, d1, d2, d3, HALF, W_FMT, FP4_PACKED == 2)
-                else:
-                    v_lo, v_hi = _fp4_dequant(tl.load(u_ptrs), d0, d1, d2, d3, HALF, W_FMT, x_ptr.dtype.element_ty)
+                v_lo, v_hi, u0, u1, u2, u3 = _fp4_block(tl.load(u_ptrs), su_ptrs, u0, u1, u2, u3, kk, num_k, HALF, W_FMT,
+                                                        FP4_PACKED, FP4_PREFETCH, x_ptr.dtype.element_ty)
                 acc_u = tl.dot(a_lo, v_lo, acc_u)
                 acc_u = tl.dot(a_hi, v_hi, acc_u)
             a_lo_ptrs += BLOCK_K
@@ -478,15 +483,8 @@ def _gemm2_tile(
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            c0, c1, c2, c3 = n0, n1, n2, n3
-            if FP4_PREFETCH:
-                n0, n1, n2, n3 = _fp4_scales(s_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
-            else:
-                c0, c1, c2, c3 = _fp4_scales(s_ptrs, kk, W_FMT)
-            if FP4_PACKED:
-                w_lo, w_hi = _fp4_dequant_packed(tl.load(b_ptrs), c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED == 2)
-            else:
-                w_lo, w_hi = _fp4_dequant(tl.load(b_ptrs), c0, c1, c2, c3, HALF, W_FMT, a_ptr.dtype.element_ty)
+            w_lo, w_hi, n0, n1, n2, n3 = _fp4_block(tl.load(b_ptrs), s_ptrs, n0, n1, n2, n3, kk, num_k, HALF, W_FMT,
+                                                    FP4_PACKED, FP4_PREFETCH, a_ptr.dtype.element_ty)
             acc = tl.dot(a_lo, w_lo, acc)
             acc = tl.dot(a_hi, w_hi, acc)
             a_lo_ptrs += BLOCK_K

@@ -330,9 +330,6 @@ class GroupedMMExperts(Experts):
                                         align=self.align_impl)  # fmt: skip
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
-        launcher = self.__dict__.get("_launcher")
-        if launcher is None:
-            from epmoe.experts.launch import KernelLauncher
+        from epmoe.experts.launch import launch
 
-            launcher = self._launcher = KernelLauncher(self.device)
-        launcher(kernel_name, grid, args, kwargs)
+        launch(self, kernel_name, grid, args, kwargs)

@@ -158,6 +158,15 @@ class KernelLauncher:
             return None
 
 
+def launch(owner, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """Launch through `owner`'s KernelLauncher (`owner._launcher`, made on first use for `owner.device`):
+    the experts backends' `_launch`."""
+    launcher = owner.__dict__.get("_launcher")
+    if launcher is None:
+        launcher = owner._launcher = KernelLauncher(owner.device)
+    launcher(kernel_name, grid, args, kwargs)
+
+
 def launch_keys(launcher: KernelLauncher) -> Tuple[tuple, ...]:
     """The keys launched directly so far (tests and benchmarks)."""
     return tuple(k for k, v in launcher._cache.items() if v is not _TRITON_PATH)

@@ -681,12 +681,9 @@ class TritonExperts(Experts):
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);
         `epmoe.experts.launch.KernelLauncher` (kernels by `kernel_function`) keeps its host cost small."""
-        launcher = self.__dict__.get("_launcher")
-        if launcher is None:
-            from epmoe.experts.launch import KernelLauncher
+        from epmoe.experts.launch import launch
 
-            launcher = self._launcher = KernelLauncher(self.device)
-        launcher(kernel_name, grid, args, kwargs)
+        launch(self, kernel_name, grid, args, kwargs)
 
     def _input_activations(self, hidden):
         """-> (x [N, H], x_scale [N, H/128] or None) in the form gemm1 reads."""

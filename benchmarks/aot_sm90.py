@@ -80,13 +80,13 @@ def record_launches(config: MoEConfig, mode: str, num_tokens: int, num_experts: 
 def to_source(launch: Launch):
     from triton.compiler import ASTSource
 
-    from epmoe.experts import triton_kernels
-
     if launch.kernel.startswith("w4a16_"):  # Gluon kernels (epmoe.experts.gluon_w4a16)
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
-        from epmoe.experts import gluon_w4a16 as triton_kernels
-    fn = getattr(triton_kernels, launch.kernel)
+        from epmoe.experts import gluon_w4a16 as module
+    else:
+        from epmoe.experts import triton_kernels as module
+    fn = getattr(module, launch.kernel)
     kwargs = dict(launch.kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     names = fn.arg_names

@@ -168,7 +168,7 @@ GROUPED_MM_CHOICES = ("auto", "on", "off")
 # packed under the Triton interpreter (which cannot run PTX).
 FP4_CONVERT = "asm"
 FP4_CONVERT_CHOICES = ("asm", "packed", "legacy")
-# W4A16 decode tiles (block_m 16) with the asm conversion: "gluon" runs `epmoe.experts.gluon_w4a16`
+# W4A16 decode tiles (block_m 8 or 16) with the asm conversion: "gluon" runs `epmoe.experts.gluon_w4a16`
 # (weights straight from global memory into the mma operand registers, no shared memory; swap-AB),
 # "triton" the Triton kernels. Spec option `triton_w4a16_decode` overrides. Under the Triton
 # interpreter (no Gluon) the Triton kernels run.

@@ -1,8 +1,11 @@
-"""W4A16 decode GEMMs in Gluon (Triton's explicit-layout dialect): fp4 weights go from global memory
-straight into the registers of the tensor-core operand, with no shared-memory round trip.
+"""W4A16 GEMMs in Gluon (Triton's explicit-layout dialect): the dequantized fp4 weights are the
+tensor-core operand in registers. Decode tiles (`w4a16_swap_kernel`, mma.sync): fp4 bytes from global
+memory straight into the operand registers, no shared memory. Prefill tiles (`w4a16_wgmma_kernel`,
+wgmma; its section below): weights, scales and routed rows through a cp.async ring.
 
-Imported only when the `triton` experts backend runs an nvfp4 / mxfp4 decode tile on an NVIDIA GPU
-(the Triton interpreter cannot run Gluon; there the Triton kernels of `triton_kernels.py` run).
+Imported only when the `triton` experts backend runs an nvfp4 / mxfp4 tile of these kernels on an
+NVIDIA GPU (the Triton interpreter cannot run Gluon; there the Triton kernels of `triton_kernels.py`
+run).
 
 Why: the Triton kernels dequantize the weights in a blocked layout, store the bf16 values to shared
 memory and read them back in the MMA layout, and Triton picks a k-width of 4 for an operand that
@@ -326,9 +329,8 @@ def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_pt
 # b = 0..1), i.e. bytes 16cg + 8cl + 2t + b of the k64-interleaved row (two-byte loads); nvfp4 group
 # cg of the half.
 #
-# Status (H200, 2026-12-01): the same output as the Triton kernels bit for bit, but slower at T = 4096
-# (nvfp4 15.0-16.4 ms against 10.8 ms), so no auto preset picks it (presets "wgmma*"); what was
-# measured and ruled out is in docs/hopper-experts.md.
+# H200 (2026-12-01), T = 4096: 9.5-9.6 ms against the Triton kernels' 10.4-10.9 (the same output bit
+# for bit); measurements, profile and next steps in docs/hopper-experts.md.
 
 
 @gluon.constexpr_function

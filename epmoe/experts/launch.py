@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -68,8 +68,11 @@ _TRITON_PATH = object()  # cache value: this key launches through kernel[grid]
 class KernelLauncher:
     """Launches the kernels of `epmoe.experts.triton_kernels` by name (see the module docstring)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, kernels: Optional[Callable[[], Any]] = None):
+        """kernels: returns the module whose plain Triton kernels this launcher launches by name
+        (default: the experts backends' `triton_experts.kernel_function`, Gluon kernels included)."""
         self.device = torch.device(device)
+        self._module = kernels
         self.fast = FAST_LAUNCH and self.device.type == "cuda"
         self._kernels: Dict[str, tuple] = {}  # name -> (kernel, may launch directly)
         self._cache: Dict[tuple, Any] = {}
@@ -114,6 +117,12 @@ class KernelLauncher:
     def _resolve(self, kernel_name: str) -> tuple:
         """(kernel, direct launch allowed): `kernel_function`'s kernel; only plain JITFunctions of
         `epmoe.experts.triton_kernels` launch directly (Gluon kernels keep Triton's path)."""
+        if self._module is not None:
+            fn = getattr(self._module(), kernel_name)
+            if os.environ.get("TRITON_INTERPRET", "0") == "1":
+                self.fast = False
+                return fn, False
+            return fn, plain_jit(fn)
         from epmoe.experts import triton_experts as te
 
         fn = te.kernel_function(self.device, kernel_name)

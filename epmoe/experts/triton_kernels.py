@@ -770,11 +770,14 @@ def align_plan_kernel(
     ends_ptr,  # [num_experts] int32 out: cumulative (unpadded) counts
     block_expert_ptr,  # [max_blocks] int32 out (-1 unused)
     block_rows_ptr,  # [max_blocks] int32 out (0 unused)
+    sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32 out (WITH_PAD): NK in each tile's padding rows
     num_experts,
     max_blocks,
+    NK,
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,  # power of two > num_experts
     NB: tl.constexpr,  # blocks per step
+    WITH_PAD: tl.constexpr = False,
 ):
     eidx = tl.arange(0, E_PAD)
     emask = eidx < num_experts
@@ -785,6 +788,15 @@ def align_plan_kernel(
     tl.store(starts_ptr + eidx, pad_start, mask=emask)
     tl.store(ends_ptr + eidx, tl.cumsum(cnt, axis=0), mask=emask)
     tl.store(starts_ptr + num_experts, tl.sum(padded, axis=0))
+    _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_rows_ptr, sorted_ids_ptr,
+                 num_experts, max_blocks, NK, BLOCK_M, NB, WITH_PAD)
+
+
+@triton.jit
+def _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_rows_ptr, sorted_ids_ptr,
+                 num_experts, max_blocks, NK, BLOCK_M: tl.constexpr, NB: tl.constexpr, WITH_PAD: tl.constexpr):
+    """The tile list from the per-expert counts and padded segments; WITH_PAD: also NK into every
+    padding row of the tiles (the real rows are the scatter's)."""
     pad_end_m = tl.where(emask, pad_end, 2147483647)
     for b0 in range(0, max_blocks, NB):
         b = b0 + tl.arange(0, NB)
@@ -795,10 +807,55 @@ def align_plan_kernel(
         hit = eidx[None, :] == be[:, None]
         c_be = tl.sum(tl.where(hit, cnt[None, :], 0), axis=1)
         s_be = tl.sum(tl.where(hit, pad_start[None, :], 0), axis=1)
-        rows = tl.minimum(tl.maximum(c_be - (first - s_be), 0), BLOCK_M)
+        rows = tl.where(used, tl.minimum(tl.maximum(c_be - (first - s_be), 0), BLOCK_M), 0)
         bok = b < max_blocks
         tl.store(block_expert_ptr + b, tl.where(used, be, -1), mask=bok)
-        tl.store(block_rows_ptr + b, tl.where(used, rows, 0), mask=bok)
+        tl.store(block_rows_ptr + b, rows, mask=bok)
+        if WITH_PAD:
+            r = tl.arange(0, BLOCK_M)
+            pad = (r[None, :] >= rows[:, None]) & bok[:, None]
+            tl.store(sorted_ids_ptr + first[:, None] + r[None, :], tl.zeros([NB, BLOCK_M], tl.int32) + NK, mask=pad)
+
+
+@triton.jit
+def align_small_kernel(
+    ids_ptr,  # [N*K] int32 local expert ids (invalid: < 0 or >= num_experts)
+    sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32 out
+    block_expert_ptr,  # [max_blocks] int32 out (-1 unused)
+    block_rows_ptr,  # [max_blocks] int32 out (0 unused)
+    NK,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,  # power of two >= num_experts
+    SUB: tl.constexpr,  # entries per step ([SUB, E_PAD] one-hot)
+    NB: tl.constexpr,  # tiles per step
+):
+    """count + plan + scatter (+ the padding rows) in ONE program, for few entries (decode): the
+    outputs of align_count / align_plan / align_scatter (and the fill of sorted_ids) bit for bit.
+    Two passes over the entries: counts, then each entry's rank among its expert's entries in j
+    order (a one-hot running count per expert)."""
+    eidx = tl.arange(0, E_PAD)
+    emask = eidx < num_experts
+    cnt = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, NK, SUB):
+        key, ok = _align_keys(ids_ptr, start + tl.arange(0, SUB), NK, num_experts)
+        cnt += tl.sum(((key[:, None] == eidx[None, :]) & ok[:, None]).to(tl.int32), axis=0)
+    cnt = tl.where(emask, cnt, 0)  # the invalid key (num_experts) may be a padding column
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_rows_ptr, sorted_ids_ptr,
+                 num_experts, max_blocks, NK, BLOCK_M, NB, True)
+    nxt = pad_start  # next free row of each expert
+    for start in range(0, NK, SUB):
+        offs = start + tl.arange(0, SUB)
+        key, ok = _align_keys(ids_ptr, offs, NK, num_experts)
+        hit = (key[:, None] == eidx[None, :]) & (ok[:, None] & emask[None, :])
+        h = hit.to(tl.int32)
+        row = tl.sum(tl.where(hit, tl.cumsum(h, axis=0) - h + nxt[None, :], 0), axis=1)
+        tl.store(sorted_ids_ptr + row, offs, mask=tl.sum(h, axis=1) > 0)
+        nxt += tl.sum(h, axis=0)
 
 
 @triton.jit

@@ -149,11 +149,14 @@ def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warm
 
 # --------------------------------------------------------------------------- host cost without a GPU
 def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int = 0, intermediate: int = 0,
-               dispatcher: str = "torch", routing: str = "softmax", set_env: bool = True):
+               dispatcher: str = "torch", routing: str = "softmax", set_env: bool = True,
+               routing_impl: str = "auto"):
     """(layer, x, logits, counts) for a host-cost run: an ep = 1 EPMoE with triton experts whose kernel
     launches (and, on CPU, torch._grouped_mm: replaced process-wide) are no-op recorders;
     counts["launches"] counts them. The weights are empty tensors of the real shapes (the GEMMs never
-    run). device "meta": the torch ops run on meta tensors (any host sync raises). The triton backend
+    run). routing_impl: the layer's routing ("auto": what a GPU runs, the fused Triton kernel where it
+    applies, its launch recorded too; "torch": torch ops; checkouts without `epmoe.routing.Router`:
+    torch ops). device "meta": the torch ops run on meta tensors (any host sync raises). The triton backend
     is accepted on CPU only with TRITON_INTERPRET=1 (set here unless set_env=False)."""
     if set_env:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # nothing is launched: no interpreter runs
@@ -185,6 +188,14 @@ def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int 
         counts["launches"] += 1
 
     ex._launch = record
+    router = getattr(layer, "router", None)
+    if router is not None and routing_impl == "auto":  # the choice an H200 makes: fused where it applies
+        from epmoe.routing import fused_routing_available
+
+        routing_impl = "triton" if fused_routing_available(cfg, "cuda") is None else "torch"
+    if router is not None and routing_impl != "auto":
+        router.impl = routing_impl
+        router._launch = record  # the fused routing kernel's launch, recorded like the experts' ones
     if device != "meta":  # on meta tensors the real op only computes shapes
         def grouped_mm(a, b, offs=None, **kw):  # shape only: the GEMM is not run
             counts["grouped_mm"] += 1
@@ -272,6 +283,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-host", action="store_true", help="host cost per forward without a GPU (launches recorded)")
     p.add_argument("--host-device", default="cpu", choices=("cpu", "meta"), help="--cpu-host: where torch ops run")
     p.add_argument("--routing", default="softmax", choices=("softmax", "sigmoid_grouped"), help="--cpu-host routing")
+    p.add_argument("--routing-impl", default="auto", choices=("auto", "torch", "triton"),
+                   help="--cpu-host: the layer's routing implementation (auto: as on a GPU)")
     p.add_argument("--profile", action="store_true", help="--cpu-host: print a cProfile breakdown to stderr")
     args = p.parse_args(argv)
     if args.cpu_host:
@@ -281,13 +294,15 @@ def main(argv=None) -> int:
             iters = args.iters if args.iters != 20 else (200 if T <= 512 else 50)
             try:
                 results.append(measure_host(T, args.host_device, iters, args.warmup, args.profile,
-                                            num_experts=args.num_experts, routing=args.routing))
+                                            num_experts=args.num_experts, routing=args.routing,
+                                            routing_impl=args.routing_impl))
             except Exception as e:  # noqa: BLE001 - e.g. a host sync on meta tensors
                 results.append({"tokens": T, "host_device": args.host_device, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(results[-1]), file=sys.stderr)
         report = {"bench": "host_overhead_cpu", "label": args.label, "revision": _git_rev(),
                   "date": time.strftime("%Y-%m-%d"), "device": platform.processor() or "cpu",
-                  "torch": torch.__version__, "routing": args.routing, "results": results}
+                  "torch": torch.__version__, "routing": args.routing, "routing_impl": args.routing_impl,
+                  "results": results}
         return _emit(report, args.json)
 
     from epmoe import MoEConfig

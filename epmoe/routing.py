@@ -8,9 +8,10 @@ Two implementations of the same math:
   "triton"  one fused Triton kernel (`epmoe.routing_kernels`), on CUDA tensors (CPU only under the
             Triton interpreter), for E <= FUSED_MAX_EXPERTS. Same experts per token as the torch ops
             on a GPU (torch.topk there keeps the lowest expert ids among values tied at the k-th place,
-            as the kernel does); ids come out by descending weight, ties by ascending expert id (the
-            order torch gives tied values is unspecified); weights agree to ~1 ulp (the sums run in
-            another order); a row of all-NaN logits routes to -1 (no expert) with weight 0.
+            as the kernel does); ids come out by descending score (the weight; sigmoid_grouped: the
+            weight + correction bias), ties by ascending expert id (the order torch gives tied
+            values is unspecified); weights agree to ~1 ulp (the sums run in another order); a row
+            of all-NaN logits routes to -1 (no expert) with weight 0.
 "auto" (the default of `route` and of `Router`) takes "triton" for CUDA logits where it applies.
 """
 

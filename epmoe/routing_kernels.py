@@ -5,8 +5,9 @@ triton at the top: imported only when the fused routing runs.
 Each program takes BLOCK_T rows whole (E <= E_PAD columns in registers) and repeats the torch math of
 `epmoe.routing.route` in float32: exp and sigmoid with the precise exponential (libdevice expf, as
 torch's kernels; PRECISE=False under the Triton interpreter, which has no libdevice) and IEEE
-division (`tl.math.div_rn`, as torch). Top-k is K rounds of "largest remaining value, lowest expert
-id among equal values": ids come out by descending value, ties by ascending id; a row whose values
+division (`tl.math.div_rn`, as torch). Top-k is K rounds of "largest remaining score, lowest expert
+id among equal scores": ids come out by descending score (softmax: the weight; sigmoid_grouped: the
+weight + correction bias), ties by ascending id; a row whose values
 are all NaN gets id -1 and weight 0.
 """
 

@@ -138,22 +138,24 @@ def _carve(dev, *sizes: int):
     parts = []
     for n in sizes:
         parts += (n, -n % 4)
-    return torch.empty(sum(parts), dtype=torch.int32, device=dev).split(parts)[::2]
+    return torch.split_with_sizes(torch.empty(sum(parts), dtype=torch.int32, device=dev), parts)[::2]
 
 
-def _count_and_plan(flat, num_experts, block_m, max_blocks, launch, sorted_ids_rows: int = 0):
+def _count_and_plan(flat, num_experts, block_m, max_blocks, launch, sorted_ids_rows: int = 0, extra=()):
     """align_count + align_plan. sorted_ids_rows > 0: also a [sorted_ids_rows] sorted_ids whose padding
-    rows the plan fills with nk (the scatter writes the others). One allocation, split in views."""
+    rows the plan fills with nk (the scatter writes the others). One allocation, split in views (also
+    int32 views of the `extra` sizes, appended to the result)."""
     E, nk, dev = num_experts, flat.numel(), flat.device
     mb = max(max_blocks, 1)
-    counts, starts, ends, block_expert, block_rows, sorted_ids = _carve(dev, E + 1, E + 1, E, mb, mb, sorted_ids_rows)
+    counts, starts, ends, block_expert, block_rows, sorted_ids, *more = _carve(
+        dev, E + 1, E + 1, E, mb, mb, sorted_ids_rows, *extra)
     chunk = _chunk(nk)
     launch("align_count_kernel", (E + 1,), (flat, counts, nk, E), dict(CHUNK=chunk, num_warps=chunk // 256))
     launch("align_plan_kernel", (1,), (counts, starts, ends, block_expert, block_rows, sorted_ids, E, max_blocks, nk),
            dict(BLOCK_M=block_m, E_PAD=_next_pow2(E + 1), NB=16, WITH_PAD=sorted_ids_rows > 0, num_warps=4))  # fmt: skip
     if max_blocks != mb:
         block_expert, block_rows = block_expert[:max_blocks], block_rows[:max_blocks]
-    return counts, starts, ends, block_expert, block_rows, sorted_ids
+    return (counts, starts, ends, block_expert, block_rows, sorted_ids, *more)
 
 
 def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
@@ -172,8 +174,8 @@ def sort_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, launch) -> E
         raise ValueError(f"num_experts must be positive, got {num_experts}")
     flat = _flat_ids(topk_ids)
     nk, E = flat.numel(), num_experts
-    counts, starts, ends, _, _, _ = _count_and_plan(flat, E, 1, 0, launch)
-    order, sorted_expert, inverse = _carve(flat.device, nk, nk, nk)
+    counts, starts, ends, _, _, _, order, sorted_expert, inverse = _count_and_plan(flat, E, 1, 0, launch,
+                                                                                   extra=(nk, nk, nk))
     if nk:
         launch("align_scatter_kernel", (E + 1,), (flat, starts, order, sorted_expert, inverse, nk, E),
                dict(CHUNK=_chunk(nk), WITH_INVALID=True, WITH_EXPERT=True, WITH_INV=True,

@@ -1,4 +1,5 @@
-"""Triton kernel launches for the experts backends, with the host side of each launch kept small.
+"""Triton kernel launches for the experts backends and the fused routing, with the host side of each launch
+kept small.
 
     launch = KernelLauncher(device)
     launch("moe_gemm1_kernel", grid, args, kwargs)     # = triton_kernels.moe_gemm1_kernel[grid](*args, **kwargs)
@@ -11,8 +12,8 @@ as Triton's specialization: per argument, a tensor's dtype and 16-byte alignment
 int's value class (== 1, multiple of 16, int32 / int64 / uint64 range), the type of anything else; the
 constexpr / option keywords by value; the current device (a launch with many arguments computes the
 same classes through an `_ArgPlan` of its argument types: tensors' dtypes and one alignment flag when
-all are aligned, the ints' classes remembered per tuple of int values). A later launch with the same key calls that
-kernel's launcher directly (same stream, launch metadata and launch hooks as Triton's own path; with
+all are aligned, the ints' classes remembered per tuple of int values). A later launch with the same
+key calls that kernel's launcher directly (same stream, launch metadata and launch hooks as Triton's own path; with
 no launch hook installed, none is called and no metadata is built). The
 first launch of each key goes through Triton (compiling if needed) and checks that Triton binds the
 arguments the way the direct path passes them; where it does not (another Triton version, an argument

@@ -204,11 +204,11 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
         return BlockAlignment(block_m, 0, empty, empty, empty)
     P = max_blocks * block_m
     if nk <= SINGLE_LAUNCH_MAX_ENTRIES and E <= SINGLE_LAUNCH_MAX_EXPERTS:
-        sorted_ids, block_expert, block_rows = _carve(dev, P, max_blocks, max_blocks)
-        e_pad = _next_pow2(E)
-        launch("align_small_kernel", (1,), (flat, sorted_ids, block_expert, block_rows, nk, E, max_blocks),
-               dict(BLOCK_M=block_m, E_PAD=e_pad, SUB=max(1, min(64, 4096 // e_pad, _next_pow2(nk))),
-                    NB=max(1, min(16, 1024 // block_m)), num_warps=4))  # fmt: skip
+        e_pad, n_pad = _next_pow2(E + 1), max(16, _next_pow2(nk))
+        sorted_ids, block_expert, block_rows, scratch = _carve(dev, P, max_blocks, max_blocks, 3 * e_pad)
+        launch("align_small_kernel", (1,), (flat, sorted_ids, block_expert, block_rows, scratch, nk, E, max_blocks),
+               dict(BLOCK_M=block_m, E_PAD=e_pad, N_PAD=n_pad, LOG_N=n_pad.bit_length() - 1,
+                    RB=max(1, min(block_m, 4096 // e_pad)), TB=1024, num_warps=8 if n_pad >= 1024 else 4))  # fmt: skip
         return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)
     _, starts, _, block_expert, block_rows, sorted_ids = _count_and_plan(flat, E, block_m, max_blocks, launch, P)
     launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids, sorted_ids, nk, E),

@@ -99,9 +99,18 @@ def fused_routing_available(config: MoEConfig, device) -> Optional[str]:
     device = torch.device(device)
     if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
         return f"device {device} (the kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1)"
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "triton is not installed"
     return None
+
+
+_TRITON: list = []
+
+
+def _triton_installed() -> bool:
+    if not _TRITON:  # looked up once: find_spec walks sys.path
+        _TRITON.append(importlib.util.find_spec("triton") is not None)
+    return _TRITON[0]
 
 
 def _next_pow2(n: int) -> int:

@@ -74,10 +74,13 @@ def _busy_ms(prof, calls: int) -> float:
     return total / 1e3 / calls
 
 
-def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warmup: int) -> dict:
+def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warmup: int,
+            routing_impl: str = "auto") -> dict:
     from epmoe import EPMoE
 
     layer = EPMoE(cfg, dispatcher=dispatcher, experts=experts, device=device, max_num_tokens_per_rank=max(T, 128))
+    if routing_impl != "auto" and hasattr(layer, "router"):  # A/B: the torch-op routing in the same run
+        layer.router.impl = routing_impl
     layer.load_weights(_weights(cfg, device))
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(T, cfg.hidden_size, generator=g).to(device=device, dtype=cfg.dtype)
@@ -284,9 +287,15 @@ def main(argv=None) -> int:
     p.add_argument("--host-device", default="cpu", choices=("cpu", "meta"), help="--cpu-host: where torch ops run")
     p.add_argument("--routing", default="softmax", choices=("softmax", "sigmoid_grouped"), help="--cpu-host routing")
     p.add_argument("--routing-impl", default="auto", choices=("auto", "torch", "triton"),
-                   help="--cpu-host: the layer's routing implementation (auto: as on a GPU)")
+                   help="the layer's routing implementation (auto: the fused kernel on a GPU)")
+    p.add_argument("--align-single-max", type=int, default=None,
+                   help="entries up to which the alignment runs one program (0: always three kernels)")
     p.add_argument("--profile", action="store_true", help="--cpu-host: print a cProfile breakdown to stderr")
     args = p.parse_args(argv)
+    if args.align_single_max is not None:
+        from epmoe.experts import align
+
+        align.SINGLE_LAUNCH_MAX_ENTRIES = args.align_single_max
     if args.cpu_host:
         torch.set_num_threads(1)  # host cost, not CPU kernels: no intra-op threads to wait on
         results = []
@@ -322,7 +331,7 @@ def main(argv=None) -> int:
     for d in dispatchers:
         for T in tokens:
             try:
-                results.append(measure(d, experts, T, cfg, device, args.iters, args.warmup))
+                results.append(measure(d, experts, T, cfg, device, args.iters, args.warmup, args.routing_impl))
             except Exception as e:  # noqa: BLE001 - one backend missing must not lose the others
                 results.append({"dispatcher": d, "experts": experts, "tokens": T, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(results[-1]), file=sys.stderr)
@@ -330,6 +339,7 @@ def main(argv=None) -> int:
         "bench": "host_overhead", "label": args.label, "revision": _git_rev(), "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton_fast_launch_env": os.environ.get("EPMOE_TRITON_FAST_LAUNCH", "unset"),
+        "routing_impl": args.routing_impl, "align_single_max": args.align_single_max,
         "shape": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
                                               "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
                                               "dtype": str(cfg.dtype)},

@@ -197,7 +197,7 @@ def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int 
 
         routing_impl = "triton" if fused_routing_available(cfg, "cuda") is None else "torch"
     if router is not None and routing_impl != "auto":
-        router.impl = routing_impl
+        router.impl, router.device = routing_impl, dev
         router._launch = record  # the fused routing kernel's launch, recorded like the experts' ones
     if device != "meta":  # on meta tensors the real op only computes shapes
         def grouped_mm(a, b, offs=None, **kw):  # shape only: the GEMM is not run

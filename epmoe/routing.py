@@ -152,7 +152,7 @@ class Router:
         self._launcher = None
 
     def __call__(self, router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor] = None) -> Routing:
-        if self.impl == "torch":
+        if self.impl == "torch" or router_logits.device.type != self.device.type:  # (logits elsewhere: torch)
             return route_torch(self.config, router_logits, e_score_correction_bias)
         return self._fused(router_logits, e_score_correction_bias)
 

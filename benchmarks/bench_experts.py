@@ -120,6 +120,11 @@ def build_plan(args) -> List[Run]:
                         presets = ["auto", "torch_epilogue"] if phase == "prefill" else ["auto"]
                 else:
                     presets = SWEEP[(mode, phase)]
+                if args.presets and backend == "triton":
+                    from epmoe.experts.triton_experts import presets_for
+
+                    known = set(presets_for(mode)) | {"auto"} | set(FP4_CONVERT_PRESETS)
+                    presets = [p for p in args.presets.split(",") if p in known or p.startswith("g:")]
                 for p in presets:
                     plan.append(Run(backend, mode, phase, T, p))
     return plan
@@ -330,6 +335,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     ap.add_argument("--quick", action="store_true", help="triton default presets only")
+    ap.add_argument("--presets", default="", help="triton runs: these presets (those the mode has), e.g. auto,wgmma")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--experts", type=int, default=128, help="local experts")

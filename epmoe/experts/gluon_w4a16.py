@@ -30,7 +30,8 @@ with 2^126 folded in (nvfp4: s * 2^119 and 2^7 on the global scale), as the pack
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from epmoe.experts.triton_kernels import _E2M1_BF16_ASM
 
@@ -310,3 +311,230 @@ def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_pt
         y = acc_g * rw[None, :]
         y_ptrs = out_ptr + ids64[None, :] * stride_om + n_acc[:, None]
         gl.store(y_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & (n_acc < N_OUT)[:, None])
+
+
+# --------------------------------------------------------------------------- prefill: wgmma
+# Tiles of 64 or 128 routed rows run warpgroup MMAs (wgmma), swap-AB as above: the weights are the A
+# operand, dequantized into registers (wgmma reads A from registers), the routed rows the B operand,
+# gathered into shared memory by cp.async (STAGES deep). A program's MMA tile has 64 weight rows per
+# warpgroup; gated (gemm1): its first half are gate rows, its second half the up rows of the same
+# outputs, joined in the epilogue through shared memory (one accumulator: registers stay free for
+# the next K step's operands, which are dequantized while this step's wgmmas run).
+#
+# K order here is the natural one (the token tile in shared memory is read by the hardware in K
+# order): thread (lane 4g + t) holds A's k positions 16cg + 8cl + 2t + b of a 32-wide half (cg, cl,
+# b = 0..1), i.e. bytes 16cg + 8cl + 2t + b of the k64-interleaved row (two-byte loads); nvfp4 group
+# cg of the half.
+#
+# Status (H200, 2026-12-01): the same output as the Triton kernels bit for bit, but slower at T = 4096
+# (nvfp4 15.0-16.4 ms against 10.8 ms), so no auto preset picks it (presets "wgmma*"); what was
+# measured and ruled out is in docs/hopper-experts.md.
+
+
+@gluon.constexpr_function
+def _wgmma_layout(num_warps, BM):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16])
+
+
+@gluon.constexpr_function
+def _wn_layout(R, num_warps):
+    """[R rows, 2 (cg), 2 (cl), 8 (j)] weight bytes: lane 4g + t holds rows g (+8) of its warp's 16 and
+    bytes j = 2t, 2t + 1 of each 8-byte chunk (cg, cl): k positions 16cg + 8cl + 2t + b of the A fragment."""
+    warp_rows = [16 * (1 << i) for i in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [8, 0, 0, 0]],
+        lane_bases=[[0, 0, 0, 2], [0, 0, 0, 4], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[r, 0, 0, 0] for r in warp_rows],
+        block_bases=[],
+        shape=[R, 2, 2, 8],
+    )
+
+
+@gluon.jit
+def _wn_loads(w_ptrs, s_ptrs, kk, GROUPS: gl.constexpr, HI: gl.constexpr):
+    """Weight bytes [R, 2, 2, 8] and scales [R, 2] (low / high half) of K step kk."""
+    b = gl.load(w_ptrs + kk * 32)
+    s_lo = gl.load(s_ptrs + kk * GROUPS)
+    s_hi = gl.load(s_ptrs + (kk * GROUPS + HI))
+    return b, s_lo, s_hi
+
+
+@gluon.jit
+def _wn_operands(b, s_lo, s_hi, W_FMT: gl.constexpr, R: gl.constexpr, A_L: gl.constexpr):
+    """-> the A operands (lo, hi) [R, 32] bf16 of one K step."""
+    f_lo = gl.expand_dims(gl.expand_dims(_scale_bf16(s_lo, W_FMT), 2), 3)
+    f_hi = gl.expand_dims(gl.expand_dims(_scale_bf16(s_hi, W_FMT), 2), 3)
+    lo, hi = gl.inline_asm_elementwise(
+        _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [b], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+    )
+    a_lo = gl.convert_layout(gl.reshape(lo * f_lo, [R, 32]), A_L, assert_trivial=True)
+    a_hi = gl.convert_layout(gl.reshape(hi * f_hi, [R, 32]), A_L, assert_trivial=True)
+    return a_lo, a_hi
+
+
+@gluon.jit
+def _scale_bf16(s, W_FMT: gl.constexpr):
+    """Raw scales -> the bf16 factor of the packed conversion (as `_dequant3`)."""
+    if W_FMT == 2:
+        f = (s.to(gl.float32) * TWO_119).to(gl.bfloat16)
+    else:
+        f = ((s.to(gl.uint16) + 126) << 7).to(gl.bfloat16, bitcast=True)
+    return f
+
+
+@gluon.jit
+def _x_copy(x_lo, x_hi, x_ptrs, kk, num_k, STAGES: gl.constexpr, cols):
+    """cp.async the token tile of K step kk (both 32-wide halves) into its stage (nothing past K)."""
+    s = kk % STAGES
+    ok = (cols * 0 + kk) < num_k
+    async_copy.async_copy_global_to_shared(x_lo.index(s), x_ptrs + kk * 64, mask=ok[None, :])
+    async_copy.async_copy_global_to_shared(x_hi.index(s), x_ptrs + (kk * 64 + 32), mask=ok[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _wgmma_step(acc, a_lo, a_hi, b, s_lo, s_hi, kk, num_k, x_lo, x_hi, x_ptrs, cols, w_ptrs, s_ptrs,
+                STAGES: gl.constexpr, GROUPS: gl.constexpr, HI: gl.constexpr, W_FMT: gl.constexpr, R: gl.constexpr,
+                A_L: gl.constexpr):
+    """K step kk: its wgmmas (operands a_lo / a_hi) run while step kk + 1's operands are dequantized
+    (from b / s_lo / s_hi) and step kk + 2's weights are requested. -> the carried values for kk + 1."""
+    # this step's token tile has landed (for every thread), and every warpgroup is done with the
+    # wgmmas of step kk - 1: its stage takes the copy of step kk + STAGES - 1. The weights are
+    # requested after the proxy fence (which waits for this thread's loads in flight).
+    async_copy.wait_group(STAGES - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+    nb, ns_lo, ns_hi = _wn_loads(w_ptrs, s_ptrs, gl.minimum(kk + 2, num_k - 1), GROUPS, HI)
+    _x_copy(x_lo, x_hi, x_ptrs, kk + STAGES - 1, num_k, STAGES, cols)
+    s = kk % STAGES
+    acc = warpgroup_mma(a_lo, x_lo.index(s).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a_hi, x_hi.index(s).permute((1, 0)), acc, is_async=True)
+    n_lo, n_hi = _wn_operands(b, s_lo, s_hi, W_FMT, R, A_L)
+    acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
+    return acc, n_lo, n_hi, nb, ns_lo, ns_hi
+
+
+@gluon.jit(do_not_specialize=["num_entries", "max_blocks"])
+def w4a16_wgmma_kernel(
+    x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr,
+    num_entries, max_blocks, N_OUT, K,
+    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_om,
+    alpha, beta, limit,
+    GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
+    HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BLOCK_M: gl.constexpr,  # routed rows per tile: 64 or 128 (the wgmma's N)
+    BLOCK_N: gl.constexpr,  # outputs per program: 16 * num_warps (gated: 8 * num_warps)
+    STAGES: gl.constexpr,  # token tiles in flight (cp.async ring)
+):
+    """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows."""
+    num_warps: gl.constexpr = gl.num_warps()
+    R: gl.constexpr = 16 * num_warps  # MMA tile rows (gated: BLOCK_N gate rows, then BLOCK_N up rows)
+    gl.static_assert(R == (2 * BLOCK_N if GATED else BLOCK_N))
+    MMA: gl.constexpr = _wgmma_layout(num_warps, BLOCK_M)
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    WN: gl.constexpr = _wn_layout(R, num_warps)
+    S2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, WN))  # [R, 2 (cg)] scales
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])  # [BM, 32] token halves
+    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+
+    num_n = N_OUT // BLOCK_N
+    pid = gl.program_id(0)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert = gl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        e64 = expert.to(gl.int64)
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
+        if GEMM1:
+            ids = gl.load(sorted_ids_ptr + offs_m)
+            xrow = gl.where(ids < num_entries, ids // TOP_K, 0).to(gl.int64)  # padding reads token 0
+        else:
+            xrow = offs_m.to(gl.int64)
+        cols = gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
+        x_ptrs = x_ptr + xrow[:, None] * stride_xm + cols[None, :]
+        x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
+        x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
+
+        # weight rows of the MMA tile (gated: gate rows n0 .. n0 + BN, then the up rows N_OUT later)
+        r = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WN))))
+        if GATED:
+            wrow = pid_n * BLOCK_N + (r % BLOCK_N) + (r // BLOCK_N) * N_OUT
+        else:
+            wrow = pid_n * BLOCK_N + r
+        cg = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, WN))))
+        cl = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, WN))))
+        j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WN))))
+        w_ptrs = (w_ptr + e64 * stride_we + wrow.to(gl.int64)[:, None, None, None] * stride_wn
+                  + (cg * 16)[None, :, None, None] + (cl * 8)[None, None, :, None] + j[None, None, None, :])
+        rs = gl.arange(0, R, layout=gl.SliceLayout(1, S2))
+        if GATED:
+            srow = pid_n * BLOCK_N + (rs % BLOCK_N) + (rs // BLOCK_N) * N_OUT
+        else:
+            srow = pid_n * BLOCK_N + rs
+        cs = gl.arange(0, 2, layout=gl.SliceLayout(0, S2))
+        s_ptrs = ws_ptr + e64 * stride_wse + srow.to(gl.int64)[:, None] * stride_wsn
+        if W_FMT == 2:
+            s_ptrs = s_ptrs + cs[None, :]  # nvfp4 group 4kk + cg (low half), + 2 (high half)
+            GROUPS: gl.constexpr = 4
+            HI: gl.constexpr = 2
+        else:
+            s_ptrs = s_ptrs + (cs * 0)[None, :]  # mxfp4 group 2kk (low half), 2kk + 1 (high half)
+            GROUPS: gl.constexpr = 2
+            HI: gl.constexpr = 1
+
+        num_k = K // 64
+        for i in gl.static_range(STAGES - 1):
+            _x_copy(x_lo, x_hi, x_ptrs, i, num_k, STAGES, cols)
+        acc = gl.zeros([R, BLOCK_M], gl.float32, MMA)
+        b, s_lo, s_hi = _wn_loads(w_ptrs, s_ptrs, 0, GROUPS, HI)
+        a_lo, a_hi = _wn_operands(b, s_lo, s_hi, W_FMT, R, A_L)
+        b, s_lo, s_hi = _wn_loads(w_ptrs, s_ptrs, gl.minimum(1, num_k - 1), GROUPS, HI)
+        # two K steps per iteration: the operands of the step in flight and of the next one live in
+        # different registers without a copy at the loop's end
+        for kk in range(0, num_k - 1, 2):
+            acc, a_lo, a_hi, b, s_lo, s_hi = _wgmma_step(
+                acc, a_lo, a_hi, b, s_lo, s_hi, kk, num_k, x_lo, x_hi, x_ptrs, cols, w_ptrs, s_ptrs,
+                STAGES, GROUPS, HI, W_FMT, R, A_L)
+            acc, a_lo, a_hi, b, s_lo, s_hi = _wgmma_step(
+                acc, a_lo, a_hi, b, s_lo, s_hi, kk + 1, num_k, x_lo, x_hi, x_ptrs, cols, w_ptrs, s_ptrs,
+                STAGES, GROUPS, HI, W_FMT, R, A_L)
+        if num_k % 2:
+            acc, a_lo, a_hi, b, s_lo, s_hi = _wgmma_step(
+                acc, a_lo, a_hi, b, s_lo, s_hi, num_k - 1, num_k, x_lo, x_hi, x_ptrs, cols, w_ptrs, s_ptrs,
+                STAGES, GROUPS, HI, W_FMT, R, A_L)
+        async_copy.wait_group(0)
+
+        if GATED:
+            _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
+                            alpha, beta, limit, W_FMT, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, R, num_warps)
+        else:
+            _epilogue(acc, acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
+                      N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
+                      GEMM1, W_FMT, False, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA)
+
+
+@gluon.jit
+def _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
+                    alpha, beta, limit, W_FMT: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, R: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """acc [gate rows; up rows] x [tile rows] -> act [tile rows, BLOCK_N outputs] (through shared memory:
+    gate and up of one output live in different warpgroups)."""
+    EL: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, num_warps], [0, 1])  # [BN, BM], n fastest
+    ES: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    buf = gl.allocate_shared_memory(gl.float32, [R, BLOCK_M], ES)
+    buf.store(acc)
+    gl.thread_barrier()
+    g = buf.slice(0, BLOCK_N, dim=0).load(EL)
+    u = buf.slice(BLOCK_N, BLOCK_N, dim=0).load(EL)
+    n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, EL))
+    p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, EL))
+    if W_FMT == 2:
+        # the packed conversion leaves 2^-7 in the weights
+        g = g * (gl.load(wg_ptr + e64 * stride_wge) * 128.0)
+        u = u * (gl.load(wg_ptr + e64 * stride_wge + 1) * 128.0)
+    if HAS_BIAS:
+        g += gl.load(b_ptr + e64 * stride_be + n)[:, None]
+        u += gl.load(b_ptr + e64 * stride_be + N_OUT + n)[:, None]
+    act = _act(g, u, alpha, beta, limit, ACT, HAS_LIMIT)
+    gl.store(out_ptr + p.to(gl.int64)[None, :] * stride_om + n[:, None], act.to(out_ptr.dtype.element_ty))

@@ -69,13 +69,17 @@ class GemmConfig:
 class TritonConfig:
     """block_m is shared by both GEMMs (they share the padded routing). split_m: an expert's tail
     tile with <= block_m/2 real rows runs a block_m/2-row copy of the tile code (less MMA work on
-    padding; needs block_m >= 32)."""
+    padding; needs block_m >= 32). wgmma (W4A16, block_m 64 / 128): the GEMMs run the Gluon wgmma
+    kernel (`gluon_w4a16.w4a16_wgmma_kernel`: block_n weight rows per projection, num_warps,
+    num_stages token tiles in flight) where Gluon runs and block_n divides the output; elsewhere the
+    Triton kernels with these tiles."""
 
     name: str
     block_m: int
     gemm1: GemmConfig
     gemm2: GemmConfig
     split_m: bool = False
+    wgmma: bool = False
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
@@ -86,8 +90,8 @@ class TritonConfig:
         )
 
 
-def _cfg(name, bm, g1, g2, split=False) -> TritonConfig:
-    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split)
+def _cfg(name, bm, g1, g2, split=False, wgmma=False) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma)
 
 
 # Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
@@ -137,6 +141,12 @@ _FP4_PRESETS = {
     "prefill_n128": _cfg("prefill_n128", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
     "prefill_split": _cfg("prefill_split", 128, (64, 64, 8, 3), (128, 64, 8, 3), split=True),
     "prefill_n256": _cfg("prefill_n256", 128, (128, 64, 8, 3), (256, 64, 8, 3), split=True),
+    # the Gluon wgmma kernel: num_warps / 4 warpgroups of 64 weight rows (gated: half gate, half up),
+    # num_stages token tiles in flight; block_n = its outputs per program
+    "wgmma": _cfg("wgmma", 128, (64, 64, 8, 4), (128, 64, 8, 4), wgmma=True),
+    "wgmma_s3": _cfg("wgmma_s3", 128, (64, 64, 8, 3), (128, 64, 8, 3), wgmma=True),
+    "wgmma_m64": _cfg("wgmma_m64", 64, (64, 64, 8, 4), (128, 64, 8, 4), wgmma=True),
+    "wgmma_w4": _cfg("wgmma_w4", 128, (32, 64, 4, 4), (64, 64, 4, 4), wgmma=True),
 }
 
 # The tuned table: preset by mean rows per local expert (upper bounds, inclusive; None = any).
@@ -179,6 +189,7 @@ GLUON_W4A16_BLOCK_N = 64  # weight rows per program (16 per warp at GLUON_W4A16_
 GLUON_W4A16_WARPS = 4  # warps per program (each owns 16 weight rows per row group)
 GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first); lowered to divide K / 64
 GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None: its own choice)
+GLUON_WGMMA_BLOCK_MS = (64, 128)  # routed rows per tile of the Gluon wgmma kernel (presets with wgmma=True)
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
 FP4_SCALE_PREFETCH = True
@@ -643,17 +654,27 @@ class TritonExperts(Experts):
 
     def uses_gluon_w4a16(self, cfg: TritonConfig) -> bool:
         """Do this tile preset's GEMMs run the Gluon W4A16 kernels (`epmoe.experts.gluon_w4a16`)?"""
+        if self._fp4_kernel_convert != 2 or not _gluon_available():  # W4A16, bf16 model, asm, no interpreter
+            return False
+        I, H = self.intermediate_size, self.hidden_size
+        if cfg.wgmma:
+            n1, n2 = self._wgmma_block_n(True, cfg), self._wgmma_block_n(False, cfg)
+            return (cfg.block_m in GLUON_WGMMA_BLOCK_MS and not cfg.split_m
+                    and I % n1 == 0 and H % n2 == 0 and H % 64 == 0 and I % 64 == 0)
         return (
             self.w4a16_decode == "gluon"
-            and self._fp4_kernel_convert == 2  # W4A16, bf16 model, asm conversion, not the interpreter
-            and _gluon_available()
             and cfg.block_m in GLUON_W4A16_BLOCK_MS
             and not cfg.split_m
-            and self.intermediate_size % GLUON_W4A16_BLOCK_N == 0
-            and self.hidden_size % GLUON_W4A16_BLOCK_N == 0
+            and I % GLUON_W4A16_BLOCK_N == 0
+            and H % GLUON_W4A16_BLOCK_N == 0
         )
 
-    def _gluon_w4a16(self, gemm1: bool, x, out, blocks, num_entries, top_k, w_flat) -> None:
+    def _wgmma_block_n(self, gemm1: bool, cfg: TritonConfig) -> int:
+        """Outputs per program of the Gluon wgmma kernel: 16 weight rows per warp (gated: half gate, half up)."""
+        g = cfg.gemm1 if gemm1 else cfg.gemm2
+        return (8 if gemm1 and self.gated else 16) * g.num_warps
+
+    def _gluon_w4a16(self, gemm1: bool, x, out, blocks, num_entries, top_k, w_flat, cfg: TritonConfig) -> None:
         """One Gluon W4A16 GEMM (swap-AB): gemm1 x [N, H] -> act [P, I]; gemm2 act -> y [N*K, H]."""
         p = self._params
         H, I = self.hidden_size, self.intermediate_size
@@ -662,6 +683,21 @@ class TritonExperts(Experts):
         b = p.get("b13" if gemm1 else "b2", w)
         n_out, k = (I, H) if gemm1 else (H, I)
         ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
+        if blocks.block_m in GLUON_WGMMA_BLOCK_MS:
+            g = cfg.gemm1 if gemm1 else cfg.gemm2
+            BN = self._wgmma_block_n(gemm1, cfg)
+            self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), (
+                x, w, ws, wg, b, out, w_flat if w_flat is not None else out,
+                blocks.sorted_ids, blocks.block_expert,
+                num_entries, blocks.max_blocks, n_out, k,
+                x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), wg.stride(0), b.stride(0),
+                out.stride(0), alpha, beta, limit,
+            ), dict(
+                GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
+                HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m, BLOCK_N=BN,
+                STAGES=g.num_stages, num_warps=g.num_warps,
+            ))  # fmt: skip
+            return
         BN = GLUON_W4A16_BLOCK_N
         grid = (blocks.max_blocks * (n_out // BN),)
         unroll = GLUON_W4A16_UNROLL
@@ -721,7 +757,7 @@ class TritonExperts(Experts):
         fp8 = self.mode == "fp8_block"
         out = torch.empty(P, I, dtype=torch.float8_e4m3fn if fp8 else self.config.dtype, device=self.device)
         if self.uses_gluon_w4a16(cfg):
-            self._gluon_w4a16(True, x, out, blocks, num_entries, top_k, None)
+            self._gluon_w4a16(True, x, out, blocks, num_entries, top_k, None, cfg)
             return out, None
         out_s = torch.empty(P, triton_cdiv(I, 128), dtype=torch.float32, device=self.device) if fp8 else out
         w, ws = p["w13"], p.get("w13_scale", p["w13"])
@@ -753,7 +789,7 @@ class TritonExperts(Experts):
 
     def _gemm2(self, act, act_scale, blocks, num_entries, w_flat, y, cfg: TritonConfig):
         if self.uses_gluon_w4a16(cfg):
-            self._gluon_w4a16(False, act, y, blocks, num_entries, 1, w_flat)
+            self._gluon_w4a16(False, act, y, blocks, num_entries, 1, w_flat, cfg)
             return
         p = self._params
         H, I = self.hidden_size, self.intermediate_size

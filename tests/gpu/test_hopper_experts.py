@@ -427,6 +427,41 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
             ex.config_override = None
 
 
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("preset", ["wgmma", "wgmma_s3", "wgmma_m64", "wgmma_w4"])
+def test_w4a16_gluon_wgmma(mode, preset):
+    """The Gluon wgmma W4A16 kernel (prefill tiles of 64 / 128 routed rows) against the float64 math
+    and the Triton kernels with the same tiles: DeepSeek shape (rows per expert 1-2 tiles, padding
+    and empty tiles), relu2 (not gated) and GPT-OSS (2880 = 45 K steps; 64-row programs only)."""
+    from epmoe.experts import EXPERTS
+    from epmoe.experts import triton_experts as TE
+
+    cfg_t = TE.presets_for(mode)[preset]
+    for cfg_kwargs, ep, N in ((DS, DS_EP, 600), (RELU2, 8, 300), (GPTOSS, GPTOSS_EP, 700)):  # GPT-OSS: 2880 = 45 x 64
+        ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
+        runs = ex.uses_gluon_w4a16(cfg_t)
+        divides = (cfg_kwargs["intermediate_size"] % ex._wgmma_block_n(True, cfg_t) == 0
+                   and cfg_kwargs["hidden_size"] % ex._wgmma_block_n(False, cfg_t) == 0)
+        assert runs == divides, f"{preset} {cfg_kwargs}: uses_gluon_w4a16 {runs}"
+        ex.config_override = cfg_t
+        try:
+            _, x, ids, tw, out = _run_case("triton", mode, cfg_kwargs, ep, N)
+        finally:
+            ex.config_override = None
+        if not runs:
+            continue
+        tk = EXPERTS.get("triton")(ExpertsSpec(ex.config, ep - 1, ep, torch.device("cuda"),
+                                               plan=QuantPlan(expert_mode=mode)))  # fmt: skip
+        tk.load_weights(w)
+        tk.config_override = replace(cfg_t, wgmma=False)
+        assert not tk.uses_gluon_w4a16(tk.config_override)
+        out_t = tk(DispatchedTokens(x, ids, tw))
+        del tk
+        diff = T.relative_error(out, out_t.double())
+        print(f"{mode} {preset} N={N}: gluon wgmma vs triton kernels rel diff {diff:.2e}")
+        assert diff < 5e-3, f"{mode} {preset}: gluon and triton kernels differ by {diff:.3g}"
+
+
 @pytest.mark.parametrize("E,K,N,block_m", [(32, 8, 4096, 128), (128, 8, 4096, 16), (128, 8, 128, 16), (16, 4, 1, 64)])
 def test_triton_alignment_equals_torch(E, K, N, block_m):
     """The routing alignment kernels (default) give the torch sort / padding bit for bit."""

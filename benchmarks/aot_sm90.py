@@ -86,6 +86,7 @@ def record_routing_launches(config: MoEConfig, num_tokens: int):
     if router.impl != "triton":
         return launches
     router._launch = lambda name, grid, args, kwargs: launches.append(Launch(name, args, tuple(kwargs.items())))
+    router.device = torch.device("cpu")  # the CPU logits below take the kernel's path (recorded)
     bias = torch.zeros(config.num_experts) if config.routing == "sigmoid_grouped" else None
     router(torch.randn(num_tokens, config.num_experts), bias)
     return launches

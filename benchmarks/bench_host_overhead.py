@@ -19,7 +19,8 @@ an ExpertWeights, forward), so the same file measures an older checkout too: run
 
 --cpu-host measures the Python side of the eager forward without a GPU: the layer (torch dispatcher,
 triton experts) runs with every Triton launch and every torch._grouped_mm replaced by a no-op
-recorder, and the report gives host microseconds per forward and the launches per forward.
+recorder, and the report gives host microseconds per forward (and up to the launch of the first
+expert GEMM: the time the GPU would idle at the start of a call) and the launches per forward.
 --host-device cpu (default) runs the remaining torch ops on small CPU tensors (H 256, I 128; the same
 op count as on the GPU, any checkout); --host-device meta runs them on meta tensors at the real shape
 (no data at all: a host sync, e.g. .item() / .cpu() / nonzero, raises, so only a sync-free forward
@@ -185,10 +186,12 @@ def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int 
     layer.device = dev
     if layer.e_score_correction_bias is not None:
         layer.e_score_correction_bias = torch.zeros(num_experts, dtype=torch.float32, device=dev)
-    counts = {"launches": 0, "grouped_mm": 0}
+    counts = {"launches": 0, "grouped_mm": 0, "gemm1_at": None}
 
     def record(name, grid, args, kwargs):
         counts["launches"] += 1
+        if counts["gemm1_at"] is None and name in _FIRST_GEMMS:  # the host time the GPU idles before it
+            counts["gemm1_at"] = time.perf_counter()
 
     ex._launch = record
     router = getattr(layer, "router", None)
@@ -202,6 +205,8 @@ def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int 
     if device != "meta":  # on meta tensors the real op only computes shapes
         def grouped_mm(a, b, offs=None, **kw):  # shape only: the GEMM is not run
             counts["grouped_mm"] += 1
+            if counts["gemm1_at"] is None:
+                counts["gemm1_at"] = time.perf_counter()
             return torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
 
         torch._grouped_mm = grouped_mm
@@ -209,6 +214,10 @@ def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int 
     x = torch.randn(T, H, generator=g).to(device=dev, dtype=cfg.dtype)
     logits = torch.randn(T, num_experts, generator=g).to(device=dev)
     return layer, x, logits, counts
+
+
+# the first expert GEMM of a forward: a triton GEMM kernel, a Gluon W4A16 one, or torch._grouped_mm
+_FIRST_GEMMS = ("moe_gemm1_kernel", "w4a16_swap_kernel", "w4a16_wgmma_kernel")
 
 
 def count_torch_ops(fn) -> dict:
@@ -236,13 +245,18 @@ def measure_host(T: int, device: str, iters: int, warmup: int, profile: bool = F
     ops = count_torch_ops(lambda: layer(x, logits))
     counts.update(launches=0, grouped_mm=0)
     times = []
+    to_gemm1 = []
     for _ in range(iters):
+        counts["gemm1_at"] = None
         t0 = time.perf_counter()
         layer(x, logits)
         times.append((time.perf_counter() - t0) * 1e6)
+        if counts.get("gemm1_at") is not None:
+            to_gemm1.append((counts["gemm1_at"] - t0) * 1e6)
     out = {"dispatcher": layer.dispatcher.name, "experts": "triton (launches recorded)", "tokens": T,
            "host_device": device, "hidden_size": layer.config.hidden_size,
            "host_us_median": statistics.median(times), "host_us_min": min(times),
+           "host_us_to_first_gemm_median": statistics.median(to_gemm1) if to_gemm1 else None,
            "torch_ops_per_forward": sum(ops.values()), "torch_ops": dict(sorted(ops.items())),
            "triton_launches_per_forward": counts["launches"] / iters,
            "grouped_mm_per_forward": counts["grouped_mm"] / iters}

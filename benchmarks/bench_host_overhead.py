@@ -210,12 +210,20 @@ def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int 
             return torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
 
         torch._grouped_mm = grouped_mm
+    elif _REAL_GROUPED_MM is not None:  # meta: the real op (shapes only), its first call timed
+        def grouped_mm_meta(*a, **kw):
+            if counts["gemm1_at"] is None:
+                counts["gemm1_at"] = time.perf_counter()
+            return _REAL_GROUPED_MM(*a, **kw)
+
+        torch._grouped_mm = grouped_mm_meta
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, H, generator=g).to(device=dev, dtype=cfg.dtype)
     logits = torch.randn(T, num_experts, generator=g).to(device=dev)
     return layer, x, logits, counts
 
 
+_REAL_GROUPED_MM = getattr(torch, "_grouped_mm", None)
 # the first expert GEMM of a forward: a triton GEMM kernel, a Gluon W4A16 one, or torch._grouped_mm
 _FIRST_GEMMS = ("moe_gemm1_kernel", "w4a16_swap_kernel", "w4a16_wgmma_kernel")
 

@@ -120,8 +120,8 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
 # --------------------------------------------------------------------------- on the GPU (Triton)
 # The same outputs from three small Triton kernels (`epmoe.experts.triton_kernels`: align_count,
 # align_plan, align_scatter), or one (align_small_kernel) for few entries, instead of ~15 torch
-# launches; `launch(kernel_name, grid, args, kwargs)`
-# runs one kernel (the backends' launcher). Index tensors come out int32.
+# launches; `launch(kernel_name, grid, args, kwargs)` runs one kernel (the backends' launcher).
+# Index tensors come out int32.
 
 def _chunk(nk: int) -> int:
     """Entries per scan step: 1024 (decode) up to 4096 (fewer serial steps at prefill)."""
@@ -152,7 +152,8 @@ def _count_and_plan(flat, num_experts, block_m, max_blocks, launch, sorted_ids_r
     chunk = _chunk(nk)
     launch("align_count_kernel", (E + 1,), (flat, counts, nk, E), dict(CHUNK=chunk, num_warps=chunk // 256))
     launch("align_plan_kernel", (1,), (counts, starts, ends, block_expert, block_rows, sorted_ids, E, max_blocks, nk),
-           dict(BLOCK_M=block_m, E_PAD=_next_pow2(E + 1), NB=16, WITH_PAD=sorted_ids_rows > 0, num_warps=4))  # fmt: skip
+           dict(BLOCK_M=block_m, E_PAD=_next_pow2(E + 1), NB=16, WITH_PAD=sorted_ids_rows > 0,
+                BM_PAD=_next_pow2(block_m) if sorted_ids_rows else 1, num_warps=4))  # fmt: skip
     if max_blocks != mb:
         block_expert, block_rows = block_expert[:max_blocks], block_rows[:max_blocks]
     return (counts, starts, ends, block_expert, block_rows, sorted_ids, *more)
@@ -208,7 +209,8 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
         sorted_ids, block_expert, block_rows, scratch = _carve(dev, P, max_blocks, max_blocks, 3 * e_pad)
         launch("align_small_kernel", (1,), (flat, sorted_ids, block_expert, block_rows, scratch, nk, E, max_blocks),
                dict(BLOCK_M=block_m, E_PAD=e_pad, N_PAD=n_pad, LOG_N=n_pad.bit_length() - 1,
-                    RB=max(1, min(block_m, 4096 // e_pad)), TB=1024, num_warps=8 if n_pad >= 1024 else 4))  # fmt: skip
+                    RB=max(1, min(1 << (block_m.bit_length() - 1), 4096 // e_pad)), TB=1024,
+                    num_warps=8 if n_pad >= 1024 else 4))  # fmt: skip
         return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)
     _, starts, _, block_expert, block_rows, sorted_ids = _count_and_plan(flat, E, block_m, max_blocks, launch, P)
     launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids, sorted_ids, nk, E),

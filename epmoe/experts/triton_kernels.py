@@ -778,6 +778,7 @@ def align_plan_kernel(
     E_PAD: tl.constexpr,  # power of two > num_experts
     NB: tl.constexpr,  # blocks per step
     WITH_PAD: tl.constexpr = False,
+    BM_PAD: tl.constexpr = 1,  # WITH_PAD: power of two >= BLOCK_M
 ):
     eidx = tl.arange(0, E_PAD)
     emask = eidx < num_experts
@@ -789,12 +790,13 @@ def align_plan_kernel(
     tl.store(ends_ptr + eidx, tl.cumsum(cnt, axis=0), mask=emask)
     tl.store(starts_ptr + num_experts, tl.sum(padded, axis=0))
     _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_rows_ptr, sorted_ids_ptr,
-                 num_experts, max_blocks, NK, BLOCK_M, NB, WITH_PAD)
+                 num_experts, max_blocks, NK, BLOCK_M, NB, WITH_PAD, BM_PAD)
 
 
 @triton.jit
 def _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_rows_ptr, sorted_ids_ptr,
-                 num_experts, max_blocks, NK, BLOCK_M: tl.constexpr, NB: tl.constexpr, WITH_PAD: tl.constexpr):
+                 num_experts, max_blocks, NK, BLOCK_M: tl.constexpr, NB: tl.constexpr, WITH_PAD: tl.constexpr,
+                 BM_PAD: tl.constexpr):
     """The tile list from the per-expert counts and padded segments; WITH_PAD: also NK into every
     padding row of the tiles (the real rows are the scatter's)."""
     pad_end_m = tl.where(emask, pad_end, 2147483647)
@@ -812,9 +814,9 @@ def _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_r
         tl.store(block_expert_ptr + b, tl.where(used, be, -1), mask=bok)
         tl.store(block_rows_ptr + b, rows, mask=bok)
         if WITH_PAD:
-            r = tl.arange(0, BLOCK_M)
-            pad = (r[None, :] >= rows[:, None]) & bok[:, None]
-            tl.store(sorted_ids_ptr + first[:, None] + r[None, :], tl.zeros([NB, BLOCK_M], tl.int32) + NK, mask=pad)
+            r = tl.arange(0, BM_PAD)
+            pad = (r[None, :] >= rows[:, None]) & (r[None, :] < BLOCK_M) & bok[:, None]
+            tl.store(sorted_ids_ptr + first[:, None] + r[None, :], tl.zeros([NB, BM_PAD], tl.int32) + NK, mask=pad)
 
 
 @triton.jit

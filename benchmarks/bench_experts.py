@@ -449,10 +449,10 @@ def run_plan(args, plan: List[Run]) -> int:
             ex.w4a16_decode = "triton" if preset == "triton_w4a16" else TE.W4A16_DECODE_KERNEL
             ex.config_override = presets_for(run.mode)[preset] if tile else None
             ex.fp4_convert = FP4_CONVERT_PRESETS.get(run.preset, FP4_CONVERT)
-            preset_used = (ex.config_override or pick_config(run.mode, entries, E)).describe()
+            preset_used = ex.tile_config(entries).describe()
             if run.mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
                 preset_used += f" fp4 convert {ex.fp4_convert if ex.fp4_packed else 'legacy'}"
-                if ex.uses_gluon_w4a16(ex.config_override or pick_config(run.mode, entries, E)):
+                if ex.uses_gluon_w4a16(ex.tile_config(entries)):
                     preset_used += " (Gluon kernels)"
         elif run.backend == "grouped_mm":
             ex.epilogue = "torch" if run.preset == "torch_epilogue" else "triton"

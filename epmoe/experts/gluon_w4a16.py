@@ -338,11 +338,13 @@ def _wgmma_layout(num_warps, BM):
 
 @gluon.constexpr_function
 def _wn_layout(R, num_warps):
-    """[R rows, 2 (cg), 2 (cl), 8 (j)] weight bytes: lane 4g + t holds rows g (+8) of its warp's 16 and
-    bytes j = 2t, 2t + 1 of each 8-byte chunk (cg, cl): k positions 16cg + 8cl + 2t + b of the A fragment."""
+    """[R rows, 2 (cg), 2 (cl), 8 (j)] weight bytes: lane 4g + t holds rows g (+8) of its warp's 16 (and
+    the same rows + 16 * num_warps * rep) and bytes j = 2t, 2t + 1 of each 8-byte chunk (cg, cl): k
+    positions 16cg + 8cl + 2t + b of the A fragment."""
     warp_rows = [16 * (1 << i) for i in range(num_warps.bit_length() - 1)]
+    reps = [16 * num_warps * (1 << i) for i in range(max(0, (R // (16 * num_warps)).bit_length() - 1))]
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [8, 0, 0, 0]],
+        reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [8, 0, 0, 0]] + [[r, 0, 0, 0] for r in reps],
         lane_bases=[[0, 0, 0, 2], [0, 0, 0, 4], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
         warp_bases=[[r, 0, 0, 0] for r in warp_rows],
         block_bases=[],
@@ -351,17 +353,9 @@ def _wn_layout(R, num_warps):
 
 
 @gluon.jit
-def _wn_loads(w_ptrs, s_ptrs, kk, GROUPS: gl.constexpr, HI: gl.constexpr):
-    """Weight bytes [R, 2, 2, 8] and scales [R, 2] (low / high half) of K step kk."""
-    b = gl.load(w_ptrs + kk * 32)
-    s_lo = gl.load(s_ptrs + kk * GROUPS)
-    s_hi = gl.load(s_ptrs + (kk * GROUPS + HI))
-    return b, s_lo, s_hi
-
-
-@gluon.jit
 def _wn_operands(b, s_lo, s_hi, W_FMT: gl.constexpr, R: gl.constexpr, A_L: gl.constexpr):
-    """-> the A operands (lo, hi) [R, 32] bf16 of one K step."""
+    """Weight bytes [R, 2, 2, 8] and raw scales [R, 2] (low / high half) -> the A operands (lo, hi)
+    [R, 32] bf16 of one K step."""
     f_lo = gl.expand_dims(gl.expand_dims(_scale_bf16(s_lo, W_FMT), 2), 3)
     f_hi = gl.expand_dims(gl.expand_dims(_scale_bf16(s_hi, W_FMT), 2), 3)
     lo, hi = gl.inline_asm_elementwise(
@@ -383,35 +377,60 @@ def _scale_bf16(s, W_FMT: gl.constexpr):
 
 
 @gluon.jit
-def _x_copy(x_lo, x_hi, x_ptrs, kk, num_k, STAGES: gl.constexpr, cols):
-    """cp.async the token tile of K step kk (both 32-wide halves) into its stage (nothing past K)."""
+def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr):
+    """cp.async everything K step kk reads from the ring into its stage (nothing past K): the token
+    tile (two 32-wide halves), the weight bytes and (nvfp4) the scales; one commit group."""
+    x_lo, x_hi, w_s, s_s = ring
+    x_ptrs, cols, w_ptrs, wcols, s_ptrs, scols = ptrs
     s = kk % STAGES
     ok = (cols * 0 + kk) < num_k
     async_copy.async_copy_global_to_shared(x_lo.index(s), x_ptrs + kk * 64, mask=ok[None, :])
     async_copy.async_copy_global_to_shared(x_hi.index(s), x_ptrs + (kk * 64 + 32), mask=ok[None, :])
+    okw = (wcols * 0 + kk) < num_k
+    async_copy.async_copy_global_to_shared(w_s.index(s), w_ptrs + kk * 32, mask=okw[None, :])
+    if W_FMT == 2:
+        oks = (scols * 0 + kk) < num_k
+        async_copy.async_copy_global_to_shared(s_s.index(s), s_ptrs + kk * 4, mask=oks[None, :])
     async_copy.commit_group()
 
 
 @gluon.jit
-def _wgmma_step(acc, a_lo, a_hi, b, s_lo, s_hi, kk, num_k, x_lo, x_hi, x_ptrs, cols, w_ptrs, s_ptrs,
-                STAGES: gl.constexpr, GROUPS: gl.constexpr, HI: gl.constexpr, W_FMT: gl.constexpr, R: gl.constexpr,
-                A_L: gl.constexpr):
+def _ring_operands(ring, sr_ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr, R: gl.constexpr,
+                   WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr):
+    """The A operands of K step kk from its ring stage (mxfp4 scales: two bytes per row, read from
+    global memory)."""
+    x_lo, x_hi, w_s, s_s = ring
+    s = kk % STAGES
+    b = w_s.index(s).reshape([R, 2, 2, 8]).load(WN)
+    if W_FMT == 2:
+        s_lo = s_s.index(s).slice(0, 2, dim=1).load(S2)
+        s_hi = s_s.index(s).slice(2, 2, dim=1).load(S2)
+    else:
+        k = gl.minimum(kk, num_k - 1)
+        s_lo = gl.load(sr_ptrs + k * 2)
+        s_hi = gl.load(sr_ptrs + (k * 2 + 1))
+    return _wn_operands(b, s_lo, s_hi, W_FMT, R, A_L)
+
+
+@gluon.jit
+def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
+                R: gl.constexpr, WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr):
     """K step kk: its wgmmas (operands a_lo / a_hi) run while step kk + 1's operands are dequantized
-    (from b / s_lo / s_hi) and step kk + 2's weights are requested. -> the carried values for kk + 1."""
-    # this step's token tile has landed (for every thread), and every warpgroup is done with the
-    # wgmmas of step kk - 1: its stage takes the copy of step kk + STAGES - 1. The weights are
-    # requested after the proxy fence (which waits for this thread's loads in flight).
-    async_copy.wait_group(STAGES - 2)
+    from the ring. -> step kk + 1's operands."""
+    # steps <= kk + 1 have landed (for every thread), and every warpgroup is done with the wgmmas of
+    # step kk - 1 and with the weights of step kk: stage kk - 1 takes the copies of kk + STAGES - 1
+    async_copy.wait_group(STAGES - 3)
     fence_async_shared()
     gl.thread_barrier()
-    nb, ns_lo, ns_hi = _wn_loads(w_ptrs, s_ptrs, gl.minimum(kk + 2, num_k - 1), GROUPS, HI)
-    _x_copy(x_lo, x_hi, x_ptrs, kk + STAGES - 1, num_k, STAGES, cols)
+    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES, W_FMT)
+    x_lo, x_hi, w_s, s_s = ring
     s = kk % STAGES
     acc = warpgroup_mma(a_lo, x_lo.index(s).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(a_hi, x_hi.index(s).permute((1, 0)), acc, is_async=True)
-    n_lo, n_hi = _wn_operands(b, s_lo, s_hi, W_FMT, R, A_L)
-    acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
-    return acc, n_lo, n_hi, nb, ns_lo, ns_hi
+    n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, S2, A_L)
+    # the wait takes the next operands too, so that they are computed before it (under the MMAs)
+    acc, a_lo, a_hi, n_lo, n_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi, n_lo, n_hi])
+    return acc, n_lo, n_hi
 
 
 @gluon.jit(do_not_specialize=["num_entries", "max_blocks"])
@@ -423,19 +442,23 @@ def w4a16_wgmma_kernel(
     GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
     HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr,  # routed rows per tile: 64 or 128 (the wgmma's N)
-    BLOCK_N: gl.constexpr,  # outputs per program: 16 * num_warps (gated: 8 * num_warps)
-    STAGES: gl.constexpr,  # token tiles in flight (cp.async ring)
+    BLOCK_N: gl.constexpr,  # outputs per program (MMA tile rows R: BLOCK_N, gated 2 * BLOCK_N; 16 * num_warps * 2^i)
+    STAGES: gl.constexpr,  # K steps in flight (cp.async ring: tokens, weights, nvfp4 scales); >= 3
 ):
     """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows."""
     num_warps: gl.constexpr = gl.num_warps()
-    R: gl.constexpr = 16 * num_warps  # MMA tile rows (gated: BLOCK_N gate rows, then BLOCK_N up rows)
-    gl.static_assert(R == (2 * BLOCK_N if GATED else BLOCK_N))
+    R: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # MMA tile rows (gated: BLOCK_N gate rows, then up rows)
+    gl.static_assert(R % (16 * num_warps) == 0)
+    gl.static_assert(STAGES >= 3)
     MMA: gl.constexpr = _wgmma_layout(num_warps, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WN: gl.constexpr = _wn_layout(R, num_warps)
     S2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, WN))  # [R, 2 (cg)] scales
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])  # [BM, 32] token halves
     XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    WC: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [num_warps, 1], [1, 0])  # [R, 32] weight bytes
+    SC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [num_warps, 1], [1, 0])  # [R, 4] nvfp4 scales
+    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
     num_n = N_OUT // BLOCK_N
     pid = gl.program_id(0)
@@ -452,56 +475,54 @@ def w4a16_wgmma_kernel(
             xrow = offs_m.to(gl.int64)
         cols = gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
         x_ptrs = x_ptr + xrow[:, None] * stride_xm + cols[None, :]
-        x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
-        x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
 
         # weight rows of the MMA tile (gated: gate rows n0 .. n0 + BN, then the up rows N_OUT later)
-        r = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WN))))
+        r = gl.arange(0, R, layout=gl.SliceLayout(1, WC))
         if GATED:
             wrow = pid_n * BLOCK_N + (r % BLOCK_N) + (r // BLOCK_N) * N_OUT
         else:
             wrow = pid_n * BLOCK_N + r
-        cg = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, WN))))
-        cl = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, WN))))
-        j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, WN))))
-        w_ptrs = (w_ptr + e64 * stride_we + wrow.to(gl.int64)[:, None, None, None] * stride_wn
-                  + (cg * 16)[None, :, None, None] + (cl * 8)[None, None, :, None] + j[None, None, None, :])
+        wcols = gl.arange(0, 32, layout=gl.SliceLayout(0, WC))
+        w_ptrs = w_ptr + e64 * stride_we + wrow.to(gl.int64)[:, None] * stride_wn + wcols[None, :]
+        rsc = gl.arange(0, R, layout=gl.SliceLayout(1, SC))
+        if GATED:
+            srow_c = pid_n * BLOCK_N + (rsc % BLOCK_N) + (rsc // BLOCK_N) * N_OUT
+        else:
+            srow_c = pid_n * BLOCK_N + rsc
+        scols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC))
+        s_ptrs = ws_ptr + e64 * stride_wse + srow_c.to(gl.int64)[:, None] * stride_wsn + scols[None, :]
+        # mxfp4: scale pointers in the operand layout (group 2kk low half, 2kk + 1 high half)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, S2))
         if GATED:
             srow = pid_n * BLOCK_N + (rs % BLOCK_N) + (rs // BLOCK_N) * N_OUT
         else:
             srow = pid_n * BLOCK_N + rs
         cs = gl.arange(0, 2, layout=gl.SliceLayout(0, S2))
-        s_ptrs = ws_ptr + e64 * stride_wse + srow.to(gl.int64)[:, None] * stride_wsn
-        if W_FMT == 2:
-            s_ptrs = s_ptrs + cs[None, :]  # nvfp4 group 4kk + cg (low half), + 2 (high half)
-            GROUPS: gl.constexpr = 4
-            HI: gl.constexpr = 2
-        else:
-            s_ptrs = s_ptrs + (cs * 0)[None, :]  # mxfp4 group 2kk (low half), 2kk + 1 (high half)
-            GROUPS: gl.constexpr = 2
-            HI: gl.constexpr = 1
+        sr_ptrs = ws_ptr + e64 * stride_wse + srow.to(gl.int64)[:, None] * stride_wsn + (cs * 0)[None, :]
+
+        x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
+        x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
+        w_s = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 32], PLAIN)
+        s_s = gl.allocate_shared_memory(ws_ptr.dtype.element_ty, [STAGES, R, 4], PLAIN)
+        ring = (x_lo, x_hi, w_s, s_s)
+        ptrs = (x_ptrs, cols, w_ptrs, wcols, s_ptrs, scols)
 
         num_k = K // 64
         for i in gl.static_range(STAGES - 1):
-            _x_copy(x_lo, x_hi, x_ptrs, i, num_k, STAGES, cols)
+            _ring_copy(ring, ptrs, i, num_k, STAGES, W_FMT)
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
         acc = gl.zeros([R, BLOCK_M], gl.float32, MMA)
-        b, s_lo, s_hi = _wn_loads(w_ptrs, s_ptrs, 0, GROUPS, HI)
-        a_lo, a_hi = _wn_operands(b, s_lo, s_hi, W_FMT, R, A_L)
-        b, s_lo, s_hi = _wn_loads(w_ptrs, s_ptrs, gl.minimum(1, num_k - 1), GROUPS, HI)
+        a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, S2, A_L)
         # two K steps per iteration: the operands of the step in flight and of the next one live in
         # different registers without a copy at the loop's end
         for kk in range(0, num_k - 1, 2):
-            acc, a_lo, a_hi, b, s_lo, s_hi = _wgmma_step(
-                acc, a_lo, a_hi, b, s_lo, s_hi, kk, num_k, x_lo, x_hi, x_ptrs, cols, w_ptrs, s_ptrs,
-                STAGES, GROUPS, HI, W_FMT, R, A_L)
-            acc, a_lo, a_hi, b, s_lo, s_hi = _wgmma_step(
-                acc, a_lo, a_hi, b, s_lo, s_hi, kk + 1, num_k, x_lo, x_hi, x_ptrs, cols, w_ptrs, s_ptrs,
-                STAGES, GROUPS, HI, W_FMT, R, A_L)
+            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, S2, A_L)
+            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
+                                          S2, A_L)
         if num_k % 2:
-            acc, a_lo, a_hi, b, s_lo, s_hi = _wgmma_step(
-                acc, a_lo, a_hi, b, s_lo, s_hi, num_k - 1, num_k, x_lo, x_hi, x_ptrs, cols, w_ptrs, s_ptrs,
-                STAGES, GROUPS, HI, W_FMT, R, A_L)
+            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
+                                          S2, A_L)
         async_copy.wait_group(0)
 
         if GATED:

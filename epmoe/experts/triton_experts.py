@@ -141,12 +141,17 @@ _FP4_PRESETS = {
     "prefill_n128": _cfg("prefill_n128", 128, (128, 64, 8, 3), (128, 64, 8, 3)),
     "prefill_split": _cfg("prefill_split", 128, (64, 64, 8, 3), (128, 64, 8, 3), split=True),
     "prefill_n256": _cfg("prefill_n256", 128, (128, 64, 8, 3), (256, 64, 8, 3), split=True),
-    # the Gluon wgmma kernel: num_warps / 4 warpgroups of 64 weight rows (gated: half gate, half up),
-    # num_stages token tiles in flight; block_n = its outputs per program
-    "wgmma": _cfg("wgmma", 128, (64, 64, 8, 4), (128, 64, 8, 4), wgmma=True),
-    "wgmma_s3": _cfg("wgmma_s3", 128, (64, 64, 8, 3), (128, 64, 8, 3), wgmma=True),
-    "wgmma_m64": _cfg("wgmma_m64", 64, (64, 64, 8, 4), (128, 64, 8, 4), wgmma=True),
-    "wgmma_w4": _cfg("wgmma_w4", 128, (32, 64, 4, 4), (64, 64, 4, 4), wgmma=True),
+    # the Gluon wgmma kernel: MMA tiles of 16 * num_warps * 2^i weight rows (gated: half gate, half up),
+    # num_stages K steps in flight (>= 3); block_n = its outputs per program
+    "wgmma": _cfg("wgmma", 128, (64, 64, 8, 5), (128, 64, 8, 5), wgmma=True),
+    "wgmma_s4": _cfg("wgmma_s4", 128, (64, 64, 8, 4), (128, 64, 8, 4), wgmma=True),
+    "wgmma_m64": _cfg("wgmma_m64", 64, (64, 64, 8, 5), (128, 64, 8, 5), wgmma=True),
+    "wgmma_w4": _cfg("wgmma_w4", 128, (32, 64, 4, 5), (64, 64, 4, 5), wgmma=True),
+    "wgmma_w4r128": _cfg("wgmma_w4r128", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
+    "wgmma_w4r128_s3": _cfg("wgmma_w4r128_s3", 128, (64, 64, 4, 3), (128, 64, 4, 3), wgmma=True),
+    "wgmma_w4r128_m64": _cfg("wgmma_w4r128_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
+    "wgmma_r256": _cfg("wgmma_r256", 128, (128, 64, 8, 3), (256, 64, 8, 4), wgmma=True),
+    "wgmma_g2r256": _cfg("wgmma_g2r256", 128, (64, 64, 8, 5), (256, 64, 8, 4), wgmma=True),
 }
 
 # The tuned table: preset by mean rows per local expert (upper bounds, inclusive; None = any).
@@ -154,11 +159,13 @@ _FP4_PRESETS = {
 AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     "bf16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
     "fp8_block": ((16, "decode"), (40, "small"), (None, "medium")),
-    # W4A16 at T=4096 (H200, 2026-12-01, scales read one K step ahead): "prefill_n128" 10.8 / 10.4 ms,
-    # "medium" 13.0 / 11.2, "prefill" 13.0 / 11.2 (nvfp4 / mxfp4)
-    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill_n128")),
-    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill_n128")),
+    # W4A16 at T=4096 (H200, 2026-12-01): the Gluon wgmma kernel "wgmma_w4r128" 9.6 / 9.5 ms, the Triton
+    # kernels "prefill_n128" 10.9 / 10.4 (nvfp4 / mxfp4); where the Gluon kernel cannot run (Triton
+    # interpreter, shapes it does not tile), WGMMA_FALLBACK instead
+    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128")),
+    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128")),
 }
+WGMMA_FALLBACK = "prefill_n128"  # the auto preset for W4A16 prefill tiles the Gluon wgmma kernel cannot run
 # Layout of w13 in bf16 mode (gated activations): "interleaved" (rows gate j, up j: one wide dot per
 # K step) or "blocked" ([gate; up]: two dots). Quantized modes are always blocked. Fixed at load;
 # spec option `triton_gate_up` overrides.
@@ -620,7 +627,7 @@ class TritonExperts(Experts):
                 x, topk_ids, topk_weights, self._params, self.config, E, self.gate_up_interleaved, self._launch,
                 align=self.align_impl,
             )
-        cfg = self.config_override or pick_config(self.mode, N * K, E)
+        cfg = self.tile_config(N * K)
         self._check_tile_config(cfg)
         # no-op conversions skipped (each call costs host time); the kernels index ids and weights
         # flat by entry j = n * K + k, so [N, K] contiguous tensors serve as they are
@@ -652,6 +659,16 @@ class TritonExperts(Experts):
         )
         return out
 
+    def tile_config(self, num_entries: int) -> TritonConfig:
+        """The tile preset of a forward over num_entries routed rows: config_override, else the auto
+        table's (a wgmma preset the Gluon kernel cannot run here gives way to WGMMA_FALLBACK)."""
+        if self.config_override is not None:
+            return self.config_override
+        cfg = pick_config(self.mode, num_entries, self.num_experts)
+        if cfg.wgmma and not self.uses_gluon_w4a16(cfg):
+            cfg = presets_for(self.mode)[WGMMA_FALLBACK]
+        return cfg
+
     def uses_gluon_w4a16(self, cfg: TritonConfig) -> bool:
         """Do this tile preset's GEMMs run the Gluon W4A16 kernels (`epmoe.experts.gluon_w4a16`)?"""
         if self._fp4_kernel_convert != 2 or not _gluon_available():  # W4A16, bf16 model, asm, no interpreter
@@ -659,7 +676,8 @@ class TritonExperts(Experts):
         I, H = self.intermediate_size, self.hidden_size
         if cfg.wgmma:
             n1, n2 = self._wgmma_block_n(True, cfg), self._wgmma_block_n(False, cfg)
-            return (cfg.block_m in GLUON_WGMMA_BLOCK_MS and not cfg.split_m
+            scales_align = self.mode != "nvfp4_w4a16" or ((H // 16) % 16 == 0 and (I // 16) % 16 == 0)  # cp.async
+            return (cfg.block_m in GLUON_WGMMA_BLOCK_MS and not cfg.split_m and scales_align
                     and I % n1 == 0 and H % n2 == 0 and H % 64 == 0 and I % 64 == 0)
         return (
             self.w4a16_decode == "gluon"
@@ -670,9 +688,10 @@ class TritonExperts(Experts):
         )
 
     def _wgmma_block_n(self, gemm1: bool, cfg: TritonConfig) -> int:
-        """Outputs per program of the Gluon wgmma kernel: 16 weight rows per warp (gated: half gate, half up)."""
-        g = cfg.gemm1 if gemm1 else cfg.gemm2
-        return (8 if gemm1 and self.gated else 16) * g.num_warps
+        """Outputs per program of the Gluon wgmma kernel: the preset's block_n gated (its MMA tile: as many
+        gate then up rows), else twice that (gemm1 of ungated activations: the same MMA tile rows)."""
+        n = cfg.gemm1.block_n if gemm1 else cfg.gemm2.block_n
+        return 2 * n if gemm1 and not self.gated else n
 
     def _gluon_w4a16(self, gemm1: bool, x, out, blocks, num_entries, top_k, w_flat, cfg: TritonConfig) -> None:
         """One Gluon W4A16 GEMM (swap-AB): gemm1 x [N, H] -> act [P, I]; gemm2 act -> y [N*K, H]."""

@@ -83,6 +83,27 @@ def test_pick_config_by_rows_per_expert():
         assert all(c.gemm1.block_k == 64 and c.gemm2.block_k == 64 for c in presets_for(mode).values())
 
 
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+def test_w4a16_prefill_wgmma_preset_falls_back_where_gluon_cannot_run(force_available, monkeypatch, mode):
+    """The auto preset for W4A16 prefill runs the Gluon wgmma kernel; where that cannot run (no Gluon,
+    the Triton interpreter, shapes it does not tile) the forward takes WGMMA_FALLBACK's Triton tiles
+    instead; a forced preset stays as given (its tiles then run on the Triton kernels)."""
+    from epmoe.experts import triton_experts as TE
+
+    ex = TritonExperts(_spec(mode))
+    auto = pick_config(mode, 4096 * 8, 128)
+    assert auto.wgmma
+    monkeypatch.setattr(TE, "_gluon_available", lambda: False)
+    assert not ex.uses_gluon_w4a16(auto)
+    assert ex.tile_config(4096 * 8).name == TE.WGMMA_FALLBACK
+    assert ex.tile_config(1 * 8).name == pick_config(mode, 8, ex.num_experts).name  # decode: unchanged
+    monkeypatch.setattr(ex, "uses_gluon_w4a16", lambda cfg: True)
+    assert ex.tile_config(4096 * 8) is auto
+    monkeypatch.setattr(ex, "uses_gluon_w4a16", lambda cfg: False)
+    ex.config_override = auto
+    assert ex.tile_config(4096 * 8) is auto
+
+
 @pytest.mark.parametrize("mode", ["bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("backend", [TritonExperts, GroupedMMExperts])
 def test_reload_is_in_place(force_available, backend, mode):

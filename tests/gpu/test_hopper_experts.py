@@ -428,7 +428,7 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("preset", ["wgmma", "wgmma_s3", "wgmma_m64", "wgmma_w4"])
+@pytest.mark.parametrize("preset", ["wgmma", "wgmma_m64", "wgmma_w4", "wgmma_w4r128", "wgmma_w4r128_m64", "wgmma_r256"])
 def test_w4a16_gluon_wgmma(mode, preset):
     """The Gluon wgmma W4A16 kernel (prefill tiles of 64 / 128 routed rows) against the float64 math
     and the Triton kernels with the same tiles: DeepSeek shape (rows per expert 1-2 tiles, padding
@@ -441,7 +441,9 @@ def test_w4a16_gluon_wgmma(mode, preset):
         ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
         runs = ex.uses_gluon_w4a16(cfg_t)
         divides = (cfg_kwargs["intermediate_size"] % ex._wgmma_block_n(True, cfg_t) == 0
-                   and cfg_kwargs["hidden_size"] % ex._wgmma_block_n(False, cfg_t) == 0)
+                   and cfg_kwargs["hidden_size"] % ex._wgmma_block_n(False, cfg_t) == 0
+                   # nvfp4 scales by cp.async: rows of K / 16 bytes 16-byte aligned (GPT-OSS 2880 / 16 = 180: no)
+                   and (mode != "nvfp4_w4a16" or cfg_kwargs["hidden_size"] % 256 == 0))
         assert runs == divides, f"{preset} {cfg_kwargs}: uses_gluon_w4a16 {runs}"
         ex.config_override = cfg_t
         try:

@@ -1,4 +1,4 @@
-"""Compile every Triton kernel variant the `triton` experts backend launches for sm90, on a machine
+"""Compile every Triton kernel variant the `triton` experts backend (and the fused routing) launches for sm90, on a machine
 WITHOUT a GPU (Triton's bundled ptxas), and report registers, spills, shared memory and the matrix
 instructions in the SASS (HGMMA / QGMMA = Hopper wgmma; HMMA = mma.sync).
 
@@ -77,6 +77,21 @@ def record_launches(config: MoEConfig, mode: str, num_tokens: int, num_experts: 
     return launches
 
 
+def record_routing_launches(config: MoEConfig, num_tokens: int):
+    """The fused routing's launch (`epmoe.routing.Router`, impl "triton") for `config`, recorded."""
+    from epmoe.routing import Router
+
+    launches = []
+    router = Router(config, torch.device("cuda"))  # the device's choice; nothing runs on it
+    if router.impl != "triton":
+        return launches
+    router._launch = lambda name, grid, args, kwargs: launches.append(Launch(name, args, tuple(kwargs.items())))
+    router.device = torch.device("cpu")  # the CPU logits below take the kernel's path (recorded)
+    bias = torch.zeros(config.num_experts) if config.routing == "sigmoid_grouped" else None
+    router(torch.randn(num_tokens, config.num_experts), bias)
+    return launches
+
+
 def to_source(launch: Launch):
     from triton.compiler import ASTSource
 
@@ -84,6 +99,8 @@ def to_source(launch: Launch):
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
         from epmoe.experts import gluon_w4a16 as module
+    elif launch.kernel.startswith("route_"):  # the fused routing (epmoe.routing_kernels)
+        from epmoe import routing_kernels as module
     else:
         from epmoe.experts import triton_kernels as module
     fn = getattr(module, launch.kernel)
@@ -155,6 +172,14 @@ CASES = {
 }
 
 
+ROUTING_CASES = {
+    "ds": MoEConfig(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, routing="sigmoid_grouped",
+                    n_group=8, topk_group=4, routed_scaling_factor=2.5),
+    "qwen": MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
+    "wide": MoEConfig(num_experts=512, top_k=10, hidden_size=2048, intermediate_size=512),
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one variant per weight format")
@@ -181,11 +206,16 @@ def main(argv=None) -> int:
     failures = 0
     print(f"triton {triton.__version__}, target sm90")
     print(f"{'case':7} {'mode':12} {'preset':13} {'kernel':22} {'regs':>4} {'spill':>5} {'smem':>6} {'wgmma':>5} {'mma':>4} {'s':>5}")
+    for routing_cfg in ROUTING_CASES.values():
+        jobs.append((routing_cfg, "routing", "-"))
     for case, mode, preset in jobs:
-        cfg = CASES[case]
-        grouped = preset == "grouped_mm"
-        launches = record_launches(cfg, mode, num_tokens=16, num_experts=2, preset=None if grouped else preset,
-                                   grouped=grouped)  # fmt: skip
+        if mode == "routing":
+            launches, case = record_routing_launches(case, num_tokens=64), case.routing[:7]
+        else:
+            cfg = CASES[case]
+            grouped = preset == "grouped_mm"
+            launches = record_launches(cfg, mode, num_tokens=16, num_experts=2, preset=None if grouped else preset,
+                                       grouped=grouped)  # fmt: skip
         for launch in launches:
             src, opts = to_source(launch)
             key = (launch.kernel, repr(sorted(src.signature.items())), repr(launch.kwargs), repr(launch.args[-3:]))

@@ -19,7 +19,8 @@ an ExpertWeights, forward), so the same file measures an older checkout too: run
 
 --cpu-host measures the Python side of the eager forward without a GPU: the layer (torch dispatcher,
 triton experts) runs with every Triton launch and every torch._grouped_mm replaced by a no-op
-recorder, and the report gives host microseconds per forward and the launches per forward.
+recorder, and the report gives host microseconds per forward (and up to the launch of the first
+expert GEMM: the time the GPU would idle at the start of a call) and the launches per forward.
 --host-device cpu (default) runs the remaining torch ops on small CPU tensors (H 256, I 128; the same
 op count as on the GPU, any checkout); --host-device meta runs them on meta tensors at the real shape
 (no data at all: a host sync, e.g. .item() / .cpu() / nonzero, raises, so only a sync-free forward
@@ -74,10 +75,13 @@ def _busy_ms(prof, calls: int) -> float:
     return total / 1e3 / calls
 
 
-def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warmup: int) -> dict:
+def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warmup: int,
+            routing_impl: str = "auto") -> dict:
     from epmoe import EPMoE
 
     layer = EPMoE(cfg, dispatcher=dispatcher, experts=experts, device=device, max_num_tokens_per_rank=max(T, 128))
+    if routing_impl != "auto" and hasattr(layer, "router"):  # A/B: the torch-op routing in the same run
+        layer.router.impl = routing_impl
     layer.load_weights(_weights(cfg, device))
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(T, cfg.hidden_size, generator=g).to(device=device, dtype=cfg.dtype)
@@ -149,11 +153,14 @@ def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warm
 
 # --------------------------------------------------------------------------- host cost without a GPU
 def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int = 0, intermediate: int = 0,
-               dispatcher: str = "torch", routing: str = "softmax", set_env: bool = True):
+               dispatcher: str = "torch", routing: str = "softmax", set_env: bool = True,
+               routing_impl: str = "auto"):
     """(layer, x, logits, counts) for a host-cost run: an ep = 1 EPMoE with triton experts whose kernel
     launches (and, on CPU, torch._grouped_mm: replaced process-wide) are no-op recorders;
     counts["launches"] counts them. The weights are empty tensors of the real shapes (the GEMMs never
-    run). device "meta": the torch ops run on meta tensors (any host sync raises). The triton backend
+    run). routing_impl: the layer's routing ("auto": what a GPU runs, the fused Triton kernel where it
+    applies, its launch recorded too; "torch": torch ops; checkouts without `epmoe.routing.Router`:
+    torch ops). device "meta": the torch ops run on meta tensors (any host sync raises). The triton backend
     is accepted on CPU only with TRITON_INTERPRET=1 (set here unless set_env=False)."""
     if set_env:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # nothing is launched: no interpreter runs
@@ -179,22 +186,46 @@ def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int 
     layer.device = dev
     if layer.e_score_correction_bias is not None:
         layer.e_score_correction_bias = torch.zeros(num_experts, dtype=torch.float32, device=dev)
-    counts = {"launches": 0, "grouped_mm": 0}
+    counts = {"launches": 0, "grouped_mm": 0, "gemm1_at": None}
 
     def record(name, grid, args, kwargs):
         counts["launches"] += 1
+        if counts["gemm1_at"] is None and name in _FIRST_GEMMS:  # the host time the GPU idles before it
+            counts["gemm1_at"] = time.perf_counter()
 
     ex._launch = record
+    router = getattr(layer, "router", None)
+    if router is not None and routing_impl == "auto":  # the choice an H200 makes: fused where it applies
+        from epmoe.routing import fused_routing_available
+
+        routing_impl = "triton" if fused_routing_available(cfg, "cuda") is None else "torch"
+    if router is not None and routing_impl != "auto":
+        router.impl, router.device = routing_impl, dev
+        router._launch = record  # the fused routing kernel's launch, recorded like the experts' ones
     if device != "meta":  # on meta tensors the real op only computes shapes
         def grouped_mm(a, b, offs=None, **kw):  # shape only: the GEMM is not run
             counts["grouped_mm"] += 1
+            if counts["gemm1_at"] is None:
+                counts["gemm1_at"] = time.perf_counter()
             return torch.empty(a.shape[0], b.shape[-1], dtype=a.dtype, device=a.device)
 
         torch._grouped_mm = grouped_mm
+    elif _REAL_GROUPED_MM is not None:  # meta: the real op (shapes only), its first call timed
+        def grouped_mm_meta(*a, **kw):
+            if counts["gemm1_at"] is None:
+                counts["gemm1_at"] = time.perf_counter()
+            return _REAL_GROUPED_MM(*a, **kw)
+
+        torch._grouped_mm = grouped_mm_meta
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, H, generator=g).to(device=dev, dtype=cfg.dtype)
     logits = torch.randn(T, num_experts, generator=g).to(device=dev)
     return layer, x, logits, counts
+
+
+_REAL_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+# the first expert GEMM of a forward: a triton GEMM kernel, a Gluon W4A16 one, or torch._grouped_mm
+_FIRST_GEMMS = ("moe_gemm1_kernel", "w4a16_swap_kernel", "w4a16_wgmma_kernel")
 
 
 def count_torch_ops(fn) -> dict:
@@ -222,13 +253,18 @@ def measure_host(T: int, device: str, iters: int, warmup: int, profile: bool = F
     ops = count_torch_ops(lambda: layer(x, logits))
     counts.update(launches=0, grouped_mm=0)
     times = []
+    to_gemm1 = []
     for _ in range(iters):
+        counts["gemm1_at"] = None
         t0 = time.perf_counter()
         layer(x, logits)
         times.append((time.perf_counter() - t0) * 1e6)
+        if counts.get("gemm1_at") is not None:
+            to_gemm1.append((counts["gemm1_at"] - t0) * 1e6)
     out = {"dispatcher": layer.dispatcher.name, "experts": "triton (launches recorded)", "tokens": T,
            "host_device": device, "hidden_size": layer.config.hidden_size,
            "host_us_median": statistics.median(times), "host_us_min": min(times),
+           "host_us_to_first_gemm_median": statistics.median(to_gemm1) if to_gemm1 else None,
            "torch_ops_per_forward": sum(ops.values()), "torch_ops": dict(sorted(ops.items())),
            "triton_launches_per_forward": counts["launches"] / iters,
            "grouped_mm_per_forward": counts["grouped_mm"] / iters}
@@ -272,8 +308,16 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-host", action="store_true", help="host cost per forward without a GPU (launches recorded)")
     p.add_argument("--host-device", default="cpu", choices=("cpu", "meta"), help="--cpu-host: where torch ops run")
     p.add_argument("--routing", default="softmax", choices=("softmax", "sigmoid_grouped"), help="--cpu-host routing")
+    p.add_argument("--routing-impl", default="auto", choices=("auto", "torch", "triton"),
+                   help="the layer's routing implementation (auto: the fused kernel on a GPU)")
+    p.add_argument("--align-single-max", type=int, default=None,
+                   help="entries up to which the alignment runs one program (0: always three kernels)")
     p.add_argument("--profile", action="store_true", help="--cpu-host: print a cProfile breakdown to stderr")
     args = p.parse_args(argv)
+    if args.align_single_max is not None:
+        from epmoe.experts import align
+
+        align.SINGLE_LAUNCH_MAX_ENTRIES = args.align_single_max
     if args.cpu_host:
         torch.set_num_threads(1)  # host cost, not CPU kernels: no intra-op threads to wait on
         results = []
@@ -281,13 +325,15 @@ def main(argv=None) -> int:
             iters = args.iters if args.iters != 20 else (200 if T <= 512 else 50)
             try:
                 results.append(measure_host(T, args.host_device, iters, args.warmup, args.profile,
-                                            num_experts=args.num_experts, routing=args.routing))
+                                            num_experts=args.num_experts, routing=args.routing,
+                                            routing_impl=args.routing_impl))
             except Exception as e:  # noqa: BLE001 - e.g. a host sync on meta tensors
                 results.append({"tokens": T, "host_device": args.host_device, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(results[-1]), file=sys.stderr)
         report = {"bench": "host_overhead_cpu", "label": args.label, "revision": _git_rev(),
                   "date": time.strftime("%Y-%m-%d"), "device": platform.processor() or "cpu",
-                  "torch": torch.__version__, "routing": args.routing, "results": results}
+                  "torch": torch.__version__, "routing": args.routing, "routing_impl": args.routing_impl,
+                  "results": results}
         return _emit(report, args.json)
 
     from epmoe import MoEConfig
@@ -307,7 +353,7 @@ def main(argv=None) -> int:
     for d in dispatchers:
         for T in tokens:
             try:
-                results.append(measure(d, experts, T, cfg, device, args.iters, args.warmup))
+                results.append(measure(d, experts, T, cfg, device, args.iters, args.warmup, args.routing_impl))
             except Exception as e:  # noqa: BLE001 - one backend missing must not lose the others
                 results.append({"dispatcher": d, "experts": experts, "tokens": T, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(results[-1]), file=sys.stderr)
@@ -315,6 +361,7 @@ def main(argv=None) -> int:
         "bench": "host_overhead", "label": args.label, "revision": _git_rev(), "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "triton_fast_launch_env": os.environ.get("EPMOE_TRITON_FAST_LAUNCH", "unset"),
+        "routing_impl": args.routing_impl, "align_single_max": args.align_single_max,
         "shape": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
                                               "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
                                               "dtype": str(cfg.dtype)},

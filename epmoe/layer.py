@@ -28,7 +28,7 @@ from epmoe.quant.checkpoint_formats import check_fits_plan
 from epmoe.quant.plan import QuantPlan
 from epmoe.resolve import detect_environment, resolve_plan
 from epmoe.quant.weights import ExpertWeights
-from epmoe.routing import Routing, route
+from epmoe.routing import Router, Routing
 
 DEFAULT_MAX_TOKENS_PER_RANK = 4096
 _LAYER_IDS = itertools.count()  # names layers for fault reports; all ranks build layers in one order
@@ -266,6 +266,8 @@ class EPMoE(torch.nn.Module):
             torch.zeros(config.num_experts, dtype=torch.float32, device=self.device)
             if config.routing == "sigmoid_grouped" else None,
         )
+        # route(): one fused Triton kernel on CUDA where it applies, else torch ops (epmoe.routing)
+        self.router = Router(config, self.device)
         self._weights_loaded = False
         self._loaded_dtypes: Dict[str, torch.dtype] = {}
 
@@ -520,7 +522,7 @@ class EPMoE(torch.nn.Module):
         rounds = max(1, max(-(-t // M) for t in tokens_per_rank))
 
         if router_logits is not None:
-            routing = route(self.config, router_logits, self.e_score_correction_bias)
+            routing = self.router(router_logits, self.e_score_correction_bias)
         else:
             routing = Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=topk_weights.float())
 
@@ -683,7 +685,7 @@ class DecodeRunner:
     def _body(self, from_logits: bool) -> None:
         layer, M = self.layer, self.max_tokens
         if from_logits:
-            r = route(layer.config, self.logits, layer.e_score_correction_bias)
+            r = layer.router(self.logits, layer.e_score_correction_bias)
             ids, w = r.topk_ids, r.topk_weights
         else:
             ids, w = self.ids, self.weights

@@ -51,7 +51,7 @@ def reference_moe(
     if routing is None:
         if router_logits is None:
             raise ValueError("pass router_logits or routing")
-        routing = route(config, router_logits, e_score_correction_bias)
+        routing = route(config, router_logits, e_score_correction_bias, impl="torch")
     if weights.num_experts != config.num_experts or weights.first_expert != 0:
         raise ValueError("reference_moe needs the global weights of all experts")
     act_q = lambda h: h  # noqa: E731 - the experts' activation quantization (identity without a plan)
@@ -132,7 +132,7 @@ def reference_moe_streamed(
     if routing is None:
         if router_logits is None:
             raise ValueError("pass router_logits or routing")
-        routing = route(config, router_logits, e_score_correction_bias)
+        routing = route(config, router_logits, e_score_correction_bias, impl="torch")
     ids = routing.topk_ids.cpu().long()
     chosen = sorted(int(v) for v in torch.unique(ids) if v >= 0)
     act_q = lambda h: h  # noqa: E731

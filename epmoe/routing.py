@@ -2,16 +2,32 @@
 
 The math is in `epmoe.config`'s docstring. Computed in float32 whatever the logits' dtype, so every
 rank and the reference agree on the chosen experts.
+
+Two implementations of the same math:
+  "torch"   torch ops (~7 launches on a GPU); any device.
+  "triton"  one fused Triton kernel (`epmoe.routing_kernels`), on CUDA tensors (CPU only under the
+            Triton interpreter), for E <= FUSED_MAX_EXPERTS. Same experts per token as the torch ops
+            on a GPU (torch.topk there keeps the lowest expert ids among values tied at the k-th place,
+            as the kernel does); ids come out by descending score (the weight; sigmoid_grouped: the
+            weight + correction bias), ties by ascending expert id (the order torch gives tied
+            values is unspecified); weights agree to ~1 ulp (the sums run in another order); a row
+            of all-NaN logits routes to -1 (no expert) with weight 0.
+"auto" (the default of `route` and of `Router`) takes "triton" for CUDA logits where it applies.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from epmoe.config import MoEConfig
+
+ROUTING_IMPLS = ("auto", "torch", "triton")
+FUSED_MAX_EXPERTS = 1024  # one program holds whole rows of E logits in registers
 
 
 @dataclass(frozen=True)
@@ -26,8 +42,25 @@ def route(
     config: MoEConfig,
     router_logits: torch.Tensor,
     e_score_correction_bias: Optional[torch.Tensor] = None,
+    *,
+    impl: str = "auto",
 ) -> Routing:
-    """Choose top-k experts per token. router_logits: [T, E], any float dtype."""
+    """Choose top-k experts per token. router_logits: [T, E], any float dtype. impl: "auto", "torch"
+    or "triton" (module docstring)."""
+    if impl != "torch":
+        if impl not in ROUTING_IMPLS:
+            raise ValueError(f"impl={impl!r}; use one of {ROUTING_IMPLS}")
+        if impl == "triton" or fused_routing_available(config, router_logits.device) is None:
+            return _device_router(config, router_logits.device)(router_logits, e_score_correction_bias)
+    return route_torch(config, router_logits, e_score_correction_bias)
+
+
+def route_torch(
+    config: MoEConfig,
+    router_logits: torch.Tensor,
+    e_score_correction_bias: Optional[torch.Tensor] = None,
+) -> Routing:
+    """`route` with torch ops (any device)."""
     logits = router_logits.float()
     K = config.top_k
     if config.routing == "softmax":
@@ -53,3 +86,120 @@ def route(
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * config.routed_scaling_factor
     return Routing(topk_ids=ids.to(torch.int32), topk_weights=weights.to(torch.float32))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fused_routing_available(config: MoEConfig, device) -> Optional[str]:
+    """None if the fused Triton routing runs for `config` on `device`, else why not."""
+    if config.num_experts > FUSED_MAX_EXPERTS:
+        return f"num_experts {config.num_experts} > {FUSED_MAX_EXPERTS} (one program holds a row)"
+    device = torch.device(device)
+    if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
+        return f"device {device} (the kernel runs on CUDA, or on CPU under TRITON_INTERPRET=1)"
+    if not _triton_installed():
+        return "triton is not installed"
+    return None
+
+
+_TRITON: list = []
+
+
+def _triton_installed() -> bool:
+    if not _TRITON:  # looked up once: find_spec walks sys.path
+        _TRITON.append(importlib.util.find_spec("triton") is not None)
+    return _TRITON[0]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class Router:
+    """The routing of one layer on one device: `route` with the implementation chosen once (impl
+    "auto": "triton" where `fused_routing_available`, else "torch") and, for the fused kernel, its
+    launch constants computed once. `router(logits, bias)` -> Routing."""
+
+    def __init__(self, config: MoEConfig, device, impl: str = "auto"):
+        if impl not in ROUTING_IMPLS:
+            raise ValueError(f"routing impl={impl!r}; use one of {ROUTING_IMPLS}")
+        self.config = config
+        self.device = torch.device(device)
+        if impl == "auto":
+            impl = "triton" if fused_routing_available(config, self.device) is None else "torch"
+        elif impl == "triton":
+            why = fused_routing_available(config, self.device)
+            if why is not None:
+                raise ValueError(f"the fused Triton routing cannot run here: {why}; use impl='torch' or 'auto'")
+        self.impl = impl
+        E, K = config.num_experts, config.top_k
+        e_pad = _next_pow2(E)
+        self._block_t = max(1, min(16, 2048 // e_pad))  # rows per program: ~2K logits in registers
+        self._kwargs = dict(K=K, K_PAD=_next_pow2(K), E_PAD=e_pad, BLOCK_T=self._block_t,
+                            RENORM=bool(config.renormalize), num_warps=4 if e_pad <= 256 else 8)
+        if config.routing == "softmax":
+            self._kernel = "route_softmax_kernel"
+        else:
+            self._kernel = "route_sigmoid_grouped_kernel"
+            self._kwargs.update(N_GROUP=config.n_group, G_PAD=_next_pow2(config.n_group),
+                                TOPK_GROUP=config.topk_group, GROUP_SIZE=E // config.n_group)
+        # libdevice's expf, as torch's kernels; the interpreter has no libdevice
+        self._kwargs["PRECISE"] = not _interpreting()
+        self._kwargs_bias = {False: dict(self._kwargs, HAS_BIAS=False), True: dict(self._kwargs, HAS_BIAS=True)}
+        self._scale = float(config.routed_scaling_factor)
+        self._launcher = None
+
+    def __call__(self, router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor] = None) -> Routing:
+        if self.impl == "torch" or router_logits.device.type != self.device.type:  # (logits elsewhere: torch)
+            return route_torch(self.config, router_logits, e_score_correction_bias)
+        return self._fused(router_logits, e_score_correction_bias)
+
+    def _fused(self, logits: torch.Tensor, bias: Optional[torch.Tensor]) -> Routing:
+        T, E = logits.shape
+        if E != self.config.num_experts:
+            raise ValueError(f"router_logits has {E} experts; the config has {self.config.num_experts}")
+        dev = logits.device
+        K = self.config.top_k
+        ids = torch.empty(T, K, dtype=torch.int32, device=dev)
+        w = torch.empty(T, K, dtype=torch.float32, device=dev)
+        if T == 0:
+            return Routing(topk_ids=ids, topk_weights=w)
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        grid = (-(-T // self._block_t),)
+        if self._kernel == "route_softmax_kernel":
+            self._launch(self._kernel, grid, (logits, ids, w, T, E, logits.stride(0)), self._kwargs)
+        else:
+            if bias is not None and (bias.dtype != torch.float32 or bias.device != dev):
+                bias = bias.to(device=dev, dtype=torch.float32)
+            self._launch(self._kernel, grid, (logits, logits if bias is None else bias, ids, w, T, E,
+                                              logits.stride(0), self._scale), self._kwargs_bias[bias is not None])
+        return Routing(topk_ids=ids, topk_weights=w)
+
+    def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
+        """Every kernel launch goes through here (tools replace it to record the launches)."""
+        if self._launcher is None:
+            from epmoe.experts.launch import KernelLauncher
+
+            self._launcher = KernelLauncher(self.device, kernels=_kernel_module)
+        self._launcher(kernel_name, grid, args, kwargs)
+
+
+def _kernel_module():
+    from epmoe import routing_kernels
+
+    return routing_kernels
+
+
+_ROUTERS: dict = {}
+
+
+def _device_router(config: MoEConfig, device: torch.device) -> Router:
+    """`route`'s fused path: one Router per (config, device), made on first use."""
+    key = (config, device)
+    r = _ROUTERS.get(key)
+    if r is None:
+        r = _ROUTERS[key] = Router(config, device, "triton")
+    return r

@@ -254,12 +254,12 @@ class TorchA2ADispatcher(Dispatcher):
         as with the flashinfer dispatcher). No host sync, no row copy (a quantized wire still
         quantizes and dequantizes: the same numbers as over the wire)."""
         T = hidden.shape[0]
-        ids = topk_ids.to(torch.int32)
-        w = topk_weights.to(torch.float32)
+        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)  # no-op calls skipped
+        w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
         if self._codec.wire.is_quantized:
             recv_hidden, ids, w = self._codec.unpack(self._codec.pack(hidden, ids, w))
         else:
-            recv_hidden = hidden.to(self._codec.wire.dtype)
+            recv_hidden = hidden if hidden.dtype == self._codec.wire.dtype else hidden.to(self._codec.wire.dtype)
         st = self.stats
         st.dispatch_calls += 1
         st.by_format.setdefault(self._codec.wire.name, {"payload": 0, "routing": 0})

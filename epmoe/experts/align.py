@@ -119,8 +119,9 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
 
 # --------------------------------------------------------------------------- on the GPU (Triton)
 # The same outputs from three small Triton kernels (`epmoe.experts.triton_kernels`: align_count,
-# align_plan, align_scatter) instead of ~15 torch launches; `launch(kernel_name, grid, args, kwargs)`
-# runs one kernel (the backends' launcher). Index tensors come out int32.
+# align_plan, align_scatter), or one (align_small_kernel) for few entries, instead of ~15 torch
+# launches; `launch(kernel_name, grid, args, kwargs)` runs one kernel (the backends' launcher).
+# Index tensors come out int32.
 
 def _chunk(nk: int) -> int:
     """Entries per scan step: 1024 (decode) up to 4096 (fewer serial steps at prefill)."""
@@ -131,24 +132,40 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _count_and_plan(flat, num_experts, block_m, max_blocks, launch):
+def _carve(dev, *sizes: int):
+    """Views of the given sizes of ONE int32 allocation (one allocator call instead of several), each
+    starting 16-byte aligned (Triton specializes kernels on a pointer's 16-byte alignment)."""
+    parts = []
+    for n in sizes:
+        parts += (n, -n % 4)
+    return torch.split_with_sizes(torch.empty(sum(parts), dtype=torch.int32, device=dev), parts)[::2]
+
+
+def _count_and_plan(flat, num_experts, block_m, max_blocks, launch, sorted_ids_rows: int = 0, extra=()):
+    """align_count + align_plan. sorted_ids_rows > 0: also a [sorted_ids_rows] sorted_ids whose padding
+    rows the plan fills with nk (the scatter writes the others). One allocation, split in views (also
+    int32 views of the `extra` sizes, appended to the result)."""
     E, nk, dev = num_experts, flat.numel(), flat.device
-    counts = torch.empty(E + 1, dtype=torch.int32, device=dev)
+    mb = max(max_blocks, 1)
+    counts, starts, ends, block_expert, block_rows, sorted_ids, *more = _carve(
+        dev, E + 1, E + 1, E, mb, mb, sorted_ids_rows, *extra)
     chunk = _chunk(nk)
     launch("align_count_kernel", (E + 1,), (flat, counts, nk, E), dict(CHUNK=chunk, num_warps=chunk // 256))
-    starts = torch.empty(E + 1, dtype=torch.int32, device=dev)
-    ends = torch.empty(E, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max(max_blocks, 1), dtype=torch.int32, device=dev)
-    block_rows = torch.empty(max(max_blocks, 1), dtype=torch.int32, device=dev)
-    launch("align_plan_kernel", (1,), (counts, starts, ends, block_expert, block_rows, E, max_blocks),
-           dict(BLOCK_M=block_m, E_PAD=_next_pow2(E + 1), NB=16, num_warps=4))  # fmt: skip
-    return counts, starts, ends, block_expert[:max_blocks], block_rows[:max_blocks]
+    launch("align_plan_kernel", (1,), (counts, starts, ends, block_expert, block_rows, sorted_ids, E, max_blocks, nk),
+           dict(BLOCK_M=block_m, E_PAD=_next_pow2(E + 1), NB=16, WITH_PAD=sorted_ids_rows > 0,
+                BM_PAD=_next_pow2(block_m) if sorted_ids_rows else 1, num_warps=4))  # fmt: skip
+    if max_blocks != mb:
+        block_expert, block_rows = block_expert[:max_blocks], block_rows[:max_blocks]
+    return (counts, starts, ends, block_expert, block_rows, sorted_ids, *more)
 
 
 def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    """int32, contiguous (the kernels index it flat as entry j = n * K + k: no view needed)."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids has shape {list(topk_ids.shape)}; expected [num_tokens, top_k]")
-    return topk_ids.to(torch.int32).contiguous().view(-1)
+    if topk_ids.dtype != torch.int32:
+        topk_ids = topk_ids.to(torch.int32)
+    return topk_ids.contiguous()
 
 
 def sort_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, launch) -> ExpertSort:
@@ -158,10 +175,8 @@ def sort_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, launch) -> E
         raise ValueError(f"num_experts must be positive, got {num_experts}")
     flat = _flat_ids(topk_ids)
     nk, E = flat.numel(), num_experts
-    counts, starts, ends, _, _ = _count_and_plan(flat, E, 1, 0, launch)
-    order = torch.empty(nk, dtype=torch.int32, device=flat.device)
-    sorted_expert = torch.empty(nk, dtype=torch.int32, device=flat.device)
-    inverse = torch.empty(nk, dtype=torch.int32, device=flat.device)
+    counts, starts, ends, _, _, _, order, sorted_expert, inverse = _count_and_plan(flat, E, 1, 0, launch,
+                                                                                   extra=(nk, nk, nk))
     if nk:
         launch("align_scatter_kernel", (E + 1,), (flat, starts, order, sorted_expert, inverse, nk, E),
                dict(CHUNK=_chunk(nk), WITH_INVALID=True, WITH_EXPERT=True, WITH_INV=True,
@@ -169,8 +184,15 @@ def sort_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, launch) -> E
     return ExpertSort(nk, E, order, sorted_expert, ends, counts[:E], inverse)
 
 
+# entries up to which `align_blocks_triton` runs one program (count + plan + scatter in one launch:
+# decode) instead of three kernels over many programs; 0: always three kernels
+SINGLE_LAUNCH_MAX_ENTRIES = 1024
+SINGLE_LAUNCH_MAX_EXPERTS = 1024
+
+
 def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch) -> BlockAlignment:
-    """`align_blocks(sort_by_expert(topk_ids, num_experts), block_m)` on the GPU, bit for bit."""
+    """`align_blocks(sort_by_expert(topk_ids, num_experts), block_m)` on the GPU, bit for bit: one
+    launch (`align_small_kernel`) for up to SINGLE_LAUNCH_MAX_ENTRIES entries, else three."""
     if block_m <= 0:
         raise ValueError(f"block_m must be positive, got {block_m}")
     if num_experts <= 0:
@@ -181,8 +203,16 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     if max_blocks == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
         return BlockAlignment(block_m, 0, empty, empty, empty)
-    _, starts, _, block_expert, block_rows = _count_and_plan(flat, E, block_m, max_blocks, launch)
-    sorted_ids = torch.full((max_blocks * block_m,), nk, dtype=torch.int32, device=dev)
+    P = max_blocks * block_m
+    if nk <= SINGLE_LAUNCH_MAX_ENTRIES and E <= SINGLE_LAUNCH_MAX_EXPERTS:
+        e_pad, n_pad = _next_pow2(E + 1), max(16, _next_pow2(nk))
+        sorted_ids, block_expert, block_rows, scratch = _carve(dev, P, max_blocks, max_blocks, 3 * e_pad)
+        launch("align_small_kernel", (1,), (flat, sorted_ids, block_expert, block_rows, scratch, nk, E, max_blocks),
+               dict(BLOCK_M=block_m, E_PAD=e_pad, N_PAD=n_pad, LOG_N=n_pad.bit_length() - 1,
+                    RB=max(1, min(1 << (block_m.bit_length() - 1), 4096 // e_pad)), TB=1024,
+                    num_warps=8 if n_pad >= 1024 else 4))  # fmt: skip
+        return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)
+    _, starts, _, block_expert, block_rows, sorted_ids = _count_and_plan(flat, E, block_m, max_blocks, launch, P)
     launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids, sorted_ids, nk, E),
            dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=False, WITH_INV=False,
                 num_warps=_chunk(nk) // 256))  # fmt: skip

@@ -1,4 +1,5 @@
-"""Triton kernel launches for the experts backends, with the host side of each launch kept small.
+"""Triton kernel launches for the experts backends and the fused routing, with the host side of each launch
+kept small.
 
     launch = KernelLauncher(device)
     launch("moe_gemm1_kernel", grid, args, kwargs)     # = triton_kernels.moe_gemm1_kernel[grid](*args, **kwargs)
@@ -9,8 +10,10 @@ kernel's own time at decode sizes, paid again on every layer call. On a CUDA dev
 the compiled kernel Triton returned for the first launch under a key of its own that is at least as fine
 as Triton's specialization: per argument, a tensor's dtype and 16-byte alignment of its address, an
 int's value class (== 1, multiple of 16, int32 / int64 / uint64 range), the type of anything else; the
-constexpr / option keywords by value; the current device. A later launch with the same key calls that
-kernel's launcher directly (same stream, launch metadata and launch hooks as Triton's own path; with
+constexpr / option keywords by value; the current device (a launch with many arguments computes the
+same classes through an `_ArgPlan` of its argument types: tensors' dtypes and one alignment flag when
+all are aligned, the ints' classes remembered per tuple of int values). A later launch with the same
+key calls that kernel's launcher directly (same stream, launch metadata and launch hooks as Triton's own path; with
 no launch hook installed, none is called and no metadata is built). The
 first launch of each key goes through Triton (compiling if needed) and checks that Triton binds the
 arguments the way the direct path passes them; where it does not (another Triton version, an argument
@@ -23,8 +26,9 @@ takes Triton's path.
 from __future__ import annotations
 
 import inspect
+import operator
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -48,6 +52,63 @@ def arg_key(a: Any, _tensor=torch.Tensor) -> Any:
     raise TypeError(f"no launch key for a {c.__name__}")
 
 
+_NONE = type(None)
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
+_INT_KEYS_MAX = 4096  # int-argument tuples remembered per argument-type signature
+_PLAN_MIN_ARGS = 12  # launches with more arguments than this key them through an _ArgPlan
+
+
+def _getter(positions):
+    """args -> tuple of the arguments at these positions (at C speed)."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        one = operator.itemgetter(positions[0])
+        return lambda args: (one(args),)
+    return operator.itemgetter(*positions)
+
+
+class _ArgPlan:
+    """Where the tensors, ints and bools sit in one tuple of argument types (floats and None are
+    keyed by their type alone, which the types tuple holds). `key(args)` is `arg_key` of every
+    argument in a cheaper form: tensors' dtypes, their 16-byte alignment (one flag when all are
+    aligned, the usual case), the ints' value classes (remembered per tuple of int values: strides
+    and sizes repeat from call to call), the bools' values."""
+
+    __slots__ = ("tensors", "ints", "bools", "int_keys")
+
+    def __init__(self, types: tuple):
+        t, i, b = [], [], []
+        for n, c in enumerate(types):
+            if c is int:
+                i.append(n)
+            elif c is bool:
+                b.append(n)
+            elif issubclass(c, torch.Tensor):
+                t.append(n)
+            elif c is not float and c is not _NONE:
+                raise TypeError(f"no launch key for a {c.__name__}")
+        self.tensors, self.ints, self.bools = _getter(t), _getter(i), _getter(b) if b else None
+        self.int_keys: Dict[tuple, tuple] = {}
+
+    def key(self, args: tuple) -> tuple:
+        ts = self.tensors(args)
+        ptrs = tuple(map(_DATA_PTR, ts))
+        acc = 0
+        for p in ptrs:
+            acc |= p
+        aligned = True if acc & 15 == 0 else tuple([p & 15 == 0 for p in ptrs])
+        ints = self.ints(args)
+        ik = self.int_keys.get(ints)
+        if ik is None:
+            if len(self.int_keys) >= _INT_KEYS_MAX:
+                self.int_keys.clear()
+            ik = self.int_keys[ints] = tuple(map(arg_key, ints))
+        bools = self.bools
+        return tuple(map(_DTYPE, ts)), aligned, ik, bools(args) if bools is not None else ()
+
+
 def plain_jit(fn) -> bool:
     """A plain Triton JITFunction (not an autotuner / heuristics wrapper)?"""
     return isinstance(getattr(fn, "pre_run_hooks", None), list) and hasattr(fn, "device_caches")
@@ -68,11 +129,18 @@ _TRITON_PATH = object()  # cache value: this key launches through kernel[grid]
 class KernelLauncher:
     """Launches the kernels of `epmoe.experts.triton_kernels` by name (see the module docstring)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, kernels: Optional[Callable[[], Any]] = None):
+        """kernels: returns the module whose plain Triton kernels this launcher launches by name
+        (default: the experts backends' `triton_experts.kernel_function`, Gluon kernels included)."""
         self.device = torch.device(device)
+        self._module = kernels
         self.fast = FAST_LAUNCH and self.device.type == "cuda"
         self._kernels: Dict[str, tuple] = {}  # name -> (kernel, may launch directly)
         self._cache: Dict[tuple, Any] = {}
+        self._plans: Dict[tuple, _ArgPlan] = {}  # argument types -> where tensors / ints / bools sit
+        # the current CUDA device, without torch.cuda's lazy-init check once CUDA runs (a launch through
+        # Triton came first)
+        self._device_index = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
         self._stream = None
         self._knobs = None
 
@@ -87,7 +155,15 @@ class KernelLauncher:
             fn[grid](*args, **kwargs)
             return
         try:
-            key = (kernel_name, torch.cuda.current_device(), tuple(kwargs.items()), tuple(map(arg_key, args)))
+            if len(args) > _PLAN_MIN_ARGS:
+                types = tuple(map(type, args))
+                plan = self._plans.get(types)
+                if plan is None:
+                    plan = self._plans[types] = _ArgPlan(types)
+                # the plan stands for the types (one plan per types tuple, kept: hashed by identity)
+                key = (kernel_name, self._device_index(), tuple(kwargs.items()), plan, *plan.key(args))
+            else:  # few arguments: arg_key of each is cheaper than the plan's steps
+                key = (kernel_name, self._device_index(), tuple(kwargs.items()), tuple(map(arg_key, args)))
             entry = self._cache.get(key)
         except TypeError:  # an argument kind the key does not know, or an unhashable keyword value
             fn[grid](*args, **kwargs)
@@ -114,6 +190,12 @@ class KernelLauncher:
     def _resolve(self, kernel_name: str) -> tuple:
         """(kernel, direct launch allowed): `kernel_function`'s kernel; only plain JITFunctions of
         `epmoe.experts.triton_kernels` launch directly (Gluon kernels keep Triton's path)."""
+        if self._module is not None:
+            fn = getattr(self._module(), kernel_name)
+            if os.environ.get("TRITON_INTERPRET", "0") == "1":
+                self.fast = False
+                return fn, False
+            return fn, plain_jit(fn)
         from epmoe.experts import triton_experts as te
 
         fn = te.kernel_function(self.device, kernel_name)

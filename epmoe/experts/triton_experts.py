@@ -629,8 +629,10 @@ class TritonExperts(Experts):
             )
         cfg = self.tile_config(N * K)
         self._check_tile_config(cfg)
-        ids32 = topk_ids.to(torch.int32).contiguous()
-        w_flat = topk_weights.to(torch.float32).contiguous().view(-1)
+        # no-op conversions skipped (each call costs host time); the kernels index ids and weights
+        # flat by entry j = n * K + k, so [N, K] contiguous tensors serve as they are
+        ids32 = (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
+        w_flat = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
         blocks = self._align(ids32, cfg)
         act, act_scale = self._gemm1(x, x_scale, blocks, N * K, K, cfg)
         y = torch.empty(N * K, H, dtype=out_dtype, device=self.device)

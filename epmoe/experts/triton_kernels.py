@@ -770,11 +770,15 @@ def align_plan_kernel(
     ends_ptr,  # [num_experts] int32 out: cumulative (unpadded) counts
     block_expert_ptr,  # [max_blocks] int32 out (-1 unused)
     block_rows_ptr,  # [max_blocks] int32 out (0 unused)
+    sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32 out (WITH_PAD): NK in each tile's padding rows
     num_experts,
     max_blocks,
+    NK,
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,  # power of two > num_experts
     NB: tl.constexpr,  # blocks per step
+    WITH_PAD: tl.constexpr = False,
+    BM_PAD: tl.constexpr = 1,  # WITH_PAD: power of two >= BLOCK_M
 ):
     eidx = tl.arange(0, E_PAD)
     emask = eidx < num_experts
@@ -785,6 +789,16 @@ def align_plan_kernel(
     tl.store(starts_ptr + eidx, pad_start, mask=emask)
     tl.store(ends_ptr + eidx, tl.cumsum(cnt, axis=0), mask=emask)
     tl.store(starts_ptr + num_experts, tl.sum(padded, axis=0))
+    _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_rows_ptr, sorted_ids_ptr,
+                 num_experts, max_blocks, NK, BLOCK_M, NB, WITH_PAD, BM_PAD)
+
+
+@triton.jit
+def _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_rows_ptr, sorted_ids_ptr,
+                 num_experts, max_blocks, NK, BLOCK_M: tl.constexpr, NB: tl.constexpr, WITH_PAD: tl.constexpr,
+                 BM_PAD: tl.constexpr):
+    """The tile list from the per-expert counts and padded segments; WITH_PAD: also NK into every
+    padding row of the tiles (the real rows are the scatter's)."""
     pad_end_m = tl.where(emask, pad_end, 2147483647)
     for b0 in range(0, max_blocks, NB):
         b = b0 + tl.arange(0, NB)
@@ -795,10 +809,78 @@ def align_plan_kernel(
         hit = eidx[None, :] == be[:, None]
         c_be = tl.sum(tl.where(hit, cnt[None, :], 0), axis=1)
         s_be = tl.sum(tl.where(hit, pad_start[None, :], 0), axis=1)
-        rows = tl.minimum(tl.maximum(c_be - (first - s_be), 0), BLOCK_M)
+        rows = tl.where(used, tl.minimum(tl.maximum(c_be - (first - s_be), 0), BLOCK_M), 0)
         bok = b < max_blocks
         tl.store(block_expert_ptr + b, tl.where(used, be, -1), mask=bok)
-        tl.store(block_rows_ptr + b, tl.where(used, rows, 0), mask=bok)
+        tl.store(block_rows_ptr + b, rows, mask=bok)
+        if WITH_PAD:
+            r = tl.arange(0, BM_PAD)
+            pad = (r[None, :] >= rows[:, None]) & (r[None, :] < BLOCK_M) & bok[:, None]
+            tl.store(sorted_ids_ptr + first[:, None] + r[None, :], tl.zeros([NB, BM_PAD], tl.int32) + NK, mask=pad)
+
+
+@triton.jit
+def align_small_kernel(
+    ids_ptr,  # [N*K] int32 local expert ids (invalid: < 0 or >= num_experts)
+    sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32 out
+    block_expert_ptr,  # [max_blocks] int32 out (-1 unused)
+    block_rows_ptr,  # [max_blocks] int32 out (0 unused)
+    scratch_ptr,  # [3 * E_PAD] int32 scratch: per-expert values read back by sorted entry
+    NK,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,  # power of two > num_experts (histogram bins; bin num_experts: invalid)
+    N_PAD: tl.constexpr,  # power of two >= NK: every entry in registers at once
+    LOG_N: tl.constexpr,  # log2(N_PAD)
+    RB: tl.constexpr,  # padding rows per step ([E_PAD, RB])
+    TB: tl.constexpr,  # tiles / rows per fill step
+):
+    """count + plan + scatter (+ the padding rows) in ONE program for up to N_PAD entries (decode):
+    the outputs of align_count / align_plan / align_scatter (and the fill of sorted_ids) bit for bit.
+    Counts: a histogram of the keys. Order: one sort of (key, j) pairs (key * N_PAD + j, unique), so
+    the sorted position of an entry minus its expert's first position is its rank among that expert's
+    entries in j order; each tile's expert and real rows come from the entry at its first row."""
+    offs = tl.arange(0, N_PAD)
+    key, ok = _align_keys(ids_ptr, offs, NK, num_experts)  # past NK: key num_experts (invalid)
+    eidx = tl.arange(0, E_PAD)
+    emask = eidx < num_experts
+    cnt = tl.where(emask, tl.histogram(key, E_PAD), 0)
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    first = tl.cumsum(cnt, axis=0) - cnt  # each expert's first sorted position
+    tl.store(scratch_ptr + eidx, first)
+    tl.store(scratch_ptr + E_PAD + eidx, pad_start)
+    tl.store(scratch_ptr + 2 * E_PAD + eidx, cnt)
+    # padding rows of each expert's last tile
+    for r0 in tl.static_range(0, BLOCK_M, RB):
+        r = r0 + tl.arange(0, RB)
+        tl.store(sorted_ids_ptr + (pad_start + cnt)[:, None] + r[None, :], tl.zeros([E_PAD, RB], tl.int32) + NK,
+                 mask=r[None, :] < (padded - cnt)[:, None])
+    # unused tiles and their rows
+    total = tl.sum(padded, axis=0)
+    for t0 in range(0, max_blocks, TB):
+        t = t0 + tl.arange(0, TB)
+        unused = (t >= total // BLOCK_M) & (t < max_blocks)
+        tl.store(block_expert_ptr + t, tl.zeros([TB], tl.int32) - 1, mask=unused)
+        tl.store(block_rows_ptr + t, tl.zeros([TB], tl.int32), mask=unused)
+    for q0 in range(0, max_blocks * BLOCK_M, TB):
+        q = q0 + tl.arange(0, TB)
+        tl.store(sorted_ids_ptr + q, tl.zeros([TB], tl.int32) + NK, mask=(q >= total) & (q < max_blocks * BLOCK_M))
+    tl.debug_barrier()  # the scratch stores are seen by every thread below
+    srt = tl.sort(key * N_PAD + offs)
+    e = srt >> LOG_N
+    j = srt & (N_PAD - 1)
+    valid = e < num_experts
+    ec = tl.where(valid, e, 0)
+    rank = offs - tl.load(scratch_ptr + ec, mask=valid, other=0)
+    row = tl.load(scratch_ptr + E_PAD + ec, mask=valid, other=0) + rank
+    tl.store(sorted_ids_ptr + row, j, mask=valid)
+    head = valid & (rank % BLOCK_M == 0)  # the first row of a tile
+    c = tl.load(scratch_ptr + 2 * E_PAD + ec, mask=head, other=0)
+    tl.store(block_expert_ptr + row // BLOCK_M, e, mask=head)
+    tl.store(block_rows_ptr + row // BLOCK_M, tl.minimum(c - rank, BLOCK_M), mask=head)
 
 
 @triton.jit

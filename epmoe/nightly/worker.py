@@ -217,7 +217,7 @@ class PlainEPMoE:
         from epmoe.routing import route
 
         cfg, ep = self.cfg, self.ep_size
-        r = route(cfg, logits)
+        r = route(cfg, logits, impl="torch")  # what a user writes: torch ops, not epmoe's fused kernel
         ids = r.topk_ids.reshape(-1).long()
         order = torch.argsort(ids)
         rows = x.repeat_interleave(cfg.top_k, dim=0)[order]

@@ -19,6 +19,22 @@ def launch(name, grid, args, kwargs):
     getattr(TK, name)[grid](*args, **kwargs)
 
 
+def _count_launches(fn) -> int:
+    global launch
+    n, real = [0], launch
+
+    def counting(*a):
+        n[0] += 1
+        real(*a)
+
+    launch = counting
+    try:
+        fn()
+    finally:
+        launch = real
+    return n[0]
+
+
 def run_case(E: int, K: int, N: int, bm: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     # ids in [-2, E + 1]: invalid on both sides; a skewed routing so some experts are empty and
@@ -28,18 +44,25 @@ def run_case(E: int, K: int, N: int, bm: int, seed: int) -> dict:
     ids = torch.where(hot, torch.zeros_like(ids), ids)
     ref_sort = A.sort_by_expert(ids, E)
     ref = A.align_blocks(ref_sort, bm)
+    A.SINGLE_LAUNCH_MAX_ENTRIES = 0  # three kernels
     got = A.align_blocks_triton(ids, E, bm, launch)
+    A.SINGLE_LAUNCH_MAX_ENTRIES = 1 << 30  # one program (align_small_kernel), whatever the size
+    one = A.align_blocks_triton(ids, E, bm, launch)
     srt = A.sort_by_expert_triton(ids, E, launch)
     res = dict(
         max_blocks=(got.max_blocks, ref.max_blocks),
         sorted_ids=bool(torch.equal(got.sorted_ids, ref.sorted_ids)),
         block_expert=bool(torch.equal(got.block_expert, ref.block_expert)),
         block_rows=bool(torch.equal(got.block_rows, ref.block_rows)),
+        single_launch=bool(one.max_blocks == ref.max_blocks and torch.equal(one.sorted_ids, ref.sorted_ids)
+                           and torch.equal(one.block_expert, ref.block_expert)
+                           and torch.equal(one.block_rows, ref.block_rows)),
         order=bool(torch.equal(srt.order.long(), ref_sort.order)),
         sorted_expert=bool(torch.equal(srt.sorted_expert, ref_sort.sorted_expert)),
         expert_ends=bool(torch.equal(srt.expert_ends.long(), ref_sort.expert_ends)),
         expert_counts=bool(torch.equal(srt.expert_counts.long(), ref_sort.expert_counts)),
         inverse=bool(torch.equal(srt.inverse.long()[ref_sort.order], torch.arange(N * K))),
+        launches_one=_count_launches(lambda: A.align_blocks_triton(ids, E, bm, launch)) == (1 if N else 0),
         invalid=int(((ids < 0) | (ids >= E)).sum()),
     )
     res["all_equal"] = all(v for k, v in res.items() if isinstance(v, bool)) and res["max_blocks"][0] == res["max_blocks"][1]

@@ -33,13 +33,17 @@ class FakeCompiled:
             enter(metadata)
 
 
+def kern_many(x, y, n, stride, alpha, t2, t3, t4, i5, i6, i7, i8, flag, none, BLOCK=16, FLAG=False):
+    pass  # more arguments than _PLAN_MIN_ARGS: keyed through an _ArgPlan
+
+
 class FakeJIT:
     """Binds like Triton (params in signature order, defaults filled, options left over)."""
 
-    def __init__(self, bind_ok=True):
+    def __init__(self, bind_ok=True, signature_of=kern):
         import inspect
 
-        self.signature = inspect.signature(kern)
+        self.signature = inspect.signature(signature_of)
         self.pre_run_hooks = []
         self.compiled = FakeCompiled()
         self.triton_path = []
@@ -114,17 +118,36 @@ def test_launch_hooks_get_their_metadata(launcher, monkeypatch):
     assert fn.compiled.direct[0][2] == ("metadata", (3,)) and seen == [("metadata", (3,))]
 
 
-@pytest.mark.parametrize("change", ["misaligned", "dtype", "one", "multiple_of_16", "int64", "keyword", "option"])
-def test_what_triton_specializes_on_gets_its_own_key(launcher, change):
-    fn = FakeJIT()
+def _many(x, n=4095, first=None, last=None, flag=True, none=None, i8=64):
+    return (first if first is not None else x, x, n, 7168, 1.5, x, x, last if last is not None else x,
+            64, 64, 64, i8, flag, none)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["few_args", "many_args"])
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "one", "multiple_of_16", "int64", "keyword", "option",
+                                    "misaligned_last", "dtype_last", "bool", "none_to_float", "int_to_float"])
+def test_what_triton_specializes_on_gets_its_own_key(launcher, change, many):
+    if not many and change in ("misaligned_last", "dtype_last", "bool", "none_to_float", "int_to_float"):
+        pytest.skip("a many-argument change")
+    fn = FakeJIT(signature_of=kern_many if many else kern)
     lau = launcher(fn)
     x = torch.zeros(64, dtype=torch.bfloat16)
-    base_args, kw = _args(x, n=4095), dict(BLOCK=64, num_warps=4)
+    base_args = _many(x) if many else _args(x, n=4095)
+    kw = dict(BLOCK=64, num_warps=4)
     lau("kern", (1,), base_args, kw)
     lau("kern", (1,), base_args, kw)
     assert len(fn.triton_path) == 1
+    if many:  # other values of the same classes: the same key
+        lau("kern", (1,), _many(x[8:], n=4093, i8=48), kw)
+        assert len(fn.triton_path) == 1 and len(fn.compiled.direct) == 2
     args, kw2 = base_args, kw
-    if change == "misaligned":
+    if many:
+        args = {"misaligned": _many(x, first=x[1:]), "dtype": _many(x, first=x.float()), "one": _many(x, n=1),
+                "multiple_of_16": _many(x, n=4096), "int64": _many(x, n=1 << 33 | 1),
+                "misaligned_last": _many(x, last=x[1:]), "dtype_last": _many(x, last=x.half()),
+                "bool": _many(x, flag=False), "none_to_float": _many(x, none=2.0),
+                "int_to_float": _many(x, i8=64.0)}.get(change, base_args)
+    elif change == "misaligned":
         args = (x[1:], x, 4095, 7168, 1.5)
     elif change == "dtype":
         args = (x.float(), x, 4095, 7168, 1.5)
@@ -134,14 +157,16 @@ def test_what_triton_specializes_on_gets_its_own_key(launcher, change):
         args = (x, x, 4096, 7168, 1.5)
     elif change == "int64":
         args = (x, x, 1 << 33 | 1, 7168, 1.5)
-    elif change == "keyword":
+    if change == "keyword":
         kw2 = dict(BLOCK=128, num_warps=4)
-    else:
+    elif change == "option":
         kw2 = dict(BLOCK=64, num_warps=8)
+    direct = len(fn.compiled.direct)
     lau("kern", (1,), args, kw2)
     assert len(fn.triton_path) == 2  # a new key: Triton's path first
     lau("kern", (1,), args, kw2)
-    assert len(fn.triton_path) == 2 and len(fn.compiled.direct) == 2
+    assert len(fn.triton_path) == 2 and len(fn.compiled.direct) == direct + 1
+    assert fn.compiled.direct[-1][3][:len(args)] == args
 
 
 def test_unbindable_kernels_and_unknown_arguments_keep_tritons_path(launcher):
@@ -156,6 +181,12 @@ def test_unbindable_kernels_and_unknown_arguments_keep_tritons_path(launcher):
     for _ in range(3):
         lau("kern", (1,), (x, x, "a string", 7168, 1.5), {})
     assert len(fn2.triton_path) == 3 and not fn2.compiled.direct
+    fn3 = FakeJIT(signature_of=kern_many)
+    lau = launcher(fn3)
+    for _ in range(3):  # the same through an _ArgPlan (many arguments)
+        lau("kern", (1,), _many(x, none="a string"), {})
+    assert len(fn3.triton_path) == 3 and not fn3.compiled.direct
+    lau = launcher(fn2)
     for _ in range(2):  # an unhashable keyword value
         lau("kern", (1,), _args(x), {"BLOCK": [16]})
     assert len(fn2.triton_path) == 5 and not fn2.compiled.direct

@@ -73,3 +73,46 @@ def test_sm90_compile_no_spills(mode, preset, wgmma, monkeypatch):
             assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx, where
         if launch.kernel == "moe_gemm1_kernel" and mode == "fp8_block":
             assert "div.rn.f32" in ptx, f"gemm1's fp8 epilogue must divide with IEEE rounding: {where}"
+
+
+@pytest.mark.parametrize("routing, E, K", [("softmax", 128, 8), ("softmax", 512, 10), ("sigmoid_grouped", 256, 8)])
+def test_sm90_compile_routing_kernels(routing, E, K):
+    """The fused routing kernel compiles for sm90 without spills, with the precise expf of libdevice and
+    IEEE division (as torch's kernels), never the approximate ones."""
+    aot, triton = _aot()
+    from triton.backends.compiler import GPUTarget
+
+    from epmoe.config import MoEConfig
+
+    extra = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5) if routing == "sigmoid_grouped" else {}
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=256, intermediate_size=128, routing=routing, **extra)
+    launches = aot.record_routing_launches(cfg, num_tokens=64)
+    assert [l.kernel for l in launches] == [f"route_{routing}_kernel"]
+    src, opts = aot.to_source(launches[0])
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    info = aot.analyze(compiled)
+    assert info["local"] == 0 and info["ldl_stl"] == 0, f"register spills: {routing} E={E}: {info}"
+    ptx = compiled.asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx
+    assert dict(launches[0].kwargs)["PRECISE"] is True  # libdevice expf on the device, not ex2.approx alone
+
+
+def test_sm90_compile_alignment_kernels_both_paths():
+    """align_small_kernel (one program) and the three-kernel path with the padding rows written by
+    align_plan compile for sm90 without spills (DeepSeek-V3-like: 128 local experts)."""
+    aot, triton = _aot()
+    import torch
+    from triton.backends.compiler import GPUTarget
+
+    from epmoe.experts import align as A
+
+    launches = []
+    rec = lambda name, grid, args, kwargs: launches.append(aot.Launch(name, args, tuple(kwargs.items())))  # noqa: E731
+    for n in (128, 512):  # 1024 entries: one program; 4096: three kernels
+        A.align_blocks_triton(torch.zeros(n, 8, dtype=torch.int32), 128, 16, rec)
+    assert [l.kernel for l in launches] == ["align_small_kernel", "align_count_kernel", "align_plan_kernel",
+                                            "align_scatter_kernel"]
+    for launch in launches:
+        src, opts = aot.to_source(launch)
+        info = aot.analyze(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
+        assert info["local"] == 0 and info["ldl_stl"] == 0, f"register spills: {launch.kernel}: {info}"

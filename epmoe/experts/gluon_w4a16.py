@@ -435,6 +435,18 @@ def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.cons
     return acc, n_lo, n_hi
 
 
+@gluon.jit
+def _tile_rows(pid_n, N_OUT, R: gl.constexpr, BLOCK_N: gl.constexpr, GATED: gl.constexpr, LAYOUT: gl.constexpr):
+    """Weight rows (int64) of program pid_n's MMA tile: BLOCK_N rows from pid_n * BLOCK_N on; gated, the
+    gate rows and then the up rows of the same outputs (N_OUT rows later)."""
+    r = gl.arange(0, R, layout=LAYOUT)
+    if GATED:
+        rows = pid_n * BLOCK_N + (r % BLOCK_N) + (r // BLOCK_N) * N_OUT
+    else:
+        rows = pid_n * BLOCK_N + r
+    return rows.to(gl.int64)
+
+
 @gluon.jit(do_not_specialize=["num_entries", "max_blocks"])
 def w4a16_wgmma_kernel(
     x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr,
@@ -478,29 +490,16 @@ def w4a16_wgmma_kernel(
         cols = gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
         x_ptrs = x_ptr + xrow[:, None] * stride_xm + cols[None, :]
 
-        # weight rows of the MMA tile (gated: gate rows n0 .. n0 + BN, then the up rows N_OUT later)
-        r = gl.arange(0, R, layout=gl.SliceLayout(1, WC))
-        if GATED:
-            wrow = pid_n * BLOCK_N + (r % BLOCK_N) + (r // BLOCK_N) * N_OUT
-        else:
-            wrow = pid_n * BLOCK_N + r
+        wrow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, WC))
         wcols = gl.arange(0, 32, layout=gl.SliceLayout(0, WC))
-        w_ptrs = w_ptr + e64 * stride_we + wrow.to(gl.int64)[:, None] * stride_wn + wcols[None, :]
-        rsc = gl.arange(0, R, layout=gl.SliceLayout(1, SC))
-        if GATED:
-            srow_c = pid_n * BLOCK_N + (rsc % BLOCK_N) + (rsc // BLOCK_N) * N_OUT
-        else:
-            srow_c = pid_n * BLOCK_N + rsc
+        w_ptrs = w_ptr + e64 * stride_we + wrow[:, None] * stride_wn + wcols[None, :]
+        srow_c = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, SC))
         scols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC))
-        s_ptrs = ws_ptr + e64 * stride_wse + srow_c.to(gl.int64)[:, None] * stride_wsn + scols[None, :]
+        s_ptrs = ws_ptr + e64 * stride_wse + srow_c[:, None] * stride_wsn + scols[None, :]
         # mxfp4: scale pointers in the operand layout (group 2kk low half, 2kk + 1 high half)
-        rs = gl.arange(0, R, layout=gl.SliceLayout(1, S2))
-        if GATED:
-            srow = pid_n * BLOCK_N + (rs % BLOCK_N) + (rs // BLOCK_N) * N_OUT
-        else:
-            srow = pid_n * BLOCK_N + rs
+        srow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
         cs = gl.arange(0, 2, layout=gl.SliceLayout(0, S2))
-        sr_ptrs = ws_ptr + e64 * stride_wse + srow.to(gl.int64)[:, None] * stride_wsn + (cs * 0)[None, :]
+        sr_ptrs = ws_ptr + e64 * stride_wse + srow[:, None] * stride_wsn + (cs * 0)[None, :]
 
         x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
         x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)

@@ -702,38 +702,28 @@ class TritonExperts(Experts):
         b = p.get("b13" if gemm1 else "b2", w)
         n_out, k = (I, H) if gemm1 else (H, I)
         ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
-        if blocks.block_m in GLUON_WGMMA_BLOCK_MS:
-            g = cfg.gemm1 if gemm1 else cfg.gemm2
-            BN = self._wgmma_block_n(gemm1, cfg)
-            self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), (
-                x, w, ws, wg, b, out, w_flat if w_flat is not None else out,
-                blocks.sorted_ids, blocks.block_expert,
-                num_entries, blocks.max_blocks, n_out, k,
-                x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), wg.stride(0), b.stride(0),
-                out.stride(0), alpha, beta, limit,
-            ), dict(
-                GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
-                HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m, BLOCK_N=BN,
-                STAGES=g.num_stages, num_warps=g.num_warps,
-            ))  # fmt: skip
-            return
-        BN = GLUON_W4A16_BLOCK_N
-        grid = (blocks.max_blocks * (n_out // BN),)
-        unroll = GLUON_W4A16_UNROLL
-        while (k // 64) % unroll:
-            unroll //= 2
-        extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
-        self._launch("w4a16_swap_kernel", grid, (
+        args = (
             x, w, ws, wg, b, out, w_flat if w_flat is not None else out,
             blocks.sorted_ids, blocks.block_expert,
             num_entries, blocks.max_blocks, n_out, k,
             x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), wg.stride(0), b.stride(0),
             out.stride(0), alpha, beta, limit,
-        ), dict(
-            GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
-            HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m, BLOCK_N=BN,
-            UNROLL=unroll, num_warps=GLUON_W4A16_WARPS, **extra,
-        ))  # fmt: skip
+        )  # fmt: skip
+        consts = dict(GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
+                      HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m)
+        if blocks.block_m in GLUON_WGMMA_BLOCK_MS:  # prefill tiles: wgmma
+            g = cfg.gemm1 if gemm1 else cfg.gemm2
+            BN = self._wgmma_block_n(gemm1, cfg)
+            self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,
+                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, num_warps=g.num_warps))
+            return
+        BN = GLUON_W4A16_BLOCK_N
+        unroll = GLUON_W4A16_UNROLL
+        while (k // 64) % unroll:
+            unroll //= 2
+        extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
+        self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), args,
+                     dict(consts, BLOCK_N=BN, UNROLL=unroll, num_warps=GLUON_W4A16_WARPS, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);

@@ -140,13 +140,32 @@ def _dequant3(p3, s_lo, s_hi, W_FMT: gl.constexpr):
     lo, hi = gl.inline_asm_elementwise(
         _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [p3], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
     )
+    return lo * _scale_bf16(s_lo, W_FMT), hi * _scale_bf16(s_hi, W_FMT)
+
+
+@gluon.jit
+def _scale_bf16(s, W_FMT: gl.constexpr):
+    """Raw scales (e4m3 / e8m0) -> the bf16 factor of the packed conversion (2^126 folded in; nvfp4:
+    s * 2^119, the 2^7 left goes on the global scale)."""
     if W_FMT == 2:
-        f_lo = (s_lo.to(gl.float32) * TWO_119).to(gl.bfloat16)
-        f_hi = (s_hi.to(gl.float32) * TWO_119).to(gl.bfloat16)
+        f = (s.to(gl.float32) * TWO_119).to(gl.bfloat16)
     else:
-        f_lo = ((s_lo.to(gl.uint16) + 126) << 7).to(gl.bfloat16, bitcast=True)
-        f_hi = ((s_hi.to(gl.uint16) + 126) << 7).to(gl.bfloat16, bitcast=True)
-    return lo * f_lo, hi * f_hi
+        f = ((s.to(gl.uint16) + 126) << 7).to(gl.bfloat16, bitcast=True)
+    return f
+
+
+@gluon.jit
+def _tile_tokens(sorted_ids_ptr, pid_m, num_entries, BLOCK_M: gl.constexpr, TOP_K: gl.constexpr,
+                 GEMM1: gl.constexpr, LAYOUT: gl.constexpr):
+    """Rows (int64) of the B operand for tile pid_m: gemm1 the tokens of its routed entries (padding
+    reads token 0), gemm2 the tile's own padded rows of the activation."""
+    offs = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=LAYOUT)
+    if GEMM1:
+        ids = gl.load(sorted_ids_ptr + offs)
+        rows = gl.where(ids < num_entries, ids // TOP_K, 0).to(gl.int64)
+    else:
+        rows = offs.to(gl.int64)
+    return rows
 
 
 @gluon.jit
@@ -221,13 +240,9 @@ def w4a16_swap_kernel(
     expert = gl.load(block_expert_ptr + pid_m)
     if expert >= 0:
         e64 = expert.to(gl.int64)
-        # token rows of this tile: [BM] in the layouts of the X3 row axis and of the accumulator columns
-        offs_m3 = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gl.SliceLayout(2, X3)))
-        ids3 = gl.load(sorted_ids_ptr + offs_m3)
-        if GEMM1:
-            xrow = gl.where(ids3 < num_entries, ids3 // TOP_K, 0).to(gl.int64)  # padding reads token 0
-        else:
-            xrow = offs_m3.to(gl.int64)
+        # token rows of this tile, in the layout of the X3 row axis
+        xrow = _tile_tokens(sorted_ids_ptr, pid_m, num_entries, BLOCK_M, TOP_K, GEMM1,
+                            gl.SliceLayout(1, gl.SliceLayout(2, X3)))
         t3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
         q3 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
         x_ptrs = (x_ptr + xrow[:, None, None] * stride_xm + (t3 * 8)[None, :, None] + q3[None, None, :])
@@ -318,16 +333,17 @@ def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_pt
 
 # --------------------------------------------------------------------------- prefill: wgmma
 # Tiles of 64 or 128 routed rows run warpgroup MMAs (wgmma), swap-AB as above: the weights are the A
-# operand, dequantized into registers (wgmma reads A from registers), the routed rows the B operand,
-# gathered into shared memory by cp.async (STAGES deep). A program's MMA tile has 64 weight rows per
-# warpgroup; gated (gemm1): its first half are gate rows, its second half the up rows of the same
-# outputs, joined in the epilogue through shared memory (one accumulator: registers stay free for
-# the next K step's operands, which are dequantized while this step's wgmmas run).
+# operand, dequantized into registers (wgmma reads A from registers), the routed rows the B operand.
+# One cp.async ring (STAGES K steps deep) brings the gathered token rows, the weight bytes and the
+# nvfp4 scales into shared memory. A program's MMA tile has 16 * num_warps * 2^i weight rows; gated
+# (gemm1): its first half are gate rows, its second half the up rows of the same outputs, joined in
+# the epilogue through shared memory (one accumulator). Each K step's wgmmas are issued before the
+# next step's weights are read from the ring and dequantized.
 #
 # K order here is the natural one (the token tile in shared memory is read by the hardware in K
 # order): thread (lane 4g + t) holds A's k positions 16cg + 8cl + 2t + b of a 32-wide half (cg, cl,
-# b = 0..1), i.e. bytes 16cg + 8cl + 2t + b of the k64-interleaved row (two-byte loads); nvfp4 group
-# cg of the half.
+# b = 0..1), i.e. bytes 16cg + 8cl + 2t + b of the k64-interleaved row (two-byte shared-memory
+# loads); nvfp4 group cg of the half.
 #
 # H200 (2026-12-01), T = 4096: 9.5-9.6 ms against the Triton kernels' 10.4-10.9 (the same output bit
 # for bit); measurements, profile and next steps in docs/hopper-experts.md.
@@ -366,16 +382,6 @@ def _wn_operands(b, s_lo, s_hi, W_FMT: gl.constexpr, R: gl.constexpr, A_L: gl.co
     a_lo = gl.convert_layout(gl.reshape(lo * f_lo, [R, 32]), A_L, assert_trivial=True)
     a_hi = gl.convert_layout(gl.reshape(hi * f_hi, [R, 32]), A_L, assert_trivial=True)
     return a_lo, a_hi
-
-
-@gluon.jit
-def _scale_bf16(s, W_FMT: gl.constexpr):
-    """Raw scales -> the bf16 factor of the packed conversion (as `_dequant3`)."""
-    if W_FMT == 2:
-        f = (s.to(gl.float32) * TWO_119).to(gl.bfloat16)
-    else:
-        f = ((s.to(gl.uint16) + 126) << 7).to(gl.bfloat16, bitcast=True)
-    return f
 
 
 @gluon.jit
@@ -430,8 +436,7 @@ def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.cons
     acc = warpgroup_mma(a_lo, x_lo.index(s).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(a_hi, x_hi.index(s).permute((1, 0)), acc, is_async=True)
     n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, S2, A_L)
-    # the wait takes the next operands too, so that they are computed before it (under the MMAs)
-    acc, a_lo, a_hi, n_lo, n_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi, n_lo, n_hi])
+    acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
     return acc, n_lo, n_hi
 
 
@@ -481,12 +486,7 @@ def w4a16_wgmma_kernel(
     expert = gl.load(block_expert_ptr + pid_m)
     if expert >= 0:
         e64 = expert.to(gl.int64)
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, XL))
-        if GEMM1:
-            ids = gl.load(sorted_ids_ptr + offs_m)
-            xrow = gl.where(ids < num_entries, ids // TOP_K, 0).to(gl.int64)  # padding reads token 0
-        else:
-            xrow = offs_m.to(gl.int64)
+        xrow = _tile_tokens(sorted_ids_ptr, pid_m, num_entries, BLOCK_M, TOP_K, GEMM1, gl.SliceLayout(1, XL))
         cols = gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
         x_ptrs = x_ptr + xrow[:, None] * stride_xm + cols[None, :]
 

@@ -70,9 +70,9 @@ class TritonConfig:
     """block_m is shared by both GEMMs (they share the padded routing). split_m: an expert's tail
     tile with <= block_m/2 real rows runs a block_m/2-row copy of the tile code (less MMA work on
     padding; needs block_m >= 32). wgmma (W4A16, block_m 64 / 128): the GEMMs run the Gluon wgmma
-    kernel (`gluon_w4a16.w4a16_wgmma_kernel`: block_n weight rows per projection, num_warps,
-    num_stages token tiles in flight) where Gluon runs and block_n divides the output; elsewhere the
-    Triton kernels with these tiles."""
+    kernel (`gluon_w4a16.w4a16_wgmma_kernel`: block_n outputs per program, num_warps, num_stages K
+    steps in flight) where `TritonExperts.uses_gluon_w4a16` says it can; elsewhere the Triton kernels
+    with these tiles (a forced preset) or WGMMA_FALLBACK's (auto)."""
 
     name: str
     block_m: int
@@ -711,7 +711,7 @@ class TritonExperts(Experts):
         )  # fmt: skip
         consts = dict(GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
                       HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m)
-        if blocks.block_m in GLUON_WGMMA_BLOCK_MS:  # prefill tiles: wgmma
+        if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,

@@ -77,8 +77,9 @@ def record_launches(config: MoEConfig, mode: str, num_tokens: int, num_experts: 
     return launches
 
 
-def record_routing_launches(config: MoEConfig, num_tokens: int):
-    """The fused routing's launch (`epmoe.routing.Router`, impl "triton") for `config`, recorded."""
+def record_routing_launches(config: MoEConfig, num_tokens: int, align_block_m: int = 0):
+    """The fused routing's launch (`epmoe.routing.Router`, impl "triton") for `config`, recorded;
+    align_block_m > 0: the launch that also aligns (`Router.route_aligned`, one rank)."""
     from epmoe.routing import Router
 
     launches = []
@@ -88,7 +89,11 @@ def record_routing_launches(config: MoEConfig, num_tokens: int):
     router._launch = lambda name, grid, args, kwargs: launches.append(Launch(name, args, tuple(kwargs.items())))
     router.device = torch.device("cpu")  # the CPU logits below take the kernel's path (recorded)
     bias = torch.zeros(config.num_experts) if config.routing == "sigmoid_grouped" else None
-    router(torch.randn(num_tokens, config.num_experts), bias)
+    logits = torch.randn(num_tokens, config.num_experts)
+    if align_block_m:
+        router.route_aligned(logits, bias, config.num_experts, align_block_m)
+    else:
+        router(logits, bias)
     return launches
 
 

@@ -268,6 +268,11 @@ class EPMoE(torch.nn.Module):
         )
         # route(): one fused Triton kernel on CUDA where it applies, else torch ops (epmoe.routing)
         self.router = Router(config, self.device)
+        # One rank whose dispatcher hands the routing through: at decode sizes the routing launch also
+        # computes the experts' block alignment (`Router.route_aligned`, one launch instead of two),
+        # where the experts backend asks for it (`Experts.fused_alignment`)
+        self._fuse_alignment = (not self._distributed and self.ep_size == 1 and self.dispatcher.keeps_routing
+                                and type(self.experts).fused_alignment is not Experts.fused_alignment)
         self._weights_loaded = False
         self._loaded_dtypes: Dict[str, torch.dtype] = {}
 
@@ -521,10 +526,18 @@ class EPMoE(torch.nn.Module):
             tokens_per_rank = tuple(t for t, _ in agreed)
         rounds = max(1, max(-(-t // M) for t in tokens_per_rank))
 
-        if router_logits is not None:
-            routing = self.router(router_logits, self.e_score_correction_bias)
-        else:
+        blocks = None  # the experts' block alignment, when the routing launch computed it too
+        if router_logits is None:
             routing = Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=topk_weights.float())
+        elif self._fuse_alignment and rounds == 1 and T:
+            block_m = self.experts.fused_alignment(T * self.config.top_k)
+            if block_m is None:
+                routing = self.router(router_logits, self.e_score_correction_bias)
+            else:
+                routing, blocks = self.router.route_aligned(router_logits, self.e_score_correction_bias,
+                                                            self.num_local_experts, block_m)
+        else:
+            routing = self.router(router_logits, self.e_score_correction_bias)
 
         outputs: List[torch.Tensor] = []
         bad_expert_out = False
@@ -549,7 +562,10 @@ class EPMoE(torch.nn.Module):
                 if armed is not None:
                     armed.phase = "experts" if rounds == 1 else f"experts[round {r}]"
                 with watch.phase("experts" if rounds == 1 else f"experts[round {r}]"):
-                    expert_out = self.experts(tokens)
+                    if blocks is not None and tokens.topk_ids is routing.topk_ids:  # the ids it aligns
+                        expert_out = self.experts(tokens, alignment=blocks)
+                    else:
+                        expert_out = self.experts(tokens)
                 if self.check_finite and isinstance(expert_out, torch.Tensor) and expert_out.numel():
                     bad_expert_out = bad_expert_out or not bool(torch.isfinite(expert_out).all())
                 if tokens.layout != "masked":

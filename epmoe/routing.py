@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from epmoe.config import MoEConfig
+from epmoe.experts.align import single_launch_alignment, single_launch_applies
 
 ROUTING_IMPLS = ("auto", "torch", "triton")
 FUSED_MAX_EXPERTS = 1024  # one program holds whole rows of E logits in registers
@@ -150,6 +151,7 @@ class Router:
         self._kwargs_bias = {False: dict(self._kwargs, HAS_BIAS=False), True: dict(self._kwargs, HAS_BIAS=True)}
         self._scale = float(config.routed_scaling_factor)
         self._launcher = None
+        self._fused_align_kwargs: dict = {}  # route_aligned's launch keywords by (bias, block_m, N_PAD)
 
     def __call__(self, router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor] = None) -> Routing:
         if self.impl == "torch" or router_logits.device.type != self.device.type:  # (logits elsewhere: torch)
@@ -177,6 +179,46 @@ class Router:
             self._launch(self._kernel, grid, (logits, logits if bias is None else bias, ids, w, T, E,
                                               logits.stride(0), self._scale), self._kwargs_bias[bias is not None])
         return Routing(topk_ids=ids, topk_weights=w)
+
+    def route_aligned(self, router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor],
+                      num_experts: int, block_m: int):
+        """(Routing, BlockAlignment or None): `self(router_logits, bias)` and, in the SAME launch
+        (`route_align_kernel`, one program), `align_blocks_triton(topk_ids, num_experts, block_m)` of the
+        ids it chose, read as local expert ids (one rank holding every expert: num_experts is the
+        config's). Where that launch does not apply (torch routing, logits on another device, no
+        tokens, more entries than the one-program alignment takes) the routing alone, alignment None.
+        The same outputs as the two launches, bit for bit. ids, weights and the alignment are views of
+        one allocation."""
+        T = router_logits.shape[0]
+        K = self.config.top_k
+        if (self.impl == "torch" or router_logits.device.type != self.device.type or num_experts != self.config.num_experts
+                or router_logits.shape[1] != num_experts or not single_launch_applies(T * K, num_experts)):  # fmt: skip
+            return self(router_logits, e_score_correction_bias), None
+        logits, bias = router_logits, e_score_correction_bias
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        sigmoid = self._kernel != "route_softmax_kernel"
+        with_bias = sigmoid and bias is not None
+        if with_bias and (bias.dtype != torch.float32 or bias.device != logits.device):
+            bias = bias.to(device=logits.device, dtype=torch.float32)
+        blocks, scratch, consts, (ids, w) = single_launch_alignment(T * K, num_experts, block_m, logits.device,
+                                                                     extra=(T * K, T * K))
+        ids = ids.view(T, K)
+        w = w.view(torch.float32).view(T, K)
+        key = (with_bias, block_m, consts["N_PAD"])
+        kw = self._fused_align_kwargs.get(key)
+        if kw is None:
+            kw = self._fused_align_kwargs[key] = dict(
+                self._kwargs_bias[with_bias] if sigmoid else self._kwargs, SIGMOID=sigmoid, BLOCK_M=block_m,
+                A_E_PAD=consts["E_PAD"], N_PAD=consts["N_PAD"], LOG_N=consts["LOG_N"], RB=consts["RB"], TB=consts["TB"])
+            for name in ("N_GROUP", "G_PAD", "TOPK_GROUP", "GROUP_SIZE"):  # softmax: unused, passed all the same
+                kw.setdefault(name, 1)
+            kw.setdefault("HAS_BIAS", False)
+            # num_warps: the routing's (4 up to 256 experts); 8 for 1024 entries would spill (sm90 compile)
+        self._launch("route_align_kernel", (1,), (
+            logits, bias if with_bias else logits, ids, w, T, num_experts, logits.stride(0), self._scale,
+            blocks.sorted_ids, blocks.block_expert, blocks.block_rows, scratch, blocks.max_blocks), kw)  # fmt: skip
+        return Routing(topk_ids=ids, topk_weights=w), blocks
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches)."""

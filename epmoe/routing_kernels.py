@@ -9,11 +9,16 @@ division (`tl.math.div_rn`, as torch). Top-k is K rounds of "largest remaining s
 id among equal scores": ids come out by descending score (softmax: the weight; sigmoid_grouped: the
 weight + correction bias), ties by ascending id; a row whose values
 are all NaN gets id -1 and weight 0.
+
+`route_align_kernel` (decode, one rank): the routing of all rows and then the block alignment of the
+ids for the grouped expert GEMMs (`epmoe.experts.align`, one program) in one launch.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from epmoe.experts.triton_kernels import align_small
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -78,6 +83,13 @@ def route_softmax_kernel(
 ):
     """p = softmax(logits); top-k of p; if RENORM: p / sum of the chosen p."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _softmax_rows(logits_ptr, ids_ptr, w_ptr, rows, T, E, stride_l, K, K_PAD, E_PAD, BLOCK_T, RENORM, PRECISE)
+
+
+@triton.jit
+def _softmax_rows(logits_ptr, ids_ptr, w_ptr, rows, T, E, stride_l, K: tl.constexpr, K_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, RENORM: tl.constexpr, PRECISE: tl.constexpr):
+    """route_softmax_kernel on the rows `rows` (BLOCK_T of them; those >= T are skipped)."""
     cols = tl.arange(0, E_PAD)
     x = _load_rows(logits_ptr, rows, cols, T, E, stride_l, NEG_INF)
     m = tl.max(x, axis=1)
@@ -118,6 +130,16 @@ def route_sigmoid_grouped_kernel(
     largest sum of their top-2 c; top-k of c inside them; weights s (renormalized: / (sum + 1e-20)),
     times scale."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _sigmoid_grouped_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, rows, T, E, stride_l, scale, K, K_PAD, E_PAD,
+                          BLOCK_T, N_GROUP, G_PAD, TOPK_GROUP, GROUP_SIZE, HAS_BIAS, RENORM, PRECISE)
+
+
+@triton.jit
+def _sigmoid_grouped_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, rows, T, E, stride_l, scale, K: tl.constexpr,
+                          K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, N_GROUP: tl.constexpr,
+                          G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, PRECISE: tl.constexpr):
+    """route_sigmoid_grouped_kernel on the rows `rows` (BLOCK_T of them; those >= T are skipped)."""
     cols = tl.arange(0, E_PAD)
     cmask = cols < E
     x = _load_rows(logits_ptr, rows, cols, T, E, stride_l, 0.0)
@@ -149,3 +171,53 @@ def route_sigmoid_grouped_kernel(
         ws = tl.math.div_rn(ws, tl.broadcast_to(tot[:, None], [BLOCK_T, K_PAD]))
     ws = ws * scale
     _store_rows(ids_ptr, w_ptr, ids, ws, rows, T, K, K_PAD)
+
+
+@triton.jit
+def route_align_kernel(
+    logits_ptr,  # [T, E] float, last dim contiguous
+    bias_ptr,  # [E] float32 e_score_correction_bias (sigmoid_grouped with HAS_BIAS)
+    ids_ptr,  # [T, K] int32 out
+    w_ptr,  # [T, K] float32 out
+    T,
+    E,
+    stride_l,
+    scale,  # routed_scaling_factor (sigmoid_grouped)
+    sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32 out: the alignment of ids (align_small_kernel's outputs)
+    block_expert_ptr,  # [max_blocks] int32 out
+    block_rows_ptr,  # [max_blocks] int32 out
+    scratch_ptr,  # [3 * A_E_PAD] int32 scratch
+    max_blocks,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    RENORM: tl.constexpr,
+    PRECISE: tl.constexpr,
+    SIGMOID: tl.constexpr,  # False: softmax (bias and scale unused)
+    BLOCK_M: tl.constexpr,
+    A_E_PAD: tl.constexpr,  # align_small's E_PAD: power of two > E
+    N_PAD: tl.constexpr,
+    LOG_N: tl.constexpr,
+    RB: tl.constexpr,
+    TB: tl.constexpr,
+    N_GROUP: tl.constexpr = 1,
+    G_PAD: tl.constexpr = 1,
+    TOPK_GROUP: tl.constexpr = 1,
+    GROUP_SIZE: tl.constexpr = 1,
+    HAS_BIAS: tl.constexpr = False,
+):
+    """The routing of all T rows (route_softmax_kernel / route_sigmoid_grouped_kernel, BLOCK_T rows at a
+    time) and then the block alignment of the ids it wrote over E experts (`align_small`: the ids are
+    the local ones of a single rank) in ONE program: the outputs of the two launches bit for bit, for
+    up to N_PAD = T * K entries (decode). The alignment reads the ids back after a barrier."""
+    for t0 in range(0, T, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        if SIGMOID:
+            _sigmoid_grouped_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, rows, T, E, stride_l, scale, K, K_PAD, E_PAD,
+                                  BLOCK_T, N_GROUP, G_PAD, TOPK_GROUP, GROUP_SIZE, HAS_BIAS, RENORM, PRECISE)
+        else:
+            _softmax_rows(logits_ptr, ids_ptr, w_ptr, rows, T, E, stride_l, K, K_PAD, E_PAD, BLOCK_T, RENORM, PRECISE)
+    tl.debug_barrier()  # the ids stores are seen by every thread of the alignment
+    align_small(ids_ptr, sorted_ids_ptr, block_expert_ptr, block_rows_ptr, scratch_ptr, T * K, E, max_blocks,
+                BLOCK_M, A_E_PAD, N_PAD, LOG_N, RB, TB)

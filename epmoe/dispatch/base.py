@@ -163,6 +163,13 @@ class Dispatcher(abc.ABC):
     # reaches; EPMoE then arms the watchdog (epmoe/core/watchdog.py) around dispatch..combine
     waits_on_device: ClassVar[bool] = False
 
+    @property
+    def keeps_routing(self) -> bool:
+        """True: with the layer's agreement (`Agreement.inputs_checked`), dispatch hands the experts the
+        caller's own topk_ids tensor (one rank, no copy), so what the layer computed from those ids
+        (an expert alignment fused into the routing launch) holds for the received ones."""
+        return False
+
     @classmethod
     def supports(cls, request: BackendRequest) -> Availability:
         """Can this dispatcher move `request.wire` tokens on `request.arch` (static facts only)?"""

@@ -105,6 +105,11 @@ class TorchA2ADispatcher(Dispatcher):
         # gloo moves host memory only: CUDA tensors are staged through the host (shared-GPU mode)
         self._host_staging = self._distributed and dist.get_backend(spec.group) == "gloo"
 
+    @property
+    def keeps_routing(self) -> bool:
+        """One rank, unquantized wire: `_dispatch_local` passes the int32 / float32 routing through."""
+        return not self._distributed and not self._codec.wire.is_quantized and not self.spec.static_shapes
+
     # ------------------------------------------------------------------ helpers
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, what: str) -> None:
         """all_to_all_single over the group (a copy for one rank); CUDA tensors over gloo go through
@@ -262,7 +267,8 @@ class TorchA2ADispatcher(Dispatcher):
             recv_hidden = hidden if hidden.dtype == self._codec.wire.dtype else hidden.to(self._codec.wire.dtype)
         st = self.stats
         st.dispatch_calls += 1
-        st.by_format.setdefault(self._codec.wire.name, {"payload": 0, "routing": 0})
+        if self._codec.wire.name not in st.by_format:
+            st.by_format[self._codec.wire.name] = {"payload": 0, "routing": 0}
         handle = TorchA2AHandle(num_tokens=T, bytes_sent=0, send_token_idx=None, send_counts=(T,), recv_counts=(T,))
         return DispatchedTokens(hidden=recv_hidden, topk_ids=ids, topk_weights=w), handle
 

@@ -10,6 +10,7 @@ rank") sort last and never reach a block.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -118,10 +119,11 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
 
 
 # --------------------------------------------------------------------------- on the GPU (Triton)
-# The same outputs from three small Triton kernels (`epmoe.experts.triton_kernels`: align_count,
-# align_plan, align_scatter), or one (align_small_kernel) for few entries, instead of ~15 torch
-# launches; `launch(kernel_name, grid, args, kwargs)` runs one kernel (the backends' launcher).
-# Index tensors come out int32.
+# The same outputs from Triton kernels (`epmoe.experts.triton_kernels`) instead of ~15 torch launches:
+# the block alignment from three (align_count, align_plan, align_scatter), or one program
+# (align_small_kernel) for few entries; the sort alone from one launch (align_sort_kernel).
+# `launch(kernel_name, grid, args, kwargs)` runs one kernel (the backends' launcher). Index tensors
+# come out int32.
 
 def _chunk(nk: int) -> int:
     """Entries per scan step: 1024 (decode) up to 4096 (fewer serial steps at prefill)."""
@@ -132,31 +134,38 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _carve_sizes(sizes):
+    """(split sizes, index of each size's view): a gap of 1-3 int32 after each size that is not a multiple
+    of 4 and is not the last, so every view starts 16-byte aligned."""
+    parts, keep = [], []
+    for i, n in enumerate(sizes):
+        keep.append(len(parts))
+        parts.append(n)
+        if n % 4 and i + 1 < len(sizes):
+            parts.append(4 - n % 4)
+    return parts, keep
+
+
 def _carve(dev, *sizes: int):
     """Views of the given sizes of ONE int32 allocation (one allocator call instead of several), each
     starting 16-byte aligned (Triton specializes kernels on a pointer's 16-byte alignment)."""
-    parts = []
-    for n in sizes:
-        parts += (n, -n % 4)
-    return torch.split_with_sizes(torch.empty(sum(parts), dtype=torch.int32, device=dev), parts)[::2]
+    parts, keep = _carve_sizes(sizes)
+    views = torch.split_with_sizes(torch.empty(sum(parts), dtype=torch.int32, device=dev), parts)
+    return views if len(keep) == len(parts) else [views[i] for i in keep]
 
 
-def _count_and_plan(flat, num_experts, block_m, max_blocks, launch, sorted_ids_rows: int = 0, extra=()):
-    """align_count + align_plan. sorted_ids_rows > 0: also a [sorted_ids_rows] sorted_ids whose padding
-    rows the plan fills with nk (the scatter writes the others). One allocation, split in views (also
-    int32 views of the `extra` sizes, appended to the result)."""
+def _count_and_plan(flat, num_experts, block_m, max_blocks, launch, sorted_ids_rows: int):
+    """align_count + align_plan (max_blocks >= 1): also a [sorted_ids_rows] sorted_ids whose padding rows
+    the plan fills with nk (the scatter writes the others). One allocation, split in views."""
     E, nk, dev = num_experts, flat.numel(), flat.device
-    mb = max(max_blocks, 1)
-    counts, starts, ends, block_expert, block_rows, sorted_ids, *more = _carve(
-        dev, E + 1, E + 1, E, mb, mb, sorted_ids_rows, *extra)
+    counts, starts, ends, block_expert, block_rows, sorted_ids = _carve(
+        dev, E + 1, E + 1, E, max_blocks, max_blocks, sorted_ids_rows)
     chunk = _chunk(nk)
     launch("align_count_kernel", (E + 1,), (flat, counts, nk, E), dict(CHUNK=chunk, num_warps=chunk // 256))
     launch("align_plan_kernel", (1,), (counts, starts, ends, block_expert, block_rows, sorted_ids, E, max_blocks, nk),
-           dict(BLOCK_M=block_m, E_PAD=_next_pow2(E + 1), NB=16, WITH_PAD=sorted_ids_rows > 0,
-                BM_PAD=_next_pow2(block_m) if sorted_ids_rows else 1, num_warps=4))  # fmt: skip
-    if max_blocks != mb:
-        block_expert, block_rows = block_expert[:max_blocks], block_rows[:max_blocks]
-    return (counts, starts, ends, block_expert, block_rows, sorted_ids, *more)
+           dict(BLOCK_M=block_m, E_PAD=_next_pow2(E + 1), NB=16, WITH_PAD=True, BM_PAD=_next_pow2(block_m),
+                num_warps=4))  # fmt: skip
+    return counts, starts, ends, block_expert, block_rows, sorted_ids
 
 
 def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
@@ -169,25 +178,54 @@ def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
 
 
 def sort_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, launch) -> ExpertSort:
-    """`sort_by_expert` on the GPU: order / sorted_expert / expert_ends / expert_counts int32, and the
-    inverse permutation (same pass)."""
+    """`sort_by_expert` on the GPU in one launch (`align_sort_kernel`): order / sorted_expert /
+    expert_ends / expert_counts int32, and the inverse permutation (same pass)."""
     if num_experts <= 0:
         raise ValueError(f"num_experts must be positive, got {num_experts}")
     flat = _flat_ids(topk_ids)
     nk, E = flat.numel(), num_experts
-    counts, starts, ends, _, _, _, order, sorted_expert, inverse = _count_and_plan(flat, E, 1, 0, launch,
-                                                                                   extra=(nk, nk, nk))
-    if nk:
-        launch("align_scatter_kernel", (E + 1,), (flat, starts, order, sorted_expert, inverse, nk, E),
-               dict(CHUNK=_chunk(nk), WITH_INVALID=True, WITH_EXPERT=True, WITH_INV=True,
-                    num_warps=_chunk(nk) // 256))  # fmt: skip
-    return ExpertSort(nk, E, order, sorted_expert, ends, counts[:E], inverse)
+    counts, ends, order, sorted_expert, inverse = _carve(flat.device, E, E, nk, nk, nk)
+    chunk = _chunk(nk)
+    launch("align_sort_kernel", (E + 1,), (flat, counts, ends, order, sorted_expert, inverse, nk, E),
+           dict(CHUNK=chunk, num_warps=chunk // 256))
+    return ExpertSort(nk, E, order, sorted_expert, ends, counts, inverse)
 
 
 # entries up to which `align_blocks_triton` runs one program (count + plan + scatter in one launch:
 # decode) instead of three kernels over many programs; 0: always three kernels
 SINGLE_LAUNCH_MAX_ENTRIES = 1024
 SINGLE_LAUNCH_MAX_EXPERTS = 1024
+
+
+def single_launch_applies(num_entries: int, num_experts: int) -> bool:
+    """Does the one-program alignment (`align_small_kernel`, or the same code after the routing in
+    `route_align_kernel`) take `num_entries` entries over `num_experts` experts?"""
+    return 0 < num_entries <= SINGLE_LAUNCH_MAX_ENTRIES and num_experts <= SINGLE_LAUNCH_MAX_EXPERTS
+
+
+@functools.lru_cache(maxsize=256)
+def _small_layout(num_entries: int, num_experts: int, block_m: int, extra: tuple):
+    """(max_blocks, split sizes, which split views to keep, constexprs) of single_launch_alignment: host
+    ints computed once per shape."""
+    max_blocks = max_blocks_for(num_entries, num_experts, block_m)
+    e_pad, n_pad = _next_pow2(num_experts + 1), max(16, _next_pow2(num_entries))
+    parts, keep = _carve_sizes((max_blocks * block_m, 3 * e_pad, *extra, max_blocks, max_blocks))
+    consts = dict(BLOCK_M=block_m, E_PAD=e_pad, N_PAD=n_pad, LOG_N=n_pad.bit_length() - 1,
+                  RB=max(1, min(1 << (block_m.bit_length() - 1), 4096 // e_pad)), TB=1024)
+    return max_blocks, parts, keep, consts
+
+
+def single_launch_alignment(num_entries: int, num_experts: int, block_m: int, device, extra=()):
+    """Outputs and constants of the one-program alignment of `num_entries` entries (at least one; see
+    `single_launch_applies`): (BlockAlignment whose tensors the launch fills, scratch [3 * E_PAD] int32,
+    the kernel's constexpr keywords (do not modify), int32 views of the `extra` sizes from the same
+    allocation)."""
+    max_blocks, parts, keep, consts = _small_layout(num_entries, num_experts, block_m, tuple(extra))
+    views = torch.split_with_sizes(torch.empty(sum(parts), dtype=torch.int32, device=device), parts)
+    sorted_ids, scratch, *more = [views[i] for i in keep]
+    block_rows = more.pop()
+    block_expert = more.pop()
+    return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows), scratch, consts, more
 
 
 def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch) -> BlockAlignment:
@@ -203,15 +241,13 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     if max_blocks == 0:
         empty = torch.empty(0, dtype=torch.int32, device=dev)
         return BlockAlignment(block_m, 0, empty, empty, empty)
+    if single_launch_applies(nk, E):
+        blocks, scratch, consts, _ = single_launch_alignment(nk, E, block_m, dev)
+        launch("align_small_kernel", (1,), (flat, blocks.sorted_ids, blocks.block_expert, blocks.block_rows, scratch,
+                                            nk, E, max_blocks),
+               dict(consts, num_warps=8 if consts["N_PAD"] >= 1024 else 4))  # fmt: skip
+        return blocks
     P = max_blocks * block_m
-    if nk <= SINGLE_LAUNCH_MAX_ENTRIES and E <= SINGLE_LAUNCH_MAX_EXPERTS:
-        e_pad, n_pad = _next_pow2(E + 1), max(16, _next_pow2(nk))
-        sorted_ids, block_expert, block_rows, scratch = _carve(dev, P, max_blocks, max_blocks, 3 * e_pad)
-        launch("align_small_kernel", (1,), (flat, sorted_ids, block_expert, block_rows, scratch, nk, E, max_blocks),
-               dict(BLOCK_M=block_m, E_PAD=e_pad, N_PAD=n_pad, LOG_N=n_pad.bit_length() - 1,
-                    RB=max(1, min(1 << (block_m.bit_length() - 1), 4096 // e_pad)), TB=1024,
-                    num_warps=8 if n_pad >= 1024 else 4))  # fmt: skip
-        return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)
     _, starts, _, block_expert, block_rows, sorted_ids = _count_and_plan(flat, E, block_m, max_blocks, launch, P)
     launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids, sorted_ids, nk, E),
            dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=False, WITH_INV=False,

@@ -52,47 +52,54 @@ def fused_grouped_mm_forward(
     gate_up_interleaved: bool,
     launch: Callable,
     align: str = "triton",
+    act_args: Optional[tuple] = None,
 ) -> torch.Tensor:
     """bf16 experts forward: torch._grouped_mm GEMMs + the fused Triton gather / activation / combine
     (`epmoe.experts.triton_kernels`). params: w13 [E, R, H] (rows gate-then-up, or gate j / up j
-    interleaved), w2 [E, H, I], optional fp32 biases b13 [>=E, R] (gate then up), b2 [>=E, H].
+    interleaved), w2 [E, H, I], optional fp32 biases b13 [>=E, R] (gate then up), b2 [>=E, H], optional
+    w13_t / w2_t (w13 / w2 .transpose(1, 2), made once by the caller). act_args: the kernels'
+    activation arguments (`triton_experts._activation_args(config)`, computed once by the caller).
     `launch(kernel_name, grid, args, kwargs)` runs one kernel. No host sync, fixed shapes."""
     state: Dict[str, torch.Tensor] = {}
     for _, step in grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts,
-                                    gate_up_interleaved, launch, state, align=align):  # fmt: skip
+                                    gate_up_interleaved, launch, state, align=align, act_args=act_args):  # fmt: skip
         step()
     return state["out"]
 
 
 def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts, gate_up_interleaved, launch,
-                     state: Dict[str, torch.Tensor], keep: bool = False,
-                     align: str = "triton") -> List[Tuple[str, Callable[[], None]]]:  # fmt: skip
+                     state: Dict[str, torch.Tensor], keep: bool = False, align: str = "triton",
+                     act_args: Optional[tuple] = None) -> List[Tuple[str, Callable[[], None]]]:  # fmt: skip
     """The forward as named steps run in order (each reads and writes `state`); benchmarks time them
     one by one (keep=True: inputs stay in `state`; else each step drops what no later step reads, so
-    at most two of the [N*K, .] intermediates are alive): align (torch sort), gather, gemm1, act,
-    gemm2, combine."""
+    at most two of the [N*K, .] intermediates are alive): align (one sort launch, or torch ops), gather,
+    gemm1, act, gemm2, combine."""
     take = state.get if keep else state.pop
-    from epmoe.experts.triton_experts import _activation_args
+    if act_args is None:
+        from epmoe.experts.triton_experts import _activation_args
+
+        act_args = _activation_args(config)
 
     N, H = hidden.shape
     K = topk_ids.shape[1]
     I, E = config.intermediate_size, num_experts
     R = params["w13"].shape[1]
     dev, dt = hidden.device, hidden.dtype
-    ACT, HAS_LIMIT, alpha, beta, limit = _activation_args(config)
+    ACT, HAS_LIMIT, alpha, beta, limit = act_args
     gated = config.is_gated and R == 2 * I
     BLOCK_I = min(1024, triton_next_pow2(I))
     BLOCK_H = 1024
 
     def align_step():
-        ids32 = topk_ids.to(torch.int32).contiguous()
+        ids32 = (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
         sort = sort_by_expert_triton(ids32, E, launch) if align == "triton" else sort_by_expert(ids32, E)
         inv = sort.inverse
         if inv is None:
             inv = torch.empty(N * K, dtype=torch.int32, device=dev)
             inv[sort.order] = torch.arange(N * K, dtype=torch.int32, device=dev)
+        ends = sort.expert_ends
         state.update(ids32=ids32, inv=inv, sorted_expert=sort.sorted_expert,
-                     offs=sort.expert_ends.to(torch.int32))  # fmt: skip
+                     offs=ends if ends.dtype == torch.int32 else ends.to(torch.int32))  # fmt: skip
 
     def gather():
         x = hidden.contiguous()
@@ -106,8 +113,12 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
             raise RuntimeError(f"torch._grouped_mm returned strides {t.stride()}; expected contiguous rows")
         return t
 
+    w13_t = params.get("w13_t")
+    w2_t = params.get("w2_t")
+
     def gemm1():
-        state["h"] = check_rows(torch._grouped_mm(take("xs"), params["w13"].transpose(1, 2), offs=state["offs"]))
+        w = w13_t if w13_t is not None else params["w13"].transpose(1, 2)
+        state["h"] = check_rows(torch._grouped_mm(take("xs"), w, offs=state["offs"]))
 
     def act():
         h = take("h")
@@ -120,7 +131,8 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
         state["a"] = a
 
     def gemm2():
-        state["y"] = check_rows(torch._grouped_mm(take("a"), params["w2"].transpose(1, 2), offs=state["offs"]))
+        w = w2_t if w2_t is not None else params["w2"].transpose(1, 2)
+        state["y"] = check_rows(torch._grouped_mm(take("a"), w, offs=state["offs"]))
 
     def combine():
         y = take("y")

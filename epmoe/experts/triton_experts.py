@@ -39,7 +39,8 @@ from epmoe.core.availability import Availability
 from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts import kernel_formats as kf
-from epmoe.experts.align import align_blocks, align_blocks_triton, sort_by_expert
+from epmoe.experts.align import (BlockAlignment, align_blocks, align_blocks_triton, max_blocks_for,
+                                 single_launch_applies, sort_by_expert)
 from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 from epmoe.quant.codec import FP8_BLOCK
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
@@ -404,6 +405,7 @@ class TritonExperts(Experts):
         self.gated = cfg.is_gated
         self.act_args = _activation_args(cfg)
         self._params: Dict[str, torch.Tensor] = {}
+        self._gmm_params: Dict[str, torch.Tensor] = {}  # _params and the transposed views grouped_mm reads
         # Set by benchmarks to force a tile preset (TritonConfig); None = pick by rows per expert.
         self.config_override: Optional[TritonConfig] = None
         name = spec.option("triton_config")
@@ -592,7 +594,17 @@ class TritonExperts(Experts):
         return shapes
 
     # ------------------------------------------------------------------ forward
-    def forward(self, tokens) -> torch.Tensor:
+    def fused_alignment(self, num_entries: int) -> Optional[int]:
+        """The tile preset's block_m where the forward would run the one-program alignment (decode tiles
+        of the Triton GEMMs, triton alignment): the routing launch may compute it instead."""
+        if (self.align_impl != "triton" or not self._params or not single_launch_applies(num_entries, self.num_experts)
+                or self.uses_grouped_mm(num_entries)):  # fmt: skip
+            return None
+        return self.tile_config(num_entries).block_m
+
+    def forward(self, tokens, alignment: Optional[BlockAlignment] = None) -> torch.Tensor:
+        """alignment: `align_blocks` of tokens.topk_ids (the caller's guarantee) for the block_m that
+        `fused_alignment` gave; used when it fits this forward's tiles, else computed here."""
         if getattr(tokens, "layout", "flat") != "flat":
             raise ValueError(f"experts backend 'triton' takes the flat layout, got {tokens.layout!r}")
         if not self._params:
@@ -624,20 +636,32 @@ class TritonExperts(Experts):
             from epmoe.experts.grouped_mm import fused_grouped_mm_forward
 
             return fused_grouped_mm_forward(
-                x, topk_ids, topk_weights, self._params, self.config, E, self.gate_up_interleaved, self._launch,
-                align=self.align_impl,
+                x, topk_ids, topk_weights, self._grouped_mm_params(), self.config, E, self.gate_up_interleaved, self._launch,
+                align=self.align_impl, act_args=self.act_args,
             )
         cfg = self.tile_config(N * K)
         self._check_tile_config(cfg)
         # no-op conversions skipped (each call costs host time); the kernels index ids and weights
         # flat by entry j = n * K + k, so [N, K] contiguous tensors serve as they are
         ids32 = (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
+        if alignment is None or alignment.block_m != cfg.block_m or alignment.max_blocks != max_blocks_for(
+                N * K, E, cfg.block_m):  # fmt: skip
+            alignment = self._align(ids32, cfg)
+        act, act_scale = self._gemm1(x, x_scale, alignment, N * K, K, cfg)
+        # what gemm1 does not read is prepared after its launch (the GPU idles until then)
         w_flat = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
-        blocks = self._align(ids32, cfg)
-        act, act_scale = self._gemm1(x, x_scale, blocks, N * K, K, cfg)
         y = torch.empty(N * K, H, dtype=out_dtype, device=self.device)
-        self._gemm2(act, act_scale, blocks, N * K, w_flat, y, cfg)
+        self._gemm2(act, act_scale, alignment, N * K, w_flat, y, cfg)
         return self._reduce(y, ids32)
+
+    def _grouped_mm_params(self) -> Dict[str, torch.Tensor]:
+        """The weights as the grouped_mm path reads them: `_params` and w13 / w2 transposed ([E, K, N]
+        views, made once per set of weight tensors: a reload copies in place, so they stay valid)."""
+        p = self._gmm_params
+        if p.get("w13") is not self._params["w13"] or p.get("w2") is not self._params["w2"]:
+            w13, w2 = self._params["w13"], self._params["w2"]
+            p = self._gmm_params = dict(self._params, w13_t=w13.transpose(1, 2), w2_t=w2.transpose(1, 2))
+        return p
 
     # The stages of `forward` (benchmarks/tune_hopper.py times them one by one).
     def _align(self, ids32: torch.Tensor, cfg: TritonConfig):

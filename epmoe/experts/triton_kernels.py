@@ -837,10 +837,20 @@ def align_small_kernel(
     TB: tl.constexpr,  # tiles / rows per fill step
 ):
     """count + plan + scatter (+ the padding rows) in ONE program for up to N_PAD entries (decode):
-    the outputs of align_count / align_plan / align_scatter (and the fill of sorted_ids) bit for bit.
-    Counts: a histogram of the keys. Order: one sort of (key, j) pairs (key * N_PAD + j, unique), so
-    the sorted position of an entry minus its expert's first position is its rank among that expert's
-    entries in j order; each tile's expert and real rows come from the entry at its first row."""
+    the outputs of align_count / align_plan / align_scatter (and the fill of sorted_ids) bit for bit
+    (`align_small`; `epmoe.routing_kernels.route_align_kernel` runs it after the routing)."""
+    align_small(ids_ptr, sorted_ids_ptr, block_expert_ptr, block_rows_ptr, scratch_ptr, NK, num_experts, max_blocks,
+                BLOCK_M, E_PAD, N_PAD, LOG_N, RB, TB)
+
+
+@triton.jit
+def align_small(ids_ptr, sorted_ids_ptr, block_expert_ptr, block_rows_ptr, scratch_ptr, NK, num_experts, max_blocks,
+                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, N_PAD: tl.constexpr, LOG_N: tl.constexpr,
+                RB: tl.constexpr, TB: tl.constexpr):
+    """The body of align_small_kernel (arguments as there), for one program. Counts: a histogram of the
+    keys. Order: one sort of (key, j) pairs (key * N_PAD + j, unique), so the sorted position of an
+    entry minus its expert's first position is its rank among that expert's entries in j order; each
+    tile's expert and real rows come from the entry at its first row."""
     offs = tl.arange(0, N_PAD)
     key, ok = _align_keys(ids_ptr, offs, NK, num_experts)  # past NK: key num_experts (invalid)
     eidx = tl.arange(0, E_PAD)
@@ -911,3 +921,42 @@ def align_scatter_kernel(
             if WITH_INV:
                 tl.store(inv_ptr + offs, pos, mask=m > 0)
             base += tl.sum(m, axis=0)
+
+
+@triton.jit
+def align_sort_kernel(
+    ids_ptr,  # [N*K] int32 local expert ids (invalid: < 0 or >= num_experts)
+    counts_ptr,  # [num_experts] int32 out: entries per expert
+    ends_ptr,  # [num_experts] int32 out: cumulative counts (expert e owns sorted positions [ends[e-1], ends[e]))
+    order_ptr,  # [N*K] int32 out: entry j of each sorted position
+    sorted_expert_ptr,  # [N*K] int32 out: key of each sorted position (num_experts: invalid)
+    inv_ptr,  # [N*K] int32 out: sorted position of each entry j
+    NK,
+    num_experts,
+    CHUNK: tl.constexpr,
+):
+    """`sort_by_expert` (align_count + align_plan + align_scatter with block_m 1) in ONE launch of
+    num_experts + 1 programs, bit for bit: program e (the last one: the invalid entries) counts the
+    entries of smaller keys (its first sorted position) and of its own key in one scan, then places its
+    entries in j order in a second scan (the scans of align_count and align_scatter; no plan step)."""
+    e = tl.program_id(0)
+    below = tl.zeros((CHUNK,), dtype=tl.int32)
+    mine = tl.zeros((CHUNK,), dtype=tl.int32)
+    for start in range(0, NK, CHUNK):
+        key, ok = _align_keys(ids_ptr, start + tl.arange(0, CHUNK), NK, num_experts)
+        below += ((key < e) & ok).to(tl.int32)
+        mine += ((key == e) & ok).to(tl.int32)
+    base = tl.sum(below, axis=0)
+    if e < num_experts:
+        cnt = tl.sum(mine, axis=0)
+        tl.store(counts_ptr + e, cnt)
+        tl.store(ends_ptr + e, base + cnt)
+    for start in range(0, NK, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        key, ok = _align_keys(ids_ptr, offs, NK, num_experts)
+        m = ((key == e) & ok).to(tl.int32)
+        pos = base + tl.cumsum(m, axis=0) - 1
+        tl.store(order_ptr + pos, offs, mask=m > 0)
+        tl.store(sorted_expert_ptr + pos, key, mask=m > 0)
+        tl.store(inv_ptr + offs, pos, mask=m > 0)
+        base += tl.sum(m, axis=0)

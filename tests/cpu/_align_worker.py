@@ -63,6 +63,7 @@ def run_case(E: int, K: int, N: int, bm: int, seed: int) -> dict:
         expert_counts=bool(torch.equal(srt.expert_counts.long(), ref_sort.expert_counts)),
         inverse=bool(torch.equal(srt.inverse.long()[ref_sort.order], torch.arange(N * K))),
         launches_one=_count_launches(lambda: A.align_blocks_triton(ids, E, bm, launch)) == (1 if N else 0),
+        sort_one_launch=_count_launches(lambda: A.sort_by_expert_triton(ids, E, launch)) == 1,
         invalid=int(((ids < 0) | (ids >= E)).sum()),
     )
     res["all_equal"] = all(v for k, v in res.items() if isinstance(v, bool)) and res["max_blocks"][0] == res["max_blocks"][1]

@@ -97,9 +97,32 @@ def test_sm90_compile_routing_kernels(routing, E, K):
     assert dict(launches[0].kwargs)["PRECISE"] is True  # libdevice expf on the device, not ex2.approx alone
 
 
+@pytest.mark.parametrize("routing, E, K, T", [("softmax", 128, 8, 128), ("sigmoid_grouped", 256, 8, 128),
+                                              ("softmax", 60, 6, 5), ("softmax", 512, 2, 128)])
+def test_sm90_compile_route_align_kernel(routing, E, K, T):
+    """The routing launch that also aligns (`route_align_kernel`: the routing rows in a loop, then the
+    one-program alignment) compiles for sm90 without spills, with the routing's precise math."""
+    aot, triton = _aot()
+    from triton.backends.compiler import GPUTarget
+
+    from epmoe.config import MoEConfig
+
+    extra = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5) if routing == "sigmoid_grouped" else {}
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=256, intermediate_size=128, routing=routing, **extra)
+    launches = aot.record_routing_launches(cfg, num_tokens=T, align_block_m=16)
+    assert [l.kernel for l in launches] == ["route_align_kernel"]
+    src, opts = aot.to_source(launches[0])
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    info = aot.analyze(compiled)
+    assert info["local"] == 0 and info["ldl_stl"] == 0, f"register spills: {routing} E={E}: {info}"
+    ptx = compiled.asm["ptx"]
+    assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx
+
+
 def test_sm90_compile_alignment_kernels_both_paths():
-    """align_small_kernel (one program) and the three-kernel path with the padding rows written by
-    align_plan compile for sm90 without spills (DeepSeek-V3-like: 128 local experts)."""
+    """align_small_kernel (one program), the three-kernel path with the padding rows written by
+    align_plan, and the one-launch sort (align_sort_kernel) compile for sm90 without spills
+    (DeepSeek-V3-like: 128 local experts)."""
     aot, triton = _aot()
     import torch
     from triton.backends.compiler import GPUTarget
@@ -110,8 +133,9 @@ def test_sm90_compile_alignment_kernels_both_paths():
     rec = lambda name, grid, args, kwargs: launches.append(aot.Launch(name, args, tuple(kwargs.items())))  # noqa: E731
     for n in (128, 512):  # 1024 entries: one program; 4096: three kernels
         A.align_blocks_triton(torch.zeros(n, 8, dtype=torch.int32), 128, 16, rec)
+    A.sort_by_expert_triton(torch.zeros(4096, 8, dtype=torch.int32), 128, rec)  # the grouped_mm path's sort
     assert [l.kernel for l in launches] == ["align_small_kernel", "align_count_kernel", "align_plan_kernel",
-                                            "align_scatter_kernel"]
+                                            "align_scatter_kernel", "align_sort_kernel"]
     for launch in launches:
         src, opts = aot.to_source(launch)
         info = aot.analyze(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))

@@ -524,7 +524,7 @@ class EPMoE(torch.nn.Module):
                 failed = [r for r, (_, bad) in enumerate(agreed) if bad]
                 edist.raise_if_any_failed(error, failed, self.group, to)
             tokens_per_rank = tuple(t for t, _ in agreed)
-        rounds = max(1, max(-(-t // M) for t in tokens_per_rank))
+        rounds = max(1, -(-max(tokens_per_rank) // M))
 
         blocks = None  # the experts' block alignment, when the routing launch computed it too
         if router_logits is None:

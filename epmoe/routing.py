@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from epmoe.config import MoEConfig
-from epmoe.experts.align import single_launch_alignment, single_launch_applies
+from epmoe.experts.align import single_launch_alignment, single_launch_applies, single_launch_layout
 
 ROUTING_IMPLS = ("auto", "torch", "triton")
 FUSED_MAX_EXPERTS = 1024  # one program holds whole rows of E logits in registers
@@ -151,7 +151,7 @@ class Router:
         self._kwargs_bias = {False: dict(self._kwargs, HAS_BIAS=False), True: dict(self._kwargs, HAS_BIAS=True)}
         self._scale = float(config.routed_scaling_factor)
         self._launcher = None
-        self._fused_align_kwargs: dict = {}  # route_aligned's launch keywords by (bias, block_m, N_PAD)
+        self._fused_align_kwargs: dict = {}  # route_aligned's launch keywords by (T, block_m, bias)
 
     def __call__(self, router_logits: torch.Tensor, e_score_correction_bias: Optional[torch.Tensor] = None) -> Routing:
         if self.impl == "torch" or router_logits.device.type != self.device.type:  # (logits elsewhere: torch)
@@ -201,13 +201,12 @@ class Router:
         with_bias = sigmoid and bias is not None
         if with_bias and (bias.dtype != torch.float32 or bias.device != logits.device):
             bias = bias.to(device=logits.device, dtype=torch.float32)
-        blocks, scratch, consts, (ids, w) = single_launch_alignment(T * K, num_experts, block_m, logits.device,
-                                                                     extra=(T * K, T * K))
-        ids = ids.view(T, K)
-        w = w.view(torch.float32).view(T, K)
-        key = (with_bias, block_m, consts["N_PAD"])
+        key = (T, block_m, with_bias)
         kw = self._fused_align_kwargs.get(key)
         if kw is None:
+            _, _, _, consts = single_launch_layout(T * K, num_experts, block_m, (T * K, T * K))
+            if len(self._fused_align_kwargs) >= 1024:
+                self._fused_align_kwargs.clear()
             kw = self._fused_align_kwargs[key] = dict(
                 self._kwargs_bias[with_bias] if sigmoid else self._kwargs, SIGMOID=sigmoid, BLOCK_M=block_m,
                 A_E_PAD=consts["E_PAD"], N_PAD=consts["N_PAD"], LOG_N=consts["LOG_N"], RB=consts["RB"], TB=consts["TB"])
@@ -215,6 +214,10 @@ class Router:
                 kw.setdefault(name, 1)
             kw.setdefault("HAS_BIAS", False)
             # num_warps: the routing's (4 up to 256 experts); 8 for 1024 entries would spill (sm90 compile)
+        blocks, scratch, _, (ids, w) = single_launch_alignment(T * K, num_experts, block_m, logits.device,
+                                                                extra=(T * K, T * K))
+        ids = ids.view(T, K)
+        w = w.view(torch.float32).view(T, K)
         self._launch("route_align_kernel", (1,), (
             logits, bias if with_bias else logits, ids, w, T, num_experts, logits.stride(0), self._scale,
             blocks.sorted_ids, blocks.block_expert, blocks.block_rows, scratch, blocks.max_blocks), kw)  # fmt: skip

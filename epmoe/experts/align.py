@@ -203,10 +203,10 @@ def single_launch_applies(num_entries: int, num_experts: int) -> bool:
     return 0 < num_entries <= SINGLE_LAUNCH_MAX_ENTRIES and num_experts <= SINGLE_LAUNCH_MAX_EXPERTS
 
 
-@functools.lru_cache(maxsize=256)
-def _small_layout(num_entries: int, num_experts: int, block_m: int, extra: tuple):
-    """(max_blocks, split sizes, which split views to keep, constexprs) of single_launch_alignment: host
-    ints computed once per shape."""
+@functools.lru_cache(maxsize=1024)
+def single_launch_layout(num_entries: int, num_experts: int, block_m: int, extra: tuple):
+    """(max_blocks, split sizes, which split views to keep, constexprs (do not modify)) of
+    single_launch_alignment: host ints computed once per shape."""
     max_blocks = max_blocks_for(num_entries, num_experts, block_m)
     e_pad, n_pad = _next_pow2(num_experts + 1), max(16, _next_pow2(num_entries))
     parts, keep = _carve_sizes((max_blocks * block_m, 3 * e_pad, *extra, max_blocks, max_blocks))
@@ -220,7 +220,7 @@ def single_launch_alignment(num_entries: int, num_experts: int, block_m: int, de
     `single_launch_applies`): (BlockAlignment whose tensors the launch fills, scratch [3 * E_PAD] int32,
     the kernel's constexpr keywords (do not modify), int32 views of the `extra` sizes from the same
     allocation)."""
-    max_blocks, parts, keep, consts = _small_layout(num_entries, num_experts, block_m, tuple(extra))
+    max_blocks, parts, keep, consts = single_launch_layout(num_entries, num_experts, block_m, tuple(extra))
     views = torch.split_with_sizes(torch.empty(sum(parts), dtype=torch.int32, device=device), parts)
     sorted_ids, scratch, *more = [views[i] for i in keep]
     block_rows = more.pop()

@@ -406,6 +406,8 @@ class TritonExperts(Experts):
         self.act_args = _activation_args(cfg)
         self._params: Dict[str, torch.Tensor] = {}
         self._gmm_params: Dict[str, torch.Tensor] = {}  # _params and the transposed views grouped_mm reads
+        self._wops: Optional[tuple] = None  # _weight_operands
+        self._tile_plans: Dict[tuple, tuple] = {}  # _tile_plan
         # Set by benchmarks to force a tile preset (TritonConfig); None = pick by rows per expert.
         self.config_override: Optional[TritonConfig] = None
         name = spec.option("triton_config")
@@ -640,19 +642,67 @@ class TritonExperts(Experts):
                 align=self.align_impl, act_args=self.act_args,
             )
         cfg = self.tile_config(N * K)
-        self._check_tile_config(cfg)
+        plan = self._tile_plan(cfg, K)  # checked, launch keywords built: once per preset
         # no-op conversions skipped (each call costs host time); the kernels index ids and weights
         # flat by entry j = n * K + k, so [N, K] contiguous tensors serve as they are
         ids32 = (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
         if alignment is None or alignment.block_m != cfg.block_m or alignment.max_blocks != max_blocks_for(
                 N * K, E, cfg.block_m):  # fmt: skip
             alignment = self._align(ids32, cfg)
-        act, act_scale = self._gemm1(x, x_scale, alignment, N * K, K, cfg)
+        act, act_scale = self._gemm1(x, x_scale, alignment, N * K, K, cfg, plan)
         # what gemm1 does not read is prepared after its launch (the GPU idles until then)
         w_flat = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
         y = torch.empty(N * K, H, dtype=out_dtype, device=self.device)
-        self._gemm2(act, act_scale, alignment, N * K, w_flat, y, cfg)
+        self._gemm2(act, act_scale, alignment, N * K, w_flat, y, cfg, plan)
         return self._reduce(y, ids32)
+
+    def _tile_plan(self, cfg: TritonConfig, top_k: int) -> tuple:
+        """(cfg, runs the Gluon W4A16 kernels, gemm1 launch keywords, gemm2 launch keywords) of the Triton
+        GEMMs for tile preset `cfg`: checked (`_check_tile_config`) and built once, then kept, keyed by the
+        preset and what else the keywords read that may change (the fp4 conversion: a reload can switch
+        it; FP4_SCALE_PREFETCH, a module setting)."""
+        conv = self._fp4_kernel_convert
+        key = (id(cfg), top_k, conv, FP4_SCALE_PREFETCH)
+        plan = self._tile_plans.get(key)
+        if plan is not None and plan[0] is cfg:
+            return plan
+        self._check_tile_config(cfg)
+        ACT, HAS_LIMIT = self.act_args[:2]
+        g1, g2 = cfg.gemm1, cfg.gemm2
+        fp8 = self.mode == "fp8_block"
+        kw1 = dict(
+            TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated, ACT=ACT, HAS_LIMIT=HAS_LIMIT,
+            HAS_BIAS=self.config.has_bias, OUT_FP8=fp8,
+            GATE_UP_IL=self.gate_up_interleaved, SPLIT_M=cfg.split_m,
+            BLOCK_M=cfg.block_m, BLOCK_N=g1.block_n, BLOCK_K=g1.block_k, GROUP_M=g1.group_m,
+            EVEN_K=self.hidden_size % g1.block_k == 0, FP4_PACKED=conv, FP4_PREFETCH=FP4_SCALE_PREFETCH,
+            num_warps=g1.num_warps, num_stages=g1.num_stages,
+        )  # fmt: skip
+        kw2 = dict(
+            W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias, SPLIT_M=cfg.split_m,
+            BLOCK_M=cfg.block_m, BLOCK_N=g2.block_n, BLOCK_K=g2.block_k, GROUP_M=g2.group_m,
+            EVEN_K=self.intermediate_size % g2.block_k == 0, FP4_PACKED=conv, FP4_PREFETCH=FP4_SCALE_PREFETCH,
+            num_warps=g2.num_warps, num_stages=g2.num_stages,
+        )  # fmt: skip
+        if len(self._tile_plans) >= 64:
+            self._tile_plans.clear()
+        plan = self._tile_plans[key] = (cfg, self.uses_gluon_w4a16(cfg), kw1, kw2)
+        return plan
+
+    def _weight_operands(self, gemm1: bool) -> tuple:
+        """(w, ws, wg, b, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1) or 0, wg.stride(0), b.stride(0))
+        of gemm1 (w13) or gemm2 (w2) as the Triton GEMMs take them (ws / wg / b: w where absent), made once
+        per set of weight tensors (a reload copies in place: they stay valid)."""
+        p = self._params
+        c = self._wops
+        if c is None or c[0] is not p["w13"] or c[1] is not p["w2"]:
+            def one(name, bias):
+                w = p[name]
+                ws, wg, b = p.get(name + "_scale", w), p.get(name + "_global_scale", w), p.get(bias, w)
+                return (w, ws, wg, b, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1) if ws.dim() > 1 else 0,
+                        wg.stride(0), b.stride(0))
+            c = self._wops = (p["w13"], p["w2"], one("w13", "b13"), one("w2", "b2"))
+        return c[2] if gemm1 else c[3]
 
     def _grouped_mm_params(self) -> Dict[str, torch.Tensor]:
         """The weights as the grouped_mm path reads them: `_params` and w13 / w2 transposed ([E, K, N]
@@ -782,72 +832,45 @@ class TritonExperts(Experts):
         )
         return q, s
 
-    def _gemm1(self, x, x_scale, blocks, num_entries, top_k, cfg: TritonConfig):
-        p = self._params
-        H, I = self.hidden_size, self.intermediate_size
+    def _gemm1(self, x, x_scale, blocks, num_entries, top_k, cfg: TritonConfig, plan: Optional[tuple] = None):
+        if plan is None:
+            plan = self._tile_plan(cfg, top_k)
+        I = self.intermediate_size
         P = blocks.num_padded_rows
-        g = cfg.gemm1
         fp8 = self.mode == "fp8_block"
         out = torch.empty(P, I, dtype=torch.float8_e4m3fn if fp8 else self.config.dtype, device=self.device)
-        if self.uses_gluon_w4a16(cfg):
+        if plan[1]:
             self._gluon_w4a16(True, x, out, blocks, num_entries, top_k, None, cfg)
             return out, None
         out_s = torch.empty(P, triton_cdiv(I, 128), dtype=torch.float32, device=self.device) if fp8 else out
-        w, ws = p["w13"], p.get("w13_scale", p["w13"])
-        wg = p.get("w13_global_scale", w)
-        b = p.get("b13", w)
+        w, ws, wg, b, sw0, sw1, sws0, sws1, swg0, sb0 = self._weight_operands(True)
         xs = x_scale if x_scale is not None else x
-        ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
-        grid = (blocks.max_blocks * triton_cdiv(I, g.block_n),)
+        _, _, alpha, beta, limit = self.act_args
+        grid = (blocks.max_blocks * triton_cdiv(I, cfg.gemm1.block_n),)
         self._launch("moe_gemm1_kernel", grid, (
             x, xs, w, ws, wg, b, out, out_s,
             blocks.sorted_ids, blocks.block_expert, blocks.block_rows,
-            num_entries, blocks.max_blocks, H, I,
-            x.stride(0), xs.stride(0),
-            w.stride(0), w.stride(1),
-            ws.stride(0), ws.stride(1) if ws.dim() > 1 else 0,
-            wg.stride(0),
-            b.stride(0),
-            out.stride(0), out_s.stride(0),
+            num_entries, blocks.max_blocks, self.hidden_size, I,
+            x.stride(0), xs.stride(0), sw0, sw1, sws0, sws1, swg0, sb0, out.stride(0), out_s.stride(0),
             alpha, beta, limit,
-        ), dict(
-            TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated, ACT=ACT, HAS_LIMIT=HAS_LIMIT,
-            HAS_BIAS=self.config.has_bias, OUT_FP8=fp8,
-            GATE_UP_IL=self.gate_up_interleaved, SPLIT_M=cfg.split_m,
-            BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-            EVEN_K=H % g.block_k == 0, FP4_PACKED=self._fp4_kernel_convert, FP4_PREFETCH=FP4_SCALE_PREFETCH,
-            num_warps=g.num_warps, num_stages=g.num_stages,
-        ))  # fmt: skip
+        ), plan[2])  # fmt: skip
         return out, (out_s if fp8 else None)
 
-    def _gemm2(self, act, act_scale, blocks, num_entries, w_flat, y, cfg: TritonConfig):
-        if self.uses_gluon_w4a16(cfg):
+    def _gemm2(self, act, act_scale, blocks, num_entries, w_flat, y, cfg: TritonConfig, plan: Optional[tuple] = None):
+        if plan is None:
+            plan = self._tile_plan(cfg, 1)
+        if plan[1]:
             self._gluon_w4a16(False, act, y, blocks, num_entries, 1, w_flat, cfg)
             return
-        p = self._params
-        H, I = self.hidden_size, self.intermediate_size
-        g = cfg.gemm2
-        w, ws = p["w2"], p.get("w2_scale", p["w2"])
-        wg = p.get("w2_global_scale", w)
-        b = p.get("b2", w)
+        w, ws, wg, b, sw0, sw1, sws0, sws1, swg0, sb0 = self._weight_operands(False)
         a_s = act_scale if act_scale is not None else act
-        grid = (blocks.max_blocks * triton_cdiv(H, g.block_n),)
+        grid = (blocks.max_blocks * triton_cdiv(self.hidden_size, cfg.gemm2.block_n),)
         self._launch("moe_gemm2_kernel", grid, (
             act, a_s, w, ws, wg, b, y, w_flat,
             blocks.sorted_ids, blocks.block_expert, blocks.block_rows,
-            num_entries, blocks.max_blocks, H, I,
-            act.stride(0), a_s.stride(0),
-            w.stride(0), w.stride(1),
-            ws.stride(0), ws.stride(1) if ws.dim() > 1 else 0,
-            wg.stride(0),
-            b.stride(0),
-            y.stride(0),
-        ), dict(
-            W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias, SPLIT_M=cfg.split_m,
-            BLOCK_M=cfg.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-            EVEN_K=I % g.block_k == 0, FP4_PACKED=self._fp4_kernel_convert, FP4_PREFETCH=FP4_SCALE_PREFETCH,
-            num_warps=g.num_warps, num_stages=g.num_stages,
-        ))  # fmt: skip
+            num_entries, blocks.max_blocks, self.hidden_size, self.intermediate_size,
+            act.stride(0), a_s.stride(0), sw0, sw1, sws0, sws1, swg0, sb0, y.stride(0),
+        ), plan[3])  # fmt: skip
 
     def _check_tile_config(self, cfg: TritonConfig) -> None:
         if cfg.block_m < 16 and not self.uses_gluon_w4a16(cfg):

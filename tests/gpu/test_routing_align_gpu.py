@@ -2,8 +2,10 @@
 (`epmoe.routing_kernels`) against `route_torch` (the same experts per token, also with bf16 logits
 where values tie at the k-th place; weights to ~1 ulp; ids sorted by score), the one-program alignment
 (`align_small_kernel`) and the three-kernel one against `align_blocks(sort_by_expert(...))` bit for bit,
-and the layer with the fused routing against the layer with the torch routing, without a host sync
-(skipped without a GPU)."""
+the routing launch that also aligns (`route_align_kernel`) against the two launches it replaces, the
+one-launch sort (`align_sort_kernel`) against `sort_by_expert`, and the layer with the fused routing
+against the layer with the torch routing and with / without the aligning routing launch, without a
+host sync (skipped without a GPU)."""
 
 import pytest
 import torch
@@ -99,5 +101,92 @@ def test_layer_fused_routing_matches_torch_routing_without_host_sync(routing, T)
         plain = layer(x, logits, return_routing=True)
         assert torch.equal(fused.routing.topk_ids.sort(-1).values, plain.routing.topk_ids.sort(-1).values), seed
         assert max_rel_err(fused.hidden_states, plain.hidden_states) < 1e-2, seed
+    finally:
+        layer.close()
+
+
+@pytest.mark.parametrize("routing, E, K", [("softmax", 128, 8), ("softmax", 60, 6), ("sigmoid_grouped", 256, 8),
+                                           ("sigmoid_grouped", 72, 6)])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_routing_launch_that_aligns_equals_the_two_launches(routing, E, K, block_m):
+    """`Router.route_aligned` (`route_align_kernel`: the routing, then the one-program alignment, in one
+    launch) against the routing kernel followed by `align_blocks_triton`, bit for bit, and against the
+    torch alignment; Triton's launch path, then the direct one."""
+    seed = fresh_seed()
+    cfg = _cfg(routing, E, K)
+    router = Router(cfg, "cuda")
+    launch = KernelLauncher(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.1 if routing == "sigmoid_grouped" else None
+    for T in (1, 7, 64, A.SINGLE_LAUNCH_MAX_ENTRIES // K):
+        logits = torch.randn(T, E, device="cuda", generator=g) * 2
+        for _ in range(2):
+            got, blocks = router.route_aligned(logits, bias, E, block_m)
+            ref = router(logits, bias)
+            what = (routing, E, K, T, block_m, seed)
+            assert blocks is not None, what
+            assert torch.equal(got.topk_ids, ref.topk_ids) and torch.equal(got.topk_weights, ref.topk_weights), what
+            two = A.align_blocks_triton(ref.topk_ids, E, block_m, launch)
+            torch_ref = A.align_blocks(A.sort_by_expert(ref.topk_ids, E), block_m)
+            for f in ("sorted_ids", "block_expert", "block_rows"):
+                assert torch.equal(getattr(blocks, f), getattr(two, f)), (f, what)
+                assert torch.equal(getattr(blocks, f), getattr(torch_ref, f)), (f, what)
+
+
+@pytest.mark.parametrize("E, K, N", [(128, 8, 4096), (256, 8, 1000), (60, 4, 3000), (16, 8, 1)])
+def test_one_launch_sort_equals_torch(E, K, N):
+    """`sort_by_expert_triton` (`align_sort_kernel`, one launch: the grouped_mm path's sort) against
+    `sort_by_expert` bit for bit, invalid ids included; Triton's launch path, then the direct one."""
+    seed = fresh_seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.randint(-1, E + 1, (N, K), device="cuda", generator=g, dtype=torch.int32)
+    ref = A.sort_by_expert(ids, E)
+    launch = KernelLauncher(torch.device("cuda"))
+    for _ in range(2):
+        got = A.sort_by_expert_triton(ids, E, launch)
+        what = (E, K, N, seed)
+        assert torch.equal(got.order.long(), ref.order), what
+        assert torch.equal(got.sorted_expert, ref.sorted_expert), what
+        assert torch.equal(got.expert_ends.long(), ref.expert_ends), what
+        assert torch.equal(got.expert_counts.long(), ref.expert_counts), what
+        assert torch.equal(got.inverse.long()[ref.order], torch.arange(N * K, device="cuda")), what
+
+
+@pytest.mark.parametrize("routing", ["softmax", "sigmoid_grouped"])
+@pytest.mark.parametrize("T", [1, 16, 128])
+def test_layer_routing_launch_aligns_same_bits_without_host_sync(routing, T):
+    """The ep = 1 layer (torch dispatcher, triton experts) at decode sizes launches `route_align_kernel`
+    instead of the routing and the alignment kernels: no host sync, the same bits as the layer without it,
+    within bf16 error of the float64 reference."""
+    from epmoe import reference_moe
+
+    seed = fresh_seed()
+    cfg = _cfg(routing, 64, 8)
+    layer = EPMoE(cfg, dispatcher="torch", experts="triton", device="cuda", max_num_tokens_per_rank=512)
+    try:
+        w = random_weights(cfg, seed)
+        layer.load_weights(w)
+        x, logits = random_inputs(cfg, T, seed)
+        xd, ld = x.cuda(), logits.cuda()
+        names = []
+        for owner in (layer.router, layer.experts):
+            real = owner._launch
+            owner._launch = (lambda real: lambda n, g, a, k: (names.append(n), real(n, g, a, k)))(real)
+        for _ in range(2):
+            layer(xd, ld)  # compiles outside the checked call
+        names.clear()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fused = layer(xd, ld, return_routing=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert "route_align_kernel" in names and "align_small_kernel" not in names, names
+        layer._fuse_alignment = False
+        plain = layer(xd, ld, return_routing=True)
+        assert torch.equal(fused.hidden_states, plain.hidden_states), seed
+        assert torch.equal(fused.routing.topk_ids, plain.routing.topk_ids), seed
+        assert torch.equal(fused.routing.topk_weights, plain.routing.topk_weights), seed
+        assert max_rel_err(fused.hidden_states, reference_moe(cfg, x, w, logits)) < 2e-2, seed
     finally:
         layer.close()

@@ -26,6 +26,7 @@ import torch
 
 from epmoe.config import MoEConfig
 from epmoe.experts.align import single_launch_alignment, single_launch_applies, single_launch_layout
+from epmoe.experts.launch import LaunchOptions
 
 ROUTING_IMPLS = ("auto", "torch", "triton")
 FUSED_MAX_EXPERTS = 1024  # one program holds whole rows of E logits in registers
@@ -148,7 +149,9 @@ class Router:
                                 TOPK_GROUP=config.topk_group, GROUP_SIZE=E // config.n_group)
         # libdevice's expf, as torch's kernels; the interpreter has no libdevice
         self._kwargs["PRECISE"] = not _interpreting()
-        self._kwargs_bias = {False: dict(self._kwargs, HAS_BIAS=False), True: dict(self._kwargs, HAS_BIAS=True)}
+        self._kwargs_bias = {False: LaunchOptions(self._kwargs, HAS_BIAS=False),
+                             True: LaunchOptions(self._kwargs, HAS_BIAS=True)}
+        self._kwargs = LaunchOptions(self._kwargs)
         self._scale = float(config.routed_scaling_factor)
         self._launcher = None
         self._fused_align_kwargs: dict = {}  # route_aligned's launch keywords by (T, block_m, bias)
@@ -207,13 +210,13 @@ class Router:
             _, _, _, consts = single_launch_layout(T * K, num_experts, block_m, (T * K, T * K))
             if len(self._fused_align_kwargs) >= 1024:
                 self._fused_align_kwargs.clear()
-            kw = self._fused_align_kwargs[key] = dict(
-                self._kwargs_bias[with_bias] if sigmoid else self._kwargs, SIGMOID=sigmoid, BLOCK_M=block_m,
-                A_E_PAD=consts["E_PAD"], N_PAD=consts["N_PAD"], LOG_N=consts["LOG_N"], RB=consts["RB"], TB=consts["TB"])
-            for name in ("N_GROUP", "G_PAD", "TOPK_GROUP", "GROUP_SIZE"):  # softmax: unused, passed all the same
-                kw.setdefault(name, 1)
-            kw.setdefault("HAS_BIAS", False)
-            # num_warps: the routing's (4 up to 256 experts); 8 for 1024 entries would spill (sm90 compile)
+            # softmax: the grouping constants unused, passed all the same; num_warps: the routing's (4 up
+            # to 256 experts; 8 for 1024 entries would spill, sm90 compile)
+            kw = dict(N_GROUP=1, G_PAD=1, TOPK_GROUP=1, GROUP_SIZE=1, HAS_BIAS=False)
+            kw.update(self._kwargs_bias[with_bias] if sigmoid else self._kwargs)
+            kw.update(SIGMOID=sigmoid, BLOCK_M=block_m, A_E_PAD=consts["E_PAD"], N_PAD=consts["N_PAD"],
+                      LOG_N=consts["LOG_N"], RB=consts["RB"], TB=consts["TB"])
+            kw = self._fused_align_kwargs[key] = LaunchOptions(kw)
         blocks, scratch, _, (ids, w) = single_launch_alignment(T * K, num_experts, block_m, logits.device,
                                                                 extra=(T * K, T * K))
         ids = ids.view(T, K)

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from epmoe.experts.launch import LaunchOptions
+
 
 @dataclass(frozen=True)
 class ExpertSort:
@@ -130,6 +132,11 @@ def _chunk(nk: int) -> int:
     return max(1024, min(4096, _next_pow2(max(nk, 1))))
 
 
+@functools.lru_cache(maxsize=None)
+def _scan_options(chunk: int) -> LaunchOptions:
+    return LaunchOptions(CHUNK=chunk, num_warps=chunk // 256)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -185,9 +192,8 @@ def sort_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, launch) -> E
     flat = _flat_ids(topk_ids)
     nk, E = flat.numel(), num_experts
     counts, ends, order, sorted_expert, inverse = _carve(flat.device, E, E, nk, nk, nk)
-    chunk = _chunk(nk)
     launch("align_sort_kernel", (E + 1,), (flat, counts, ends, order, sorted_expert, inverse, nk, E),
-           dict(CHUNK=chunk, num_warps=chunk // 256))
+           _scan_options(_chunk(nk)))
     return ExpertSort(nk, E, order, sorted_expert, ends, counts, inverse)
 
 
@@ -206,12 +212,14 @@ def single_launch_applies(num_entries: int, num_experts: int) -> bool:
 @functools.lru_cache(maxsize=1024)
 def single_launch_layout(num_entries: int, num_experts: int, block_m: int, extra: tuple):
     """(max_blocks, split sizes, which split views to keep, constexprs (do not modify)) of
-    single_launch_alignment: host ints computed once per shape."""
+    single_launch_alignment: host ints computed once per shape; the constexprs are align_small_kernel's
+    launch keywords."""
     max_blocks = max_blocks_for(num_entries, num_experts, block_m)
     e_pad, n_pad = _next_pow2(num_experts + 1), max(16, _next_pow2(num_entries))
     parts, keep = _carve_sizes((max_blocks * block_m, 3 * e_pad, *extra, max_blocks, max_blocks))
-    consts = dict(BLOCK_M=block_m, E_PAD=e_pad, N_PAD=n_pad, LOG_N=n_pad.bit_length() - 1,
-                  RB=max(1, min(1 << (block_m.bit_length() - 1), 4096 // e_pad)), TB=1024)
+    consts = LaunchOptions(BLOCK_M=block_m, E_PAD=e_pad, N_PAD=n_pad, LOG_N=n_pad.bit_length() - 1,
+                           RB=max(1, min(1 << (block_m.bit_length() - 1), 4096 // e_pad)), TB=1024,
+                           num_warps=8 if n_pad >= 1024 else 4)
     return max_blocks, parts, keep, consts
 
 
@@ -244,8 +252,7 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     if single_launch_applies(nk, E):
         blocks, scratch, consts, _ = single_launch_alignment(nk, E, block_m, dev)
         launch("align_small_kernel", (1,), (flat, blocks.sorted_ids, blocks.block_expert, blocks.block_rows, scratch,
-                                            nk, E, max_blocks),
-               dict(consts, num_warps=8 if consts["N_PAD"] >= 1024 else 4))  # fmt: skip
+                                            nk, E, max_blocks), consts)  # fmt: skip
         return blocks
     P = max_blocks * block_m
     _, starts, _, block_expert, block_rows, sorted_ids = _count_and_plan(flat, E, block_m, max_blocks, launch, P)

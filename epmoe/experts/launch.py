@@ -10,7 +10,7 @@ kernel's own time at decode sizes, paid again on every layer call. On a CUDA dev
 the compiled kernel Triton returned for the first launch under a key of its own that is at least as fine
 as Triton's specialization: per argument, a tensor's dtype and 16-byte alignment of its address, an
 int's value class (== 1, multiple of 16, int32 / int64 / uint64 range), the type of anything else; the
-constexpr / option keywords by value; the current device (a launch with many arguments computes the
+constexpr / option keywords by value (a `LaunchOptions` the caller built once: hashed once); the current device (a launch with many arguments computes the
 same classes through an `_ArgPlan` of its argument types: tensors' dtypes and one alignment flag when
 all are aligned, the ints' classes remembered per tuple of int values). A later launch with the same
 key calls that kernel's launcher directly (same stream, launch metadata and launch hooks as Triton's own path; with
@@ -126,6 +126,26 @@ class _Direct:
 _TRITON_PATH = object()  # cache value: this key launches through kernel[grid]
 
 
+class LaunchOptions(dict):
+    """The constexpr / option keywords of launches that a caller builds once and passes on every launch:
+    read-only, hashed once, so the launcher keys on the object itself instead of a tuple of its items
+    rebuilt and rehashed per launch (a plain dict works too, at that cost). Values must be hashable."""
+
+    __slots__ = ("_hash",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._hash = hash(tuple(self.items()))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("LaunchOptions are read-only: build new ones (LaunchOptions(old, NAME=value))")
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _read_only
+
+
 class KernelLauncher:
     """Launches the kernels of `epmoe.experts.triton_kernels` by name (see the module docstring)."""
 
@@ -161,9 +181,11 @@ class KernelLauncher:
                 if plan is None:
                     plan = self._plans[types] = _ArgPlan(types)
                 # the plan stands for the types (one plan per types tuple, kept: hashed by identity)
-                key = (kernel_name, self._device_index(), tuple(kwargs.items()), plan, *plan.key(args))
+                options = kwargs if kwargs.__class__ is LaunchOptions else tuple(kwargs.items())
+                key = (kernel_name, self._device_index(), options, plan, *plan.key(args))
             else:  # few arguments: arg_key of each is cheaper than the plan's steps
-                key = (kernel_name, self._device_index(), tuple(kwargs.items()), tuple(map(arg_key, args)))
+                options = kwargs if kwargs.__class__ is LaunchOptions else tuple(kwargs.items())
+                key = (kernel_name, self._device_index(), options, tuple(map(arg_key, args)))
             entry = self._cache.get(key)
         except TypeError:  # an argument kind the key does not know, or an unhashable keyword value
             fn[grid](*args, **kwargs)

@@ -42,6 +42,7 @@ from epmoe.experts import kernel_formats as kf
 from epmoe.experts.align import (BlockAlignment, align_blocks, align_blocks_triton, max_blocks_for,
                                  single_launch_applies, sort_by_expert)
 from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
+from epmoe.experts.launch import LaunchOptions
 from epmoe.quant.codec import FP8_BLOCK
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
@@ -408,6 +409,7 @@ class TritonExperts(Experts):
         self._gmm_params: Dict[str, torch.Tensor] = {}  # _params and the transposed views grouped_mm reads
         self._wops: Optional[tuple] = None  # _weight_operands
         self._tile_plans: Dict[tuple, tuple] = {}  # _tile_plan
+        self._reduce_options: Dict[int, "LaunchOptions"] = {}  # moe_reduce_kernel's keywords by top_k
         # Set by benchmarks to force a tile preset (TritonConfig); None = pick by rows per expert.
         self.config_override: Optional[TritonConfig] = None
         name = spec.option("triton_config")
@@ -670,7 +672,7 @@ class TritonExperts(Experts):
         ACT, HAS_LIMIT = self.act_args[:2]
         g1, g2 = cfg.gemm1, cfg.gemm2
         fp8 = self.mode == "fp8_block"
-        kw1 = dict(
+        kw1 = LaunchOptions(
             TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated, ACT=ACT, HAS_LIMIT=HAS_LIMIT,
             HAS_BIAS=self.config.has_bias, OUT_FP8=fp8,
             GATE_UP_IL=self.gate_up_interleaved, SPLIT_M=cfg.split_m,
@@ -678,7 +680,7 @@ class TritonExperts(Experts):
             EVEN_K=self.hidden_size % g1.block_k == 0, FP4_PACKED=conv, FP4_PREFETCH=FP4_SCALE_PREFETCH,
             num_warps=g1.num_warps, num_stages=g1.num_stages,
         )  # fmt: skip
-        kw2 = dict(
+        kw2 = LaunchOptions(
             W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g2.block_n, BLOCK_K=g2.block_k, GROUP_M=g2.group_m,
             EVEN_K=self.intermediate_size % g2.block_k == 0, FP4_PACKED=conv, FP4_PREFETCH=FP4_SCALE_PREFETCH,
@@ -725,11 +727,14 @@ class TritonExperts(Experts):
         H = self.hidden_size
         out = torch.empty(N, H, dtype=y.dtype, device=self.device)
         BLOCK_H = 1024
+        kw = self._reduce_options.get(K)
+        if kw is None:
+            kw = self._reduce_options[K] = LaunchOptions(TOP_K=K, BLOCK_H=BLOCK_H, num_warps=4)
         self._launch(
             "moe_reduce_kernel",
             (N, triton_cdiv(H, BLOCK_H)),
             (y, ids32, out, H, self.num_experts, y.stride(0), out.stride(0)),
-            dict(TOP_K=K, BLOCK_H=BLOCK_H, num_warps=4),
+            kw,
         )
         return out
 

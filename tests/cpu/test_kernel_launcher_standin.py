@@ -218,3 +218,31 @@ def test_wrapped_kernels_keep_tritons_path(launcher):
     for _ in range(3):
         lau("kern", (1,), _args(x), {})
     assert len(fn.triton_path) == 3 and not fn.compiled.direct
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["few_args", "many_args"])
+def test_launch_options_key_by_value_and_stay_read_only(launcher, many):
+    """LaunchOptions (keywords built once by the caller) key the launch like a dict of the same items:
+    the second launch is direct with the keywords bound as before; other values get their own key
+    (Triton's path first); the object cannot be changed behind the cache's back."""
+    fn = FakeJIT(signature_of=kern_many if many else kern)
+    lau = launcher(fn)
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    args = _many(x) if many else _args(x)
+    opts = L.LaunchOptions(BLOCK=64, num_warps=4)
+    lau("kern", (3,), args, opts)
+    lau("kern", (3,), args, L.LaunchOptions(BLOCK=64, num_warps=4))  # equal options: the same key
+    assert len(fn.triton_path) == 1 and len(fn.compiled.direct) == 1
+    assert fn.compiled.direct[0][3] == args + (64, False)
+    lau("kern", (3,), args, L.LaunchOptions(opts, BLOCK=32))
+    assert len(fn.triton_path) == 2  # another value: its own key
+    lau("kern", (3,), args, dict(BLOCK=64, num_warps=4))  # a plain dict of the same items: keyed apart, works
+    lau("kern", (3,), args, dict(BLOCK=64, num_warps=4))
+    assert len(fn.triton_path) == 3 and fn.compiled.direct[-1][3] == args + (64, False)
+    for change in (lambda o: o.__setitem__("BLOCK", 1), lambda o: o.update(BLOCK=1), lambda o: o.pop("BLOCK"),
+                   lambda o: o.setdefault("X", 1), lambda o: o.clear()):
+        with pytest.raises(TypeError):
+            change(opts)
+    assert opts == {"BLOCK": 64, "num_warps": 4}
+    with pytest.raises(TypeError):
+        L.LaunchOptions(BLOCK=[16])  # unhashable values: refused when built

@@ -20,7 +20,8 @@ an ExpertWeights, forward), so the same file measures an older checkout too: run
 --cpu-host measures the Python side of the eager forward without a GPU: the layer (torch dispatcher,
 triton experts) runs with every Triton launch and every torch._grouped_mm replaced by a no-op
 recorder, and the report gives host microseconds per forward (and up to the launch of the first
-expert GEMM: the time the GPU would idle at the start of a call) and the launches per forward.
+expert GEMM: the time the GPU would idle at the start of a call), the launches and torch ops per forward
+and before the first expert GEMM.
 --host-device cpu (default) runs the remaining torch ops on small CPU tensors (H 256, I 128; the same
 op count as on the GPU, any checkout); --host-device meta runs them on meta tensors at the real shape
 (no data at all: a host sync, e.g. .item() / .cpu() / nonzero, raises, so only a sync-free forward
@@ -186,12 +187,14 @@ def host_layer(T: int, device: str = "cpu", num_experts: int = 128, hidden: int 
     layer.device = dev
     if layer.e_score_correction_bias is not None:
         layer.e_score_correction_bias = torch.zeros(num_experts, dtype=torch.float32, device=dev)
-    counts = {"launches": 0, "grouped_mm": 0, "gemm1_at": None}
+    counts = {"launches": 0, "grouped_mm": 0, "gemm1_at": None, "launches_before_gemm": 0}
 
     def record(name, grid, args, kwargs):
         counts["launches"] += 1
         if counts["gemm1_at"] is None and name in _FIRST_GEMMS:  # the host time the GPU idles before it
             counts["gemm1_at"] = time.perf_counter()
+        if counts["gemm1_at"] is None:
+            counts["launches_before_gemm"] += 1
 
     ex._launch = record
     router = getattr(layer, "router", None)
@@ -228,9 +231,10 @@ _REAL_GROUPED_MM = getattr(torch, "_grouped_mm", None)
 _FIRST_GEMMS = ("moe_gemm1_kernel", "w4a16_swap_kernel", "w4a16_wgmma_kernel")
 
 
-def count_torch_ops(fn) -> dict:
+def count_torch_ops(fn, before=None) -> dict:
     """aten ops one call of fn() dispatches (each a kernel launch or at least a host round through
-    torch's dispatcher on a GPU; views included), by name."""
+    torch's dispatcher on a GPU; views included), by name. before: a callable; the ops dispatched while
+    it returns True are also counted under "<name> (before)"."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     counts: dict = {}
@@ -239,6 +243,8 @@ def count_torch_ops(fn) -> dict:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
             counts[name] = counts.get(name, 0) + 1
+            if before is not None and before():
+                counts[name + " (before)"] = counts.get(name + " (before)", 0) + 1
             return func(*args, **(kwargs or {}))
 
     with Count():
@@ -250,8 +256,11 @@ def measure_host(T: int, device: str, iters: int, warmup: int, profile: bool = F
     layer, x, logits, counts = host_layer(T, device, **kw)
     for _ in range(warmup):
         layer(x, logits)
-    ops = count_torch_ops(lambda: layer(x, logits))
-    counts.update(launches=0, grouped_mm=0)
+    counts["gemm1_at"] = None
+    ops = count_torch_ops(lambda: layer(x, logits), before=lambda: counts["gemm1_at"] is None)
+    before = {k[: -len(" (before)")]: v for k, v in ops.items() if k.endswith(" (before)")}
+    ops = {k: v for k, v in ops.items() if not k.endswith(" (before)")}
+    counts.update(launches=0, grouped_mm=0, launches_before_gemm=0)
     times = []
     to_gemm1 = []
     for _ in range(iters):
@@ -266,7 +275,10 @@ def measure_host(T: int, device: str, iters: int, warmup: int, profile: bool = F
            "host_us_median": statistics.median(times), "host_us_min": min(times),
            "host_us_to_first_gemm_median": statistics.median(to_gemm1) if to_gemm1 else None,
            "torch_ops_per_forward": sum(ops.values()), "torch_ops": dict(sorted(ops.items())),
+           "torch_ops_before_first_gemm": sum(before.values()),
+           "torch_ops_before_first_gemm_by_name": dict(sorted(before.items())),
            "triton_launches_per_forward": counts["launches"] / iters,
+           "triton_launches_before_first_gemm": counts["launches_before_gemm"] / iters,
            "grouped_mm_per_forward": counts["grouped_mm"] / iters}
     if profile:
         import cProfile

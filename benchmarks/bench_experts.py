@@ -377,8 +377,7 @@ def run_plan(args, plan: List[Run]) -> int:
     from epmoe.experts.graphs import CapturedExperts
     from epmoe.experts import triton_experts as TE
 
-    GLUON_DEFAULTS = (TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS,
-                      TE.GLUON_W4A16_X_RING, TE.GLUON_W4A16_W_TMA)
+    GLUON_DEFAULTS = (TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS)
     from epmoe.experts.triton_experts import FP4_CONVERT, pick_config, presets_for
     from epmoe.quant.plan import QuantPlan
 
@@ -439,16 +438,12 @@ def run_plan(args, plan: List[Run]) -> int:
         preset_used = ""
         if run.backend == "triton":
             preset = run.preset
-            (TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS,
-             TE.GLUON_W4A16_X_RING, TE.GLUON_W4A16_W_TMA) = GLUON_DEFAULTS
-            # Gluon W4A16: g:<unroll>:<maxnreg or 0>:<tile preset>[:<block_n>[:<warps>[:<x_ring>[t]]]] (t: weights by TMA)
-            if preset.startswith("g:"):
+            TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS = GLUON_DEFAULTS
+            if preset.startswith("g:"):  # Gluon W4A16: g:<unroll>:<maxnreg or 0>:<tile preset>[:<block_n>[:<warps>]]
                 _, unroll, maxnreg, preset, *more = preset.split(":")
                 TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG = int(unroll), (int(maxnreg) or None)
                 TE.GLUON_W4A16_BLOCK_N = int(more[0]) if more else GLUON_DEFAULTS[2]
                 TE.GLUON_W4A16_WARPS = int(more[1]) if len(more) > 1 else GLUON_DEFAULTS[3]
-                if len(more) > 2:
-                    TE.GLUON_W4A16_X_RING, TE.GLUON_W4A16_W_TMA = int(more[2].rstrip("t")), more[2].endswith("t")
             tile = preset not in ("auto", "noprefetch_fp4", "triton_w4a16") and preset not in FP4_CONVERT_PRESETS
             TE.FP4_SCALE_PREFETCH = preset != "noprefetch_fp4"
             ex.w4a16_decode = "triton" if preset == "triton_w4a16" else TE.W4A16_DECODE_KERNEL

@@ -34,7 +34,7 @@ with 2^126 folded in (nvfp4: s * 2^119 and 2^7 on the global scale), as the pack
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from epmoe.experts.triton_kernels import _E2M1_BF16_ASM
 
@@ -95,128 +95,20 @@ def _to_b(x3, BM: gl.constexpr, B_LAYOUT: gl.constexpr):
     return gl.convert_layout(x, B_LAYOUT, assert_trivial=True)
 
 
-@gluon.constexpr_function
-def _x2_layout(BM, num_warps):
-    """[BM, 32] token half in the registers of the X3 layout ([BM, 4, 8] row-major): lane 4g + t holds
-    tokens g (+8) and values 8t .. 8t + 7; every warp the same."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4]] + ([[8, 0]] if BM == 16 else []),
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[0, 0]] * (num_warps.bit_length() - 1),
-        block_bases=[],
-        shape=[BM, 32],
-    )
-
-
-@gluon.constexpr_function
-def _xt_layout(BM, num_warps):
-    """[BM, 32] token halves for a cp.async ring: 8 / 4 / 2 consecutive values per thread, as many as
-    keep every thread on values of its own (no copy issued twice)."""
-    v = 8 if BM >= 8 * num_warps else (4 if BM >= 4 * num_warps else 2)
-    return gl.BlockedLayout([1, v], [v, 32 // v], [num_warps, 1], [1, 0])
-
-
 @gluon.jit
-def _x_ring_copy(x_lo, x_hi, xr_ptrs, xc, kk, num_k, STAGES: gl.constexpr):
-    """cp.async the token tile of K step kk (two 32-wide halves) into its stage; one commit group."""
-    s = kk % STAGES
-    ok = (xc * 0 + kk) < num_k
-    async_copy.async_copy_global_to_shared(x_lo.index(s), xr_ptrs + kk * 64, mask=ok[None, :])
-    async_copy.async_copy_global_to_shared(x_hi.index(s), xr_ptrs + (kk * 64 + 32), mask=ok[None, :])
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _x_ring_tile(x_lo, x_hi, kk, STAGES: gl.constexpr, BM: gl.constexpr, X2: gl.constexpr, X3: gl.constexpr):
-    """Token halves [BM, 4, 8] of K step kk from the ring, in the X3 layout (register renaming only)."""
-    s = kk % STAGES
-    xl = gl.convert_layout(gl.reshape(x_lo.index(s).load(X2), [BM, 4, 8]), X3, assert_trivial=True)
-    xh = gl.convert_layout(gl.reshape(x_hi.index(s).load(X2), [BM, 4, 8]), X3, assert_trivial=True)
-    return xl, xh
-
-
-@gluon.constexpr_function
-def _w2_layout(BN, num_warps):
-    """[BN, 32] weight bytes in the registers of the W3 layout ([BN, 4, 8] row-major)."""
-    reps = [16 * num_warps * (1 << i) for i in range(max(0, (BN // (16 * num_warps)).bit_length() - 1))]
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + [[r, 0] for r in reps],
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16 * (1 << i), 0] for i in range(num_warps.bit_length() - 1)],
-        block_bases=[],
-        shape=[BN, 32],
-    )
-
-
-@gluon.jit
-def _w_ring_copy(wring, kk, num_k, STAGES: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr):
-    """TMA the weight bytes of K step kk (gate and up rows) into its stage, on its mbarrier."""
-    w_desc, w_g, w_u, bars, w_row, N_OUT = wring
-    s = kk % STAGES
-    ok = kk < num_k
-    bar = bars.index(s)
-    mbarrier.expect(bar, (2 if GATED else 1) * BN * 32, pred=ok)
-    tma.async_copy_global_to_shared(w_desc, [w_row, kk * 32], bar, w_g.index(s), pred=ok)
-    if GATED:
-        tma.async_copy_global_to_shared(w_desc, [w_row + N_OUT, kk * 32], bar, w_u.index(s), pred=ok)
-
-
-@gluon.jit
-def _w_ring_tile(wring, kk, STAGES: gl.constexpr, GATED: gl.constexpr, BN: gl.constexpr, W2: gl.constexpr,
-                 W3: gl.constexpr):
-    """Weight bytes [BN, 4, 8] (gate, up) of K step kk from the ring, once its TMA has landed."""
-    w_desc, w_g, w_u, bars, w_row, N_OUT = wring
-    s = kk % STAGES
-    mbarrier.wait(bars.index(s), (kk // STAGES) & 1)
-    gb = gl.convert_layout(gl.reshape(w_g.index(s).load(W2), [BN, 4, 8]), W3, assert_trivial=True)
-    if GATED:
-        ub = gl.convert_layout(gl.reshape(w_u.index(s).load(W2), [BN, 4, 8]), W3, assert_trivial=True)
-    else:
-        ub = gb
-    return gb, ub
-
-
-@gluon.jit
-def _scale_loads(sg_ptrs, su_ptrs, kk, num_k, GROUPS: gl.constexpr, HI: gl.constexpr, GATED: gl.constexpr):
-    """Scales [BN, 4] (low / high half) of gate and up for K step kk (clamped to the last step: the
-    prefetch past the end reads a valid step)."""
-    so = gl.minimum(kk, num_k - 1) * GROUPS
-    gsl = gl.load(sg_ptrs + so)
-    gsh = gl.load(sg_ptrs + (so + HI))
-    if GATED:
-        usl = gl.load(su_ptrs + so)
-        ush = gl.load(su_ptrs + (so + HI))
-    else:
-        usl = gsl
-        ush = gsh
-    return gsl, gsh, usl, ush
-
-
-@gluon.jit
-def _loads(x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS: gl.constexpr, HI: gl.constexpr, GATED: gl.constexpr,
-           X_RING: gl.constexpr, W_TMA: gl.constexpr):
-    """Everything K step kk reads from global memory: token halves [BM, 4, 8] (unless they come through
-    the ring), weight bytes [BN, 4, 8] and scales [BN, 4] (low / high half) of gate (and up)."""
+def _loads(x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS: gl.constexpr, HI: gl.constexpr, GATED: gl.constexpr):
+    """Everything K step kk reads: token halves [BM, 4, 8], weight bytes [BN, 4, 8] and scales
+    [BN, 4] (low / high half) of gate (and up)."""
     xo = kk * 64
     wo = kk * 32
     so = kk * GROUPS
-    if X_RING:  # the token tile comes from the shared-memory ring (`_x_ring_tile`)
-        xl = 0
-        xh = 0
-    else:
-        xl = gl.load(x_ptrs + xo)
-        xh = gl.load(x_ptrs + (xo + 32))
-    if W_TMA:  # the weight bytes come through the ring (`_w_ring_tile`)
-        gb = 0
-    else:
-        gb = gl.load(g_ptrs + wo)
+    xl = gl.load(x_ptrs + xo)
+    xh = gl.load(x_ptrs + (xo + 32))
+    gb = gl.load(g_ptrs + wo)
     gsl = gl.load(sg_ptrs + so)
     gsh = gl.load(sg_ptrs + (so + HI))
     if GATED:
-        if W_TMA:
-            ub = 0
-        else:
-            ub = gl.load(u_ptrs + wo)
+        ub = gl.load(u_ptrs + wo)
         usl = gl.load(su_ptrs + so)
         ush = gl.load(su_ptrs + (so + HI))
     else:
@@ -332,9 +224,6 @@ def w4a16_swap_kernel(
     BLOCK_M: gl.constexpr,  # routed rows per tile: 8 or 16 (the mma's N)
     BLOCK_N: gl.constexpr,  # weight rows per program (per projection)
     UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64)
-    X_RING: gl.constexpr = 0,  # token tile through a cp.async ring of this many K steps (>= 2 * UNROLL); 0: direct loads
-    w_desc=None,  # W_TMA: TMA descriptor of the weights as [E * R, K / 2] bytes, blocks [BLOCK_N, 32]
-    W_TMA: gl.constexpr = False,  # weight bytes by TMA into the ring's stages (needs X_RING)
 ):
     num_warps: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = _mma_layout(num_warps)
@@ -381,109 +270,29 @@ def w4a16_swap_kernel(
         acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
         acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
         num_k = K // 64
-        if X_RING:
-            # the tile's token rows once per program through a cp.async ring (X_RING K steps), read by
-            # every warp from shared memory (direct loads: every warp reads them from L1 / L2)
-            XL: gl.constexpr = _xt_layout(BLOCK_M, num_warps)
-            XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-            X2: gl.constexpr = _x2_layout(BLOCK_M, num_warps)
-            xr = _tile_tokens(sorted_ids_ptr, pid_m, num_entries, BLOCK_M, TOP_K, GEMM1, gl.SliceLayout(1, XL))
-            xc = gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
-            xr_ptrs = x_ptr + xr[:, None] * stride_xm + xc[None, :]
-            x_lo = gl.allocate_shared_memory(gl.bfloat16, [X_RING, BLOCK_M, 32], XS)
-            x_hi = gl.allocate_shared_memory(gl.bfloat16, [X_RING, BLOCK_M, 32], XS)
-            if W_TMA:
-                # the weight bytes of each K step by TMA into the same stages (one mbarrier per stage)
-                WSL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-                W2: gl.constexpr = _w2_layout(BLOCK_N, num_warps)
-                w_g = gl.allocate_shared_memory(gl.uint8, [X_RING, BLOCK_N, 32], WSL)
-                w_u = gl.allocate_shared_memory(gl.uint8, [X_RING if GATED else 1, BLOCK_N, 32], WSL)
-                bars = gl.allocate_shared_memory(gl.int64, [X_RING, 1], mbarrier.MBarrierLayout())
-                for i in gl.static_range(X_RING):
-                    mbarrier.init(bars.index(i), count=1)
-                fence_async_shared()
-                gl.thread_barrier()
-                w_row = expert * (2 * N_OUT if GATED else N_OUT) + pid_n * BLOCK_N
-                wring = (w_desc, w_g, w_u, bars, w_row, N_OUT)
-            else:
-                wring = None
-            for i in gl.static_range(X_RING - UNROLL):
-                _x_ring_copy(x_lo, x_hi, xr_ptrs, xc, i, num_k, X_RING)
-                if W_TMA:
-                    _w_ring_copy(wring, i, num_k, X_RING, GATED, BLOCK_N)
-        if W_TMA:  # the scales of each iteration's steps are read one iteration ahead
-            pa_gsl, pa_gsh, pa_usl, pa_ush = _scale_loads(sg_ptrs, su_ptrs, 0, num_k, GROUPS, HI, GATED)
-            if UNROLL >= 2:
-                pb_gsl, pb_gsh, pb_usl, pb_ush = _scale_loads(sg_ptrs, su_ptrs, 1, num_k, GROUPS, HI, GATED)
-            if UNROLL == 4:
-                pc_gsl, pc_gsh, pc_usl, pc_ush = _scale_loads(sg_ptrs, su_ptrs, 2, num_k, GROUPS, HI, GATED)
-                pd_gsl, pd_gsh, pd_usl, pd_ush = _scale_loads(sg_ptrs, su_ptrs, 3, num_k, GROUPS, HI, GATED)
         # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
         # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
         for kk in range(0, num_k, UNROLL):
-            if X_RING:
-                # this iteration's steps have landed (every thread's copies: the barrier), and every warp
-                # is done with the previous iteration's stages, which take steps kk + X_RING - UNROLL on
-                async_copy.wait_group(X_RING - 2 * UNROLL)
-                gl.thread_barrier()
-                for i in gl.static_range(UNROLL):
-                    _x_ring_copy(x_lo, x_hi, xr_ptrs, xc, kk + X_RING - UNROLL + i, num_k, X_RING)
-                    if W_TMA:
-                        _w_ring_copy(wring, kk + X_RING - UNROLL + i, num_k, X_RING, GATED, BLOCK_N)
-            if W_TMA:
-                a_gsl, a_gsh, a_usl, a_ush = pa_gsl, pa_gsh, pa_usl, pa_ush
-                pa_gsl, pa_gsh, pa_usl, pa_ush = _scale_loads(sg_ptrs, su_ptrs, kk + UNROLL, num_k, GROUPS, HI, GATED)
-                if UNROLL >= 2:
-                    b_gsl, b_gsh, b_usl, b_ush = pb_gsl, pb_gsh, pb_usl, pb_ush
-                    pb_gsl, pb_gsh, pb_usl, pb_ush = _scale_loads(sg_ptrs, su_ptrs, kk + UNROLL + 1, num_k, GROUPS, HI,
-                                                                  GATED)
-                if UNROLL == 4:
-                    c_gsl, c_gsh, c_usl, c_ush = pc_gsl, pc_gsh, pc_usl, pc_ush
-                    pc_gsl, pc_gsh, pc_usl, pc_ush = _scale_loads(sg_ptrs, su_ptrs, kk + 6, num_k, GROUPS, HI, GATED)
-                    d_gsl, d_gsh, d_usl, d_ush = pd_gsl, pd_gsh, pd_usl, pd_ush
-                    pd_gsl, pd_gsh, pd_usl, pd_ush = _scale_loads(sg_ptrs, su_ptrs, kk + 7, num_k, GROUPS, HI, GATED)
-            else:
-                a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS, HI, GATED, X_RING, W_TMA)
-                if UNROLL >= 2:
-                    b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
-                        x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 1, GROUPS, HI, GATED, X_RING, W_TMA)
-                if UNROLL == 4:
-                    c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
-                        x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 2, GROUPS, HI, GATED, X_RING, W_TMA)
-                    d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
-                        x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 3, GROUPS, HI, GATED, X_RING, W_TMA)
-            if X_RING:
-                a_xl, a_xh = _x_ring_tile(x_lo, x_hi, kk, X_RING, BLOCK_M, X2, X3)
-                if W_TMA:
-                    a_gb, a_ub = _w_ring_tile(wring, kk, X_RING, GATED, BLOCK_N, W2, W3)
+            a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
+                x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS, HI, GATED)
+            if UNROLL >= 2:
+                b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 1, GROUPS, HI, GATED)
+            if UNROLL == 4:
+                c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 2, GROUPS, HI, GATED)
+                d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
+                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 3, GROUPS, HI, GATED)
             acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
                                  W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
             if UNROLL >= 2:
-                if X_RING:
-                    b_xl, b_xh = _x_ring_tile(x_lo, x_hi, kk + 1, X_RING, BLOCK_M, X2, X3)
-                    if W_TMA:
-                        b_gb, b_ub = _w_ring_tile(wring, kk + 1, X_RING, GATED, BLOCK_N, W2, W3)
                 acc_g, acc_u = _step(acc_g, acc_u, b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush,
                                      W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
             if UNROLL == 4:
-                if X_RING:
-                    c_xl, c_xh = _x_ring_tile(x_lo, x_hi, kk + 2, X_RING, BLOCK_M, X2, X3)
-                    if W_TMA:
-                        c_gb, c_ub = _w_ring_tile(wring, kk + 2, X_RING, GATED, BLOCK_N, W2, W3)
                 acc_g, acc_u = _step(acc_g, acc_u, c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush,
                                      W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
-                if X_RING:
-                    d_xl, d_xh = _x_ring_tile(x_lo, x_hi, kk + 3, X_RING, BLOCK_M, X2, X3)
-                    if W_TMA:
-                        d_gb, d_ub = _w_ring_tile(wring, kk + 3, X_RING, GATED, BLOCK_N, W2, W3)
                 acc_g, acc_u = _step(acc_g, acc_u, d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush,
                                      W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
-        if X_RING:
-            async_copy.wait_group(0)
-            if W_TMA:
-                for i in gl.static_range(X_RING):
-                    mbarrier.invalidate(bars.index(i))
 
         _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
                   N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,

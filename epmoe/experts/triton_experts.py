@@ -196,8 +196,6 @@ GLUON_W4A16_BLOCK_N = 64  # weight rows per program (16 per warp at GLUON_W4A16_
 GLUON_W4A16_WARPS = 4  # warps per program (each owns 16 weight rows per row group)
 GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first); lowered to divide K / 64
 GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None: its own choice)
-GLUON_W4A16_W_TMA = False  # with X_RING: the weight bytes by TMA into the ring's stages (one mbarrier per stage)
-GLUON_W4A16_X_RING = 0  # token tile through a cp.async ring of this many K steps, read by every warp from shared memory; 0: direct loads
 GLUON_WGMMA_BLOCK_MS = (64, 128)  # routed rows per tile of the Gluon wgmma kernel (presets with wgmma=True)
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
@@ -724,26 +722,8 @@ class TritonExperts(Experts):
         while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
-        ring = max(GLUON_W4A16_X_RING, 2 * unroll) if GLUON_W4A16_X_RING else 0
-        if ring and GLUON_W4A16_W_TMA:
-            extra.update(w_desc=self._weight_descriptor(w, BN), W_TMA=True)
         self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), args,
-                     dict(consts, BLOCK_N=BN, UNROLL=unroll, X_RING=ring, num_warps=GLUON_W4A16_WARPS, **extra))
-
-    def _weight_descriptor(self, w, block_rows: int):
-        """Host TMA descriptor of packed fp4 weights [E, R, K/2] as [E * R, K/2] bytes, blocks of
-        block_rows x 32 bytes (one K step); kept per (weights, block)."""
-        key = (w.data_ptr(), tuple(w.shape), block_rows)
-        cache = self.__dict__.setdefault("_w_descs", {})
-        d = cache.get(key)
-        if d is None:
-            from triton.experimental.gluon.language import NVMMASharedLayout
-            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-            flat = w.reshape(-1, w.shape[-1])
-            d = cache[key] = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_rows, 32],
-                                              NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
-        return d
+                     dict(consts, BLOCK_N=BN, UNROLL=unroll, num_warps=GLUON_W4A16_WARPS, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);

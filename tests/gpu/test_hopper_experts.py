@@ -428,36 +428,6 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("unroll,preset,ring,w_tma", [
-    (2, "decode", 6, False), (1, "decode", 3, False), (4, "decode", 8, False), (2, "decode_m8", 4, False),
-    (2, "decode", 6, True), (1, "decode", 3, True), (4, "decode", 8, True), (2, "decode_m8", 4, True),
-])  # fmt: skip
-def test_w4a16_gluon_token_ring(mode, unroll, preset, ring, w_tma, monkeypatch):
-    """The Gluon decode kernel with the tile's token rows through a shared-memory ring
-    (GLUON_W4A16_X_RING) gives the direct-load kernel's output bit for bit (same operands, same K
-    order), and both the float64 bound: DeepSeek and GPT-OSS (45 K steps) shapes, padding and rows
-    without a local expert."""
-    from epmoe.experts import triton_experts as TE
-
-    monkeypatch.setattr(TE, "GLUON_W4A16_UNROLL", unroll)
-    monkeypatch.setattr(TE, "GLUON_W4A16_W_TMA", w_tma)
-    seed = _seed()
-    monkeypatch.setitem(globals(), "_seed", lambda: seed)  # both runs: the same weights and inputs
-    for cfg_kwargs, ep, N in ((DS, DS_EP, 60), (GPTOSS, GPTOSS_EP, 40)):
-        outs = []
-        for r in (0, ring):
-            monkeypatch.setattr(TE, "GLUON_W4A16_X_RING", r)
-            ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
-            ex.config_override = TE.presets_for(mode)[preset]
-            try:
-                assert ex.uses_gluon_w4a16(ex.config_override)
-                outs.append(_run_case("triton", mode, cfg_kwargs, ep, N)[-1])
-            finally:
-                ex.config_override = None
-        assert torch.equal(outs[0], outs[1]), f"{mode} {preset} unroll {unroll} ring {ring}: ring output differs"
-
-
-@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("preset", ["wgmma", "wgmma_m64", "wgmma_w4", "wgmma_w4r128", "wgmma_w4r128_m64", "wgmma_r256"])
 def test_w4a16_gluon_wgmma(mode, preset):
     """The Gluon wgmma W4A16 kernel (prefill tiles of 64 / 128 routed rows) against the float64 math

@@ -59,7 +59,15 @@ Options (spec.options): runtime_max_tokens (above), low_precision_combine (FP8 c
 BF16 out), nvfp4_global_scale (static float: no per-token scale payload), comm ("auto" / "torch" /
 "mpi"; auto = MPI when launched by mpirun without torch.distributed), comm_backend (a FlashInfer
 CommBackend object to use as is), handle_bytes (default True: exact `handle.bytes_sent`, one device
-sync per dispatch unless runtime_max_tokens="allreduce" already syncs; False: -1, no sync).
+sync per dispatch unless runtime_max_tokens="allreduce" already syncs; False: -1, no sync),
+one_rank_local (below).
+
+One rank (ep_size 1) under EPMoE (inputs checked by the layer, no CUDA-graph static shapes, no
+low-precision combine): nothing has to move, and FlashInfer's all-to-all would only copy every token
+through its workspace and back. The tokens stay where they are (an NVFP4 wire still quantizes and
+dequantizes them: the same numbers as through the workspace) and combine returns the experts'
+output; the torch dispatcher does the same. Option one_rank_local=False runs FlashInfer's kernels
+anyway.
 """
 
 from __future__ import annotations
@@ -185,6 +193,7 @@ class FlashInferDispatchHandle(DispatchHandle):
     round: int = 0
     remote_sends: Optional[torch.Tensor] = None
     remote_rows: Optional[torch.Tensor] = None
+    local: bool = False  # one rank: the tokens never entered the workspace (combine returns the experts' output)
 
 
 # ----------------------------------------------------------------------------- dispatcher
@@ -200,6 +209,7 @@ class FlashInferA2AOptions(BackendOptions):
     handle_bytes: bool = True
     check_availability: bool = True
     release_workspace_on_close: bool = False
+    one_rank_local: bool = True
 
     def __post_init__(self):
         if self.runtime_max_tokens not in RUNTIME_MAX_MODES:
@@ -432,6 +442,9 @@ class FlashInferA2ADispatcher(Dispatcher):
                 "dispatch called while the previous dispatch was not combined; FlashInfer's all-to-all "
                 "has one round in flight: call combine(expert_out, handle) first"
             )
+        if (agreement is not None and agreement.inputs_checked and s.ep_size == 1 and not self.static_shapes
+                and not self.low_precision_combine and self.options.one_rank_local):
+            return self._dispatch_local(hidden, topk_ids, topk_weights)
         local_error: Optional[BaseException] = None
         if agreement is None or not agreement.inputs_checked:
             try:
@@ -494,17 +507,7 @@ class FlashInferA2ADispatcher(Dispatcher):
                 if self._static_global_scale is not None
                 else recv["global_scale"].reshape(-1)
             )
-            x = QuantizedActivation(
-                format=self.wire,
-                data=x,
-                scales=recv["scales"].view(torch.float8_e4m3fn),
-                hidden_size=s.hidden_size,
-                global_scale=gscale,
-            )
-            if s.payload != self.wire:  # NVFP4 on the wire, the experts take another format
-                from epmoe.quant.codec import dequantize_activation
-
-                x = dequantize_activation(x, s.combine_dtype)
+            x = self._received_activation(x, recv["scales"], gscale)
         self._round += 1
         self._pending = self._round
         bytes_sent = -1
@@ -523,6 +526,43 @@ class FlashInferA2ADispatcher(Dispatcher):
         extra = {"static": True} if self.static_shapes else {}
         tokens = DispatchedTokens(hidden=x, topk_ids=local_ids, topk_weights=recv["topk_weights"], layout="flat", **extra)
         return tokens, handle
+
+    def _received_activation(self, data: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor):
+        """The experts' input from NVFP4 wire rows: the quantized activation, or (the experts take
+        another format) its dequantized values."""
+        x = QuantizedActivation(
+            format=self.wire,
+            data=data,
+            scales=scales.view(torch.float8_e4m3fn),
+            hidden_size=self.spec.hidden_size,
+            global_scale=global_scale,
+        )
+        if self.spec.payload != self.wire:
+            from epmoe.quant.codec import dequantize_activation
+
+            return dequantize_activation(x, self.spec.combine_dtype)
+        return x
+
+    def _dispatch_local(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """One rank, inputs checked by the layer: the tokens stay in place with their own ids (all
+        local; -1 stays -1) and weights. No workspace copy, no FlashInfer kernel; an NVFP4 wire
+        quantizes (and, for experts of another format, dequantizes) as the wire would."""
+        T = hidden.shape[0]
+        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+        x = hidden
+        if self.wire.is_quantized:
+            data, scales, gs = self._quantize_nvfp4(hidden)
+            gscale = gs.to(torch.float32).reshape(() if self._static_global_scale is not None else -1)
+            x = self._received_activation(data.view(torch.uint8), scales.view(torch.uint8), gscale)
+        self._stats.dispatch_calls += 1
+        self._round += 1
+        self._pending = self._round
+        handle = FlashInferDispatchHandle(
+            num_tokens=T, bytes_sent=0 if self.handle_bytes else -1, runtime_max_tokens_per_rank=max(1, T),
+            round=self._round, remote_sends=self._zero, remote_rows=self._zero, local=True,
+        )
+        return DispatchedTokens(hidden=x, topk_ids=ids, topk_weights=w, layout="flat"), handle
 
     def _quantize_nvfp4(self, hidden: torch.Tensor):
         """(packed uint8 [T, H/2], e4m3 scales [T, H/16], float32 global scale) of this rank's rows."""
@@ -593,8 +633,12 @@ class FlashInferA2ADispatcher(Dispatcher):
     # ------------------------------------------------------------------ combine
     def combine_input_buffer(self, handle: FlashInferDispatchHandle) -> torch.Tensor:
         """[N, H] combine-dtype view of this rank's workspace: experts may write their output here
-        and `combine` skips the staging copy."""
+        and `combine` skips the staging copy (a one-rank local handle: a new tensor, which combine
+        returns as the output)."""
         self._check_handle(handle)
+        if handle.local:
+            return torch.empty(handle.num_tokens, self.spec.hidden_size, dtype=self.spec.combine_dtype,
+                               device=torch.device(self.spec.device))
         return self._a2a.get_combine_payload_tensor_in_workspace(
             handle.runtime_max_tokens_per_rank, self.spec.hidden_size, self.spec.combine_dtype
         ).flatten(0, 1)
@@ -611,7 +655,7 @@ class FlashInferA2ADispatcher(Dispatcher):
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         self._check_handle(handle)
         s, rt = self.spec, handle.runtime_max_tokens_per_rank
-        rows = s.ep_size * rt
+        rows = handle.num_tokens if handle.local else s.ep_size * rt
         if expert_output.shape != (rows, s.hidden_size):
             raise ValueError(
                 f"expert_output has shape {list(expert_output.shape)}; expected [{rows}, {s.hidden_size}] "
@@ -619,6 +663,9 @@ class FlashInferA2ADispatcher(Dispatcher):
             )
         if expert_output.dtype != s.combine_dtype:
             raise TypeError(f"expert_output has dtype {expert_output.dtype}; expected {s.combine_dtype}")
+        if handle.local:  # one rank: the rows are the tokens, in order
+            self._pending = None
+            return expert_output
         payload = expert_output.contiguous().view(s.ep_size, rt, s.hidden_size)
         ptr = self._combine_ptr.get(rt)
         if ptr is None:  # the workspace is fixed for the dispatcher's life: asked once per rt

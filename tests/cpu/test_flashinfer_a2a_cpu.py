@@ -493,3 +493,62 @@ def test_single_rank_with_agreement_skips_conversions_same_result(fake_fi):
     torch.testing.assert_close(fast.float(), reference(inputs, 0, 1, E).float(), rtol=2e-2, atol=2e-2)
     st = d.stats
     assert st.dispatch_calls == 2 and st.dispatch_bytes_sent == 0 and st.combine_bytes_sent == 0
+
+
+@pytest.mark.parametrize("payload,static_gs", [(BF16, None), (NVFP4, None), (NVFP4, 672.0)])
+def test_one_rank_local_path_equals_workspace_path(fake_fi, payload, static_gs):
+    """ep = 1 under the layer's agreement: the tokens stay in place (no MoeAlltoAll dispatch or
+    combine runs: the stand-in records none), and every output equals the workspace path's
+    (one_rank_local=False, the FlashInfer stand-in) bit for bit; an NVFP4 wire still quantizes (the
+    experts get the same QuantizedActivation). Handle rules stay: combine once per dispatch, right
+    shape; combine_input_buffer of a local handle is a new tensor."""
+    from epmoe.dispatch.base import Agreement
+    from epmoe.dispatch.flashinfer_a2a import FlashInferA2ADispatcher
+
+    E, K, H = 8, 3, 64
+    opts = {} if static_gs is None else {"nvfp4_global_scale": static_gs}
+    local = FlashInferA2ADispatcher(_spec(0, 1, E, K, H, 8, payload, **opts))
+    ws = FlashInferA2ADispatcher(_spec(0, 1, E, K, H, 8, payload, one_rank_local=False, **opts))
+    for T in (6, 1, 0):
+        x, ids, w = _inputs(40 + T, 1, [T], E, K, H)[0]
+        agree = Agreement((T,), inputs_checked=True, want_bytes=True)
+        outs = []
+        for d in (local, ws):
+            tokens, h = d.dispatch(x, ids, w, agreement=agree)
+            rows = tokens.num_tokens
+            hid = tokens.hidden
+            if isinstance(hid, QuantizedActivation):
+                y = torch.zeros(rows, H, dtype=torch.bfloat16)
+                valid = (tokens.topk_ids >= 0).any(dim=1)
+                ref_rows = sorted((tuple(hid.data[i].tolist()), tuple(hid.scales[i].view(torch.uint8).tolist()),
+                                   float(hid.global_scale if hid.global_scale.dim() == 0 else hid.global_scale[i]))
+                                  for i in range(rows) if valid[i])
+            else:
+                y = fake_experts(tokens, 0, E)
+                ref_rows = None
+            outs.append((d.combine(y, h), h, ref_rows, tokens))
+        (out_l, h_l, rows_l, tok_l), (out_w, h_w, rows_w, tok_w) = outs
+        assert h_l.local and not h_w.local and h_l.bytes_sent == h_w.bytes_sent == 0
+        assert torch.equal(out_l, out_w), f"T={T}: the local path's output differs"
+        if rows_l is not None:  # the same quantized rows reach the experts (the workspace path: any order, padding)
+            assert rows_l == rows_w and (T <= 1 or rows_l), f"T={T}: the experts get other NVFP4 rows"  # T = 1: its token has no expert
+        else:
+            assert tok_l.hidden is x and tok_l.num_tokens == T  # in place, no copy
+    assert len(local._a2a.dispatch_calls) == 0 and len(local._a2a.combine_calls) == 0
+    assert len(ws._a2a.dispatch_calls) == 3
+    assert local.stats.dispatch_calls == 3 and local.stats.dispatch_bytes_sent == 0
+    # handle rules and the combine buffer
+    x, ids, w = _inputs(7, 1, [4], E, K, H)[0]
+    agree = Agreement((4,), inputs_checked=True)
+    tokens, h = local.dispatch(x, ids, w, agreement=agree)
+    buf = local.combine_input_buffer(h)
+    assert buf.shape == (4, H) and buf.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"expected \[4, 64\]"):
+        local.combine(torch.zeros(5, H, dtype=torch.bfloat16), h)
+    assert local.combine(buf, h) is buf
+    with pytest.raises(RuntimeError, match="not the one in flight"):
+        local.combine(buf, h)
+    # without the layer's agreement (inputs unchecked) the dispatcher validates and uses the workspace
+    tokens, h = local.dispatch(x, ids, w)
+    assert not h.local and len(local._a2a.dispatch_calls) == 1
+    local.combine(torch.zeros(tokens.num_tokens, H, dtype=torch.bfloat16), h)

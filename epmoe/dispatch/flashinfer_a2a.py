@@ -543,6 +543,12 @@ class FlashInferA2ADispatcher(Dispatcher):
             return dequantize_activation(x, self.spec.combine_dtype)
         return x
 
+    @property
+    def keeps_routing(self) -> bool:
+        """One rank with the local path (`_dispatch_local`): the int32 / float32 routing passes through."""
+        return (self.spec.ep_size == 1 and not self.static_shapes and not self.low_precision_combine
+                and self.options.one_rank_local)
+
     def _dispatch_local(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         """One rank, inputs checked by the layer: the tokens stay in place with their own ids (all
         local; -1 stays -1) and weights. No workspace copy, no FlashInfer kernel; an NVFP4 wire

@@ -552,3 +552,11 @@ def test_one_rank_local_path_equals_workspace_path(fake_fi, payload, static_gs):
     tokens, h = local.dispatch(x, ids, w)
     assert not h.local and len(local._a2a.dispatch_calls) == 1
     local.combine(torch.zeros(tokens.num_tokens, H, dtype=torch.bfloat16), h)
+    # keeps_routing (the layer's fused alignment holds for the received ids): the local path hands the
+    # caller's int32 ids and float32 weights through, the workspace path does not
+    assert local.keeps_routing and not ws.keeps_routing
+    x, ids, w = _inputs(5, 1, [4], E, K, H)[0]
+    ids32, w32 = ids.to(torch.int32), w.float()
+    tokens, h = local.dispatch(x, ids32, w32, agreement=Agreement((4,), inputs_checked=True))
+    assert tokens.topk_ids is ids32 and tokens.topk_weights is w32
+    local.combine(local.combine_input_buffer(h), h)

@@ -89,6 +89,12 @@ def test_one_rank_torch_dispatch_matches_the_exchange(wire):
     assert torch.equal(local, exchanged)  # row by row the same arithmetic
     assert (local[T - 3:] == 0).all()
     assert d.stats.dispatch_calls == 2 and d.stats.dispatch_bytes_sent == 0
+    # keeps_routing: the layer's fused alignment holds for the received ids only if they are the caller's
+    ids32, w32 = ids.to(torch.int32), w.float()
+    tokens, handle = d.dispatch(x, ids32, w32, agreement=Agreement((T,), inputs_checked=True, want_bytes=False))
+    passed_through = tokens.topk_ids is ids32 and tokens.topk_weights is w32
+    assert d.keeps_routing == (wire == "bf16") and passed_through == d.keeps_routing, wire
+    d.combine(experts(tokens), handle)
 
 
 def test_one_rank_stats_count_the_routed_pairs():

@@ -154,15 +154,16 @@ def test_one_launch_sort_equals_torch(E, K, N):
 
 @pytest.mark.parametrize("routing", ["softmax", "sigmoid_grouped"])
 @pytest.mark.parametrize("T", [1, 16, 128])
-def test_layer_routing_launch_aligns_same_bits_without_host_sync(routing, T):
-    """The ep = 1 layer (torch dispatcher, triton experts) at decode sizes launches `route_align_kernel`
-    instead of the routing and the alignment kernels: no host sync, the same bits as the layer without it,
-    within bf16 error of the float64 reference."""
+@pytest.mark.parametrize("dispatcher", ["torch", pytest.param("flashinfer", marks=pytest.mark.requires_flashinfer)])
+def test_layer_routing_launch_aligns_same_bits_without_host_sync(routing, T, dispatcher):
+    """The ep = 1 layer (torch / flashinfer dispatcher, triton experts) at decode sizes launches
+    `route_align_kernel` instead of the routing and the alignment kernels: no host sync, the same bits as
+    the layer without it, within bf16 error of the float64 reference."""
     from epmoe import reference_moe
 
     seed = fresh_seed()
     cfg = _cfg(routing, 64, 8)
-    layer = EPMoE(cfg, dispatcher="torch", experts="triton", device="cuda", max_num_tokens_per_rank=512)
+    layer = EPMoE(cfg, dispatcher=dispatcher, experts="triton", device="cuda", max_num_tokens_per_rank=512)
     try:
         w = random_weights(cfg, seed)
         layer.load_weights(w)

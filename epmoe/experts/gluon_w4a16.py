@@ -26,7 +26,9 @@ those of the MMA operand; reshape / permute to [rows, 32] then only renames regi
 (`convert_layout(..., assert_trivial=True)` checks it at compile time).
 
 Scales: logical K 8t + 2c + b of the low half is in nvfp4 group 4kk + t // 2 (+ 2 for the high half),
-mxfp4 group 2kk (high half 2kk + 1), so each thread needs one scale per row and half.
+mxfp4 group 2kk (high half 2kk + 1), so each thread needs one scale per row and half: it takes them by
+shift and mask from the row's scale word of two K steps (nvfp4 8 bytes, mxfp4 4), which every lane of
+the row loads (one load per row and two steps instead of one byte per half and step).
 The e2m1 -> bf16 bits are `triton_kernels._E2M1_BF16_ASM` (value * 2^-126), times the bf16 scale
 with 2^126 folded in (nvfp4: s * 2^119 and 2^7 on the global scale), as the packed conversion.
 """
@@ -96,21 +98,46 @@ def _to_b(x3, BM: gl.constexpr, B_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _loads(x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS: gl.constexpr, HI: gl.constexpr, GATED: gl.constexpr):
-    """Everything K step kk reads: token halves [BM, 4, 8], weight bytes [BN, 4, 8] and scales
-    [BN, 4] (low / high half) of gate (and up)."""
+def _scale_words(s_ptrs, kk, W_FMT: gl.constexpr, PAIR: gl.constexpr):
+    """The scale words (int32) of K step kk, and of kk + 1 with PAIR (kk even): one load per row for
+    both (every lane of a row reads the same word). nvfp4: 4 bytes per step (int32; a pair int64),
+    mxfp4: 2 bytes per step (int16; a pair int32)."""
+    if PAIR:
+        w = gl.load(s_ptrs + kk // 2)
+        if W_FMT == 2:
+            w0 = w.to(gl.int32)
+            w1 = (w >> 32).to(gl.int32)
+        else:
+            w0 = w & 0xFFFF
+            w1 = (w >> 16) & 0xFFFF
+    else:
+        w0 = gl.load(s_ptrs + kk).to(gl.int32)
+        w1 = w0
+    return w0, w1
+
+
+@gluon.jit
+def _step_scales(w, sh, HI: gl.constexpr):
+    """Raw scales (low half, high half) [BN, 4] from a step's scale word; sh: the bit offset of the
+    thread's low-half group (nvfp4 8 * (t // 2), mxfp4 0), the high half's is HI bytes on."""
+    lo = ((w >> sh) & 0xFF).to(gl.uint8)
+    hi = ((w >> (sh + 8 * HI)) & 0xFF).to(gl.uint8)
+    return lo, hi
+
+
+@gluon.jit
+def _loads(x_ptrs, g_ptrs, u_ptrs, kk, gw, uw, sh, HI: gl.constexpr, GATED: gl.constexpr):
+    """Everything K step kk reads: token halves [BM, 4, 8], weight bytes [BN, 4, 8] and, from the
+    step's scale words gw / uw (`_scale_words`), the scales [BN, 4] (low / high half) of gate (and up)."""
     xo = kk * 64
     wo = kk * 32
-    so = kk * GROUPS
     xl = gl.load(x_ptrs + xo)
     xh = gl.load(x_ptrs + (xo + 32))
     gb = gl.load(g_ptrs + wo)
-    gsl = gl.load(sg_ptrs + so)
-    gsh = gl.load(sg_ptrs + (so + HI))
+    gsl, gsh = _step_scales(gw, sh, HI)
     if GATED:
         ub = gl.load(u_ptrs + wo)
-        usl = gl.load(su_ptrs + so)
-        ush = gl.load(su_ptrs + (so + HI))
+        usl, ush = _step_scales(uw, sh, HI)
     else:
         ub = gb
         usl = gsl
@@ -148,6 +175,8 @@ def _scale_bf16(s, W_FMT: gl.constexpr):
     """Raw scales (e4m3 / e8m0) -> the bf16 factor of the packed conversion (2^126 folded in; nvfp4:
     s * 2^119, the 2^7 left goes on the global scale)."""
     if W_FMT == 2:
+        if s.dtype == gl.uint8:  # raw bytes of the e4m3 scale
+            s = s.to(gl.float8e4nv, bitcast=True)
         f = (s.to(gl.float32) * TWO_119).to(gl.bfloat16)
     else:
         f = ((s.to(gl.uint16) + 126) << 7).to(gl.bfloat16, bitcast=True)
@@ -255,17 +284,22 @@ def w4a16_swap_kernel(
         u_ptrs = g_ptrs + N_OUT * stride_wn
         rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
         ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
-        sg_ptrs = ws_ptr + e64 * stride_wse + rs.to(gl.int64)[:, None] * stride_wsn
+        s_rows = ws_ptr + e64 * stride_wse + rs.to(gl.int64)[:, None] * stride_wsn + (ts * 0)[None, :]
+        # scale words (a K step's groups of a row: nvfp4 4 bytes, mxfp4 2) and the bit offset of
+        # t's low-half group in them: nvfp4 group 4kk + t // 2 (low half), + 2 (high half); mxfp4
+        # 2kk (low), 2kk + 1 (high)
+        PAIR: gl.constexpr = UNROLL >= 2  # one scale load per row for two K steps
         if W_FMT == 2:
-            s_off = (ts // 2)[None, :]  # group 4kk + t // 2 (low half), + 2 (high half)
-            GROUPS: gl.constexpr = 4
             HI: gl.constexpr = 2
+            WORD: gl.constexpr = 8 if PAIR else 4  # bytes per scale word
+            s_shift = ((ts // 2) * 8)[None, :] + (rs * 0)[:, None]
         else:
-            s_off = (ts * 0)[None, :]  # group 2kk (low half), 2kk + 1 (high half)
-            GROUPS: gl.constexpr = 2
             HI: gl.constexpr = 1
-        sg_ptrs = sg_ptrs + s_off
-        su_ptrs = sg_ptrs + N_OUT * stride_wsn
+            WORD: gl.constexpr = 4 if PAIR else 2
+            s_shift = (ts * 0)[None, :] + (rs * 0)[:, None]
+        WTYPE: gl.constexpr = gl.int64 if WORD == 8 else (gl.int32 if WORD == 4 else gl.int16)
+        sg_ptrs = s_rows.to(gl.pointer_type(WTYPE), bitcast=True)
+        su_ptrs = sg_ptrs + N_OUT * stride_wsn // WORD
 
         acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
         acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
@@ -273,16 +307,20 @@ def w4a16_swap_kernel(
         # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
         # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
         for kk in range(0, num_k, UNROLL):
+            ga, gb_ = _scale_words(sg_ptrs, kk, W_FMT, PAIR)
+            ua, ub_ = _scale_words(su_ptrs, kk, W_FMT, PAIR) if GATED else (ga, gb_)
             a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk, GROUPS, HI, GATED)
+                x_ptrs, g_ptrs, u_ptrs, kk, ga, ua, s_shift, HI, GATED)
             if UNROLL >= 2:
                 b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 1, GROUPS, HI, GATED)
+                    x_ptrs, g_ptrs, u_ptrs, kk + 1, gb_, ub_, s_shift, HI, GATED)
             if UNROLL == 4:
+                gc, gd = _scale_words(sg_ptrs, kk + 2, W_FMT, PAIR)
+                uc, ud = _scale_words(su_ptrs, kk + 2, W_FMT, PAIR) if GATED else (gc, gd)
                 c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 2, GROUPS, HI, GATED)
+                    x_ptrs, g_ptrs, u_ptrs, kk + 2, gc, uc, s_shift, HI, GATED)
                 d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, sg_ptrs, su_ptrs, kk + 3, GROUPS, HI, GATED)
+                    x_ptrs, g_ptrs, u_ptrs, kk + 3, gd, ud, s_shift, HI, GATED)
             acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
                                  W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
             if UNROLL >= 2:

@@ -562,7 +562,9 @@ class TritonExperts(Experts):
             # (weights up to 6 * 2); larger exponents take the legacy conversion (a reload re-checks)
             self._fp4_scales_ok = _mx_scales_packable(prepared)
         if not self._params:
-            self._params = prepared
+            # 16-byte aligned storage (a prepared tensor may be a view): the Gluon W4A16 kernels read
+            # a row's scales of two K steps as one 8-byte word
+            self._params = {k: (t.clone() if t.data_ptr() % 16 else t) for k, t in prepared.items()}
             return
         for name, t in prepared.items():
             old = self._params[name]

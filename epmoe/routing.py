@@ -32,6 +32,19 @@ ROUTING_IMPLS = ("auto", "torch", "triton")
 FUSED_MAX_EXPERTS = 1024  # one program holds whole rows of E logits in registers
 
 
+# The one-program routing + alignment launch (`route_aligned`) routes the rows one after another: its
+# GPU time grows with T x experts. H200 (2026-12-01, `benchmarks/bench_route_align.py`): 10.6 us
+# against 12.3 us for the two launches at 16 x 128 logits, 30 / 59 us against 14 / 17 us at 64 / 128
+# x 128. Eager calls take it at every size it applies to (it saves a launch of host time, which is
+# longer than its GPU time there); under CUDA-graph capture, where only GPU time counts, it is taken up
+# to this many logits.
+ROUTE_ALIGN_GPU_MAX_LOGITS = 2048
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 @dataclass(frozen=True)
 class Routing:
     """topk_ids [T, K] int32 global expert ids (-1: none); topk_weights [T, K] float32."""
@@ -195,7 +208,8 @@ class Router:
         T = router_logits.shape[0]
         K = self.config.top_k
         if (self.impl == "torch" or router_logits.device.type != self.device.type or num_experts != self.config.num_experts
-                or router_logits.shape[1] != num_experts or not single_launch_applies(T * K, num_experts)):  # fmt: skip
+                or router_logits.shape[1] != num_experts or not single_launch_applies(T * K, num_experts)
+                or (T * num_experts > ROUTE_ALIGN_GPU_MAX_LOGITS and _capturing(router_logits.device))):  # fmt: skip
             return self(router_logits, e_score_correction_bias), None
         logits, bias = router_logits, e_score_correction_bias
         if logits.stride(1) != 1:

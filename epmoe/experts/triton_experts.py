@@ -663,10 +663,10 @@ class TritonExperts(Experts):
     def _tile_plan(self, cfg: TritonConfig, top_k: int) -> tuple:
         """(cfg, runs the Gluon W4A16 kernels, gemm1 launch keywords, gemm2 launch keywords) of the Triton
         GEMMs for tile preset `cfg`: checked (`_check_tile_config`) and built once, then kept, keyed by the
-        preset and what else the keywords read that may change (the fp4 conversion: a reload can switch
-        it; FP4_SCALE_PREFETCH, a module setting)."""
+        preset and what else the plan reads that may change (the fp4 conversion: a reload can switch
+        it; the W4A16 decode kernel choice; FP4_SCALE_PREFETCH and GLUON_W4A16_BLOCK_N, module settings)."""
         conv = self._fp4_kernel_convert
-        key = (id(cfg), top_k, conv, FP4_SCALE_PREFETCH)
+        key = (id(cfg), top_k, conv, FP4_SCALE_PREFETCH, self.w4a16_decode, GLUON_W4A16_BLOCK_N)
         plan = self._tile_plans.get(key)
         if plan is not None and plan[0] is cfg:
             return plan

@@ -276,3 +276,23 @@ def test_mxfp4_packed_conversion_range_at_load(force_available):
     fresh = TritonExperts(spec)
     fresh.load_weights(big)
     assert not fresh.fp4_packed, "first load with exponents > 128: legacy conversion"
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+def test_tile_plan_follows_the_decode_kernel_choice(force_available, monkeypatch, mode):
+    """The per-preset launch plan (`_tile_plan`, kept between calls) follows what may change after it is
+    built: switching `w4a16_decode` or GLUON_W4A16_BLOCK_N gives a new plan whose kernel choice is
+    `uses_gluon_w4a16`'s at that moment, not the cached one."""
+    from epmoe.experts import triton_experts as TE
+
+    ex = TritonExperts(_spec(mode))
+    monkeypatch.setattr(TE, "_gluon_available", lambda: True)
+    monkeypatch.setattr(type(ex), "_fp4_kernel_convert", property(lambda self: 2))
+    cfg = presets_for(mode)["decode"]
+    assert ex._tile_plan(cfg, 8)[1] is True
+    ex.w4a16_decode = "triton"
+    assert ex._tile_plan(cfg, 8)[1] is False
+    ex.w4a16_decode = "gluon"
+    assert ex._tile_plan(cfg, 8)[1] is True
+    monkeypatch.setattr(TE, "GLUON_W4A16_BLOCK_N", 3 * ex.intermediate_size)  # divides nothing
+    assert ex._tile_plan(cfg, 8)[1] is False

@@ -909,18 +909,26 @@ def align_scatter_kernel(
 ):
     e = tl.program_id(0)
     if (e < num_experts) | WITH_INVALID:
-        base = tl.load(starts_ptr + e)
-        for start in range(0, NK, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            key, ok = _align_keys(ids_ptr, offs, NK, num_experts)
-            m = ((key == e) & ok).to(tl.int32)
-            pos = base + tl.cumsum(m, axis=0) - 1
-            tl.store(sorted_ids_ptr + pos, offs, mask=m > 0)
-            if WITH_EXPERT:
-                tl.store(sorted_expert_ptr + pos, key, mask=m > 0)
-            if WITH_INV:
-                tl.store(inv_ptr + offs, pos, mask=m > 0)
-            base += tl.sum(m, axis=0)
+        _place_key(ids_ptr, e, tl.load(starts_ptr + e), sorted_ids_ptr, sorted_expert_ptr, inv_ptr, NK, num_experts,
+                   CHUNK, WITH_EXPERT, WITH_INV)
+
+
+@triton.jit
+def _place_key(ids_ptr, e, base, sorted_ids_ptr, sorted_expert_ptr, inv_ptr, NK, num_experts, CHUNK: tl.constexpr,
+               WITH_EXPERT: tl.constexpr, WITH_INV: tl.constexpr):
+    """Write the entries j of key e in j order from sorted position base on: sorted_ids[pos] = j (and
+    the key, and inv[j] = pos)."""
+    for start in range(0, NK, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        key, ok = _align_keys(ids_ptr, offs, NK, num_experts)
+        m = ((key == e) & ok).to(tl.int32)
+        pos = base + tl.cumsum(m, axis=0) - 1
+        tl.store(sorted_ids_ptr + pos, offs, mask=m > 0)
+        if WITH_EXPERT:
+            tl.store(sorted_expert_ptr + pos, key, mask=m > 0)
+        if WITH_INV:
+            tl.store(inv_ptr + offs, pos, mask=m > 0)
+        base += tl.sum(m, axis=0)
 
 
 @triton.jit
@@ -951,12 +959,4 @@ def align_sort_kernel(
         cnt = tl.sum(mine, axis=0)
         tl.store(counts_ptr + e, cnt)
         tl.store(ends_ptr + e, base + cnt)
-    for start in range(0, NK, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        key, ok = _align_keys(ids_ptr, offs, NK, num_experts)
-        m = ((key == e) & ok).to(tl.int32)
-        pos = base + tl.cumsum(m, axis=0) - 1
-        tl.store(order_ptr + pos, offs, mask=m > 0)
-        tl.store(sorted_expert_ptr + pos, key, mask=m > 0)
-        tl.store(inv_ptr + offs, pos, mask=m > 0)
-        base += tl.sum(m, axis=0)
+    _place_key(ids_ptr, e, base, order_ptr, sorted_expert_ptr, inv_ptr, NK, num_experts, CHUNK, True, True)

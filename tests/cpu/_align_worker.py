@@ -20,12 +20,12 @@ def launch(name, grid, args, kwargs):
 
 
 def _count_launches(fn) -> int:
+    """How many kernels fn launches (recorded, not run: no output of fn is read)."""
     global launch
     n, real = [0], launch
 
     def counting(*a):
         n[0] += 1
-        real(*a)
 
     launch = counting
     try:

@@ -184,6 +184,16 @@ def _scale_bf16(s, W_FMT: gl.constexpr):
 
 
 @gluon.jit
+def _program_tile(block_expert_ptr, N_OUT, BLOCK_N: gl.constexpr):
+    """(routed-row tile, output block, expert of the tile: -1 unused) of this program; programs go
+    output block fastest, BLOCK_N outputs each."""
+    num_n = N_OUT // BLOCK_N
+    pid = gl.program_id(0)
+    pid_m = pid // num_n
+    return pid_m, pid % num_n, gl.load(block_expert_ptr + pid_m)
+
+
+@gluon.jit
 def _tile_tokens(sorted_ids_ptr, pid_m, num_entries, BLOCK_M: gl.constexpr, TOP_K: gl.constexpr,
                  GEMM1: gl.constexpr, LAYOUT: gl.constexpr):
     """Rows (int64) of the B operand for tile pid_m: gemm1 the tokens of its routed entries (padding
@@ -262,11 +272,7 @@ def w4a16_swap_kernel(
     X3: gl.constexpr = _x3_layout(BLOCK_M, num_warps)
     S2: gl.constexpr = gl.SliceLayout(2, W3)  # [BN, 4] scales per (row, t)
 
-    num_n = N_OUT // BLOCK_N
-    pid = gl.program_id(0)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert = gl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
     if expert >= 0:
         e64 = expert.to(gl.int64)
         # token rows of this tile, in the layout of the X3 row axis
@@ -517,11 +523,7 @@ def w4a16_wgmma_kernel(
     SC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [num_warps, 1], [1, 0])  # [R, 4] nvfp4 scales
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
-    num_n = N_OUT // BLOCK_N
-    pid = gl.program_id(0)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert = gl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
     if expert >= 0:
         e64 = expert.to(gl.int64)
         xrow = _tile_tokens(sorted_ids_ptr, pid_m, num_entries, BLOCK_M, TOP_K, GEMM1, gl.SliceLayout(1, XL))

@@ -75,10 +75,10 @@ def test_sm90_compile_no_spills(mode, preset, wgmma, monkeypatch):
             assert "div.rn.f32" in ptx, f"gemm1's fp8 epilogue must divide with IEEE rounding: {where}"
 
 
-@pytest.mark.parametrize("routing, E, K", [("softmax", 128, 8), ("softmax", 512, 10), ("sigmoid_grouped", 256, 8)])
-def test_sm90_compile_routing_kernels(routing, E, K):
-    """The fused routing kernel compiles for sm90 without spills, with the precise expf of libdevice and
-    IEEE division (as torch's kernels), never the approximate ones."""
+def _compile_routing_launch(routing, E, K, kernel, **record):
+    """Record the routing launch of a layer config (`aot.record_routing_launches(cfg, **record)`),
+    check it is the one `kernel` launch, compile it for sm90 and check: no spills, IEEE division only
+    (div.rn, never div.full / div.approx). -> the recorded launches."""
     aot, triton = _aot()
     from triton.backends.compiler import GPUTarget
 
@@ -86,14 +86,22 @@ def test_sm90_compile_routing_kernels(routing, E, K):
 
     extra = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5) if routing == "sigmoid_grouped" else {}
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=256, intermediate_size=128, routing=routing, **extra)
-    launches = aot.record_routing_launches(cfg, num_tokens=64)
-    assert [l.kernel for l in launches] == [f"route_{routing}_kernel"]
+    launches = aot.record_routing_launches(cfg, **record)
+    assert [l.kernel for l in launches] == [kernel]
     src, opts = aot.to_source(launches[0])
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     info = aot.analyze(compiled)
     assert info["local"] == 0 and info["ldl_stl"] == 0, f"register spills: {routing} E={E}: {info}"
     ptx = compiled.asm["ptx"]
     assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx
+    return launches
+
+
+@pytest.mark.parametrize("routing, E, K", [("softmax", 128, 8), ("softmax", 512, 10), ("sigmoid_grouped", 256, 8)])
+def test_sm90_compile_routing_kernels(routing, E, K):
+    """The fused routing kernel compiles for sm90 without spills, with the precise expf of libdevice and
+    IEEE division (as torch's kernels), never the approximate ones."""
+    launches = _compile_routing_launch(routing, E, K, f"route_{routing}_kernel", num_tokens=64)
     assert dict(launches[0].kwargs)["PRECISE"] is True  # libdevice expf on the device, not ex2.approx alone
 
 
@@ -102,21 +110,7 @@ def test_sm90_compile_routing_kernels(routing, E, K):
 def test_sm90_compile_route_align_kernel(routing, E, K, T):
     """The routing launch that also aligns (`route_align_kernel`: the routing rows in a loop, then the
     one-program alignment) compiles for sm90 without spills, with the routing's precise math."""
-    aot, triton = _aot()
-    from triton.backends.compiler import GPUTarget
-
-    from epmoe.config import MoEConfig
-
-    extra = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5) if routing == "sigmoid_grouped" else {}
-    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=256, intermediate_size=128, routing=routing, **extra)
-    launches = aot.record_routing_launches(cfg, num_tokens=T, align_block_m=16)
-    assert [l.kernel for l in launches] == ["route_align_kernel"]
-    src, opts = aot.to_source(launches[0])
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    info = aot.analyze(compiled)
-    assert info["local"] == 0 and info["ldl_stl"] == 0, f"register spills: {routing} E={E}: {info}"
-    ptx = compiled.asm["ptx"]
-    assert "div.rn.f32" in ptx and "div.full.f32" not in ptx and "div.approx.f32" not in ptx
+    _compile_routing_launch(routing, E, K, "route_align_kernel", num_tokens=T, align_block_m=16)
 
 
 def test_sm90_compile_alignment_kernels_both_paths():

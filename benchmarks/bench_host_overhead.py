@@ -5,6 +5,14 @@ time to issue one call while the GPU is busy with earlier work (`host_issue_ms_m
 of a layer when layers follow each other without a sync) and the wall time per call of 10 calls back
 to back against the busy time (`back_to_back_overhead_ms`).
 
+`host_overhead_vs_graph_ms` (`against_graph`) isolates the host's share: the eager call against the
+same call replayed from a CUDA graph (the same kernels, no Python, no launches from the host), both
+synchronized, one right after the other, median of the differences. wall - busy also holds what the
+GPU adds to a synchronized call without any host work (`graph_wall_minus_busy_ms`: starting and
+finishing, the sync, and at prefill sizes the GPU's clock: a prefill call right after an idle moment
+runs faster than the same kernels back to back under the profiler, so wall - busy moves by +-0.2 ms
+between runs on the same code).
+
     python benchmarks/bench_host_overhead.py                      # torch + flashinfer dispatchers, T 128 / 4096
     python benchmarks/bench_host_overhead.py --dispatchers torch --tokens 128 --json out.json
     python benchmarks/bench_host_overhead.py --cpu-smoke          # tiny shape on CPU (CI): wall time only
@@ -76,6 +84,54 @@ def _busy_ms(prof, calls: int) -> float:
     return total / 1e3 / calls
 
 
+def against_graph(layer, x, logits, iters: int, sync) -> dict:
+    """The eager call against the same call replayed from a CUDA graph (the same kernels, launched
+    without Python), both synchronized, alternating: `host_overhead_vs_graph_ms` = median(eager_i -
+    graph_i) is the time the host adds to a call; `graph_wall_minus_busy_ms` what a synchronized call
+    costs beyond its kernels' durations without any host work (the GPU starting and finishing, the
+    sync). Under capture the routing would take its two-launch form at decode sizes (the one-launch
+    form is gated to small batches there, epmoe.routing.ROUTE_ALIGN_GPU_MAX_LOGITS); the gate is
+    lifted for this capture so that the graph runs the eager call's kernels."""
+    try:
+        import epmoe.routing as R
+    except ImportError:  # an older checkout
+        R = None
+    gate = getattr(R, "ROUTE_ALIGN_GPU_MAX_LOGITS", None)
+    try:
+        if gate is not None:
+            R.ROUTE_ALIGN_GPU_MAX_LOGITS = 1 << 62
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                layer(x, logits)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            layer(x, logits)
+    except Exception as e:  # noqa: BLE001 - a path that cannot be captured: reported, not fatal
+        return {"graph_error": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        if gate is not None:
+            R.ROUTE_ALIGN_GPU_MAX_LOGITS = gate
+    for _ in range(3):
+        g.replay()
+    diffs, graph = [], []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        layer(x, logits)
+        sync()
+        t1 = time.perf_counter()
+        g.replay()
+        sync()
+        t2 = time.perf_counter()
+        graph.append((t2 - t1) * 1e3)
+        diffs.append((t1 - t0 - (t2 - t1)) * 1e3)
+    del g
+    return {"graph_wall_ms_median": statistics.median(graph), "host_overhead_vs_graph_ms": statistics.median(diffs)}
+
+
 def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warmup: int,
             routing_impl: str = "auto") -> dict:
     from epmoe import EPMoE
@@ -144,6 +200,9 @@ def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warm
             reps.append((time.perf_counter() - t0) * 1e3 / 10)
         out.update(host_issue_ms_median=statistics.median(issue), back_to_back_ms_per_call=statistics.median(reps),
                    back_to_back_overhead_ms=statistics.median(reps) - busy)
+        out.update(against_graph(layer, x, logits, 3 * iters, sync))
+        if "graph_wall_ms_median" in out:
+            out["graph_wall_minus_busy_ms"] = out["graph_wall_ms_median"] - busy
     close = getattr(layer, "close", None)
     if close is not None:
         close()

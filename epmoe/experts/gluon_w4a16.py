@@ -485,45 +485,6 @@ def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.cons
 
 
 @gluon.jit
-def _wgmma_step_smem(acc, a_s, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
-                     R: gl.constexpr, WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr):
-    """K step kk with both MMA operands in shared memory (a_s: step kk's dequantized weights, stored and
-    fenced by every thread): its wgmmas run while step kk + 1's weights are dequantized into registers
-    (no register of an MMA in flight is rewritten, so nothing waits for the MMA before the conversion);
-    then they replace step kk's in a_s. One CTA barrier per step."""
-    x_lo, x_hi, w_s, s_s = ring
-    s = kk % STAGES
-    acc = warpgroup_mma(a_s.index(0), x_lo.index(s).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a_s.index(1), x_hi.index(s).permute((1, 0)), acc, is_async=True)
-    # stage kk - 1: its wgmmas finished in step kk - 1, its weights were dequantized in step kk - 2
-    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES, W_FMT)
-    n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, S2, A_L)
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    a_s.index(0).store(n_lo)
-    a_s.index(1).store(n_hi)
-    async_copy.wait_group(STAGES - 3)  # steps <= kk + 2 have landed (this thread's copies)
-    fence_async_shared()
-    gl.thread_barrier()
-    return acc
-
-
-@gluon.jit
-def _wgmma_k_loop(acc, a_lo, a_hi, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
-                  R: gl.constexpr, WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr):
-    """The K loop with the dequantized weights as wgmma's register operand (a_lo / a_hi: step 0's)."""
-    # two K steps per iteration: the operands of the step in flight and of the next one live in
-    # different registers without a copy at the loop's end
-    for kk in range(0, num_k - 1, 2):
-        acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, S2, A_L)
-        acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                      S2, A_L)
-    if num_k % 2:
-        acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                      S2, A_L)
-    return acc
-
-
-@gluon.jit
 def _tile_rows(pid_n, N_OUT, R: gl.constexpr, BLOCK_N: gl.constexpr, GATED: gl.constexpr, LAYOUT: gl.constexpr):
     """Weight rows (int64) of program pid_n's MMA tile: BLOCK_N rows from pid_n * BLOCK_N on; gated, the
     gate rows and then the up rows of the same outputs (N_OUT rows later)."""
@@ -546,7 +507,6 @@ def w4a16_wgmma_kernel(
     BLOCK_M: gl.constexpr,  # routed rows per tile: 64 or 128 (the wgmma's N)
     BLOCK_N: gl.constexpr,  # outputs per program (MMA tile rows R: BLOCK_N, gated 2 * BLOCK_N; 16 * num_warps * 2^i)
     STAGES: gl.constexpr,  # K steps in flight (cp.async ring: tokens, weights, nvfp4 scales); >= 3
-    A_SMEM: gl.constexpr = False,  # dequantized weights through shared memory (wgmma operands both there)
 ):
     """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows."""
     num_warps: gl.constexpr = gl.num_warps()
@@ -595,17 +555,15 @@ def w4a16_wgmma_kernel(
         gl.thread_barrier()
         acc = gl.zeros([R, BLOCK_M], gl.float32, MMA)
         a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, S2, A_L)
-        if A_SMEM:
-            a_s = gl.allocate_shared_memory(gl.bfloat16, [2, R, 32], XS)
-            a_s.index(0).store(a_lo)
-            a_s.index(1).store(a_hi)
-            async_copy.wait_group(STAGES - 3)  # step 1 has landed
-            fence_async_shared()
-            gl.thread_barrier()
-            for kk in range(num_k):
-                acc = _wgmma_step_smem(acc, a_s, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, S2, A_L)
-        else:
-            acc = _wgmma_k_loop(acc, a_lo, a_hi, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, S2, A_L)
+        # two K steps per iteration: the operands of the step in flight and of the next one live in
+        # different registers without a copy at the loop's end
+        for kk in range(0, num_k - 1, 2):
+            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, S2, A_L)
+            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
+                                          S2, A_L)
+        if num_k % 2:
+            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
+                                          S2, A_L)
         async_copy.wait_group(0)
 
         if GATED:

@@ -74,8 +74,7 @@ class TritonConfig:
     padding; needs block_m >= 32). wgmma (W4A16, block_m 64 / 128): the GEMMs run the Gluon wgmma
     kernel (`gluon_w4a16.w4a16_wgmma_kernel`: block_n outputs per program, num_warps, num_stages K
     steps in flight) where `TritonExperts.uses_gluon_w4a16` says it can; elsewhere the Triton kernels
-    with these tiles (a forced preset) or WGMMA_FALLBACK's (auto). a_smem (wgmma only): that kernel
-    passes the dequantized weights to wgmma through shared memory instead of registers."""
+    with these tiles (a forced preset) or WGMMA_FALLBACK's (auto)."""
 
     name: str
     block_m: int
@@ -83,20 +82,18 @@ class TritonConfig:
     gemm2: GemmConfig
     split_m: bool = False
     wgmma: bool = False
-    a_smem: bool = False
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
         return (
-            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/wgmma' if self.wgmma else ''}"
-            f"{'/a_smem' if self.a_smem else ''} "
+            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''} "
             f"g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},s{g1.num_stages},G{g1.group_m}) "
             f"g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages},G{g2.group_m})"
         )
 
 
-def _cfg(name, bm, g1, g2, split=False, wgmma=False, a_smem=False) -> TritonConfig:
-    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, a_smem)
+def _cfg(name, bm, g1, g2, split=False, wgmma=False) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma)
 
 
 # Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
@@ -155,8 +152,6 @@ _FP4_PRESETS = {
     "wgmma_w4r128": _cfg("wgmma_w4r128", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
     "wgmma_w4r128_s3": _cfg("wgmma_w4r128_s3", 128, (64, 64, 4, 3), (128, 64, 4, 3), wgmma=True),
     "wgmma_w4r128_m64": _cfg("wgmma_w4r128_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
-    "wgmma_w4r128_as": _cfg("wgmma_w4r128_as", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True, a_smem=True),
-    "wgmma_w4r128_as_s3": _cfg("wgmma_w4r128_as_s3", 128, (64, 64, 4, 3), (128, 64, 4, 3), wgmma=True, a_smem=True),
     "wgmma_r256": _cfg("wgmma_r256", 128, (128, 64, 8, 3), (256, 64, 8, 4), wgmma=True),
     "wgmma_g2r256": _cfg("wgmma_g2r256", 128, (64, 64, 8, 5), (256, 64, 8, 4), wgmma=True),
 }
@@ -801,7 +796,7 @@ class TritonExperts(Experts):
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,
-                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, A_SMEM=cfg.a_smem, num_warps=g.num_warps))
+                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, num_warps=g.num_warps))
             return
         BN = GLUON_W4A16_BLOCK_N
         unroll = GLUON_W4A16_UNROLL

@@ -141,7 +141,8 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _carve_sizes(sizes):
+@functools.lru_cache(maxsize=1024)
+def _carve_sizes(sizes: tuple):
     """(split sizes, index of each size's view): a gap of 1-3 int32 after each size that is not a multiple
     of 4 and is not the last, so every view starts 16-byte aligned."""
     parts, keep = [], []

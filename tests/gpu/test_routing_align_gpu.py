@@ -78,6 +78,21 @@ def test_alignment_kernels_equal_torch_bit_for_bit(E, K, N, block_m):
         A.SINGLE_LAUNCH_MAX_ENTRIES = old
 
 
+def _call_without_host_sync(layer, x, logits, after_warmup=None):
+    """Two warm-up calls (they compile), then one call under `set_sync_debug_mode("error")` (a host
+    sync in it raises) -> that call's MoEOutput with its routing."""
+    for _ in range(2):
+        layer(x, logits)
+    if after_warmup is not None:
+        after_warmup()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return layer(x, logits, return_routing=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("routing", ["softmax", "sigmoid_grouped"])
 @pytest.mark.parametrize("T", [16, 128, 512])
 def test_layer_fused_routing_matches_torch_routing_without_host_sync(routing, T):
@@ -89,14 +104,7 @@ def test_layer_fused_routing_matches_torch_routing_without_host_sync(routing, T)
         x, logits = random_inputs(cfg, T, seed)
         x, logits = x.cuda(), logits.cuda()
         assert layer.router.impl == "triton"
-        for _ in range(2):
-            layer(x, logits)  # compiles outside the checked call
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            fused = layer(x, logits, return_routing=True)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        fused = _call_without_host_sync(layer, x, logits)
         layer.router.impl = "torch"
         plain = layer(x, logits, return_routing=True)
         assert torch.equal(fused.routing.topk_ids.sort(-1).values, plain.routing.topk_ids.sort(-1).values), seed
@@ -173,15 +181,7 @@ def test_layer_routing_launch_aligns_same_bits_without_host_sync(routing, T, dis
         for owner in (layer.router, layer.experts):
             real = owner._launch
             owner._launch = (lambda real: lambda n, g, a, k: (names.append(n), real(n, g, a, k)))(real)
-        for _ in range(2):
-            layer(xd, ld)  # compiles outside the checked call
-        names.clear()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            fused = layer(xd, ld, return_routing=True)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        fused = _call_without_host_sync(layer, xd, ld, after_warmup=names.clear)
         assert "route_align_kernel" in names and "align_small_kernel" not in names, names
         layer._fuse_alignment = False
         plain = layer(xd, ld, return_routing=True)
@@ -189,5 +189,38 @@ def test_layer_routing_launch_aligns_same_bits_without_host_sync(routing, T, dis
         assert torch.equal(fused.routing.topk_ids, plain.routing.topk_ids), seed
         assert torch.equal(fused.routing.topk_weights, plain.routing.topk_weights), seed
         assert max_rel_err(fused.hidden_states, reference_moe(cfg, x, w, logits)) < 2e-2, seed
+    finally:
+        layer.close()
+
+
+@pytest.mark.parametrize("experts", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("dispatcher", ["torch", pytest.param("flashinfer", marks=pytest.mark.requires_flashinfer)])
+def test_layer_sort_ahead_same_bits_without_host_sync(experts, dispatcher):
+    """The ep = 1 layer whose experts take the grouped_mm path (T = 2048, 64 experts, top-8: 256 rows
+    per expert) launches their sort right after the routing, before the dispatch
+    (`Experts.align_ahead`): no host sync, the same bits as the layer without it, within bf16 error of
+    the float64 reference."""
+    from epmoe import reference_moe
+
+    seed = fresh_seed()
+    cfg = _cfg("softmax", 64, 8)
+    T = 2048
+    layer = EPMoE(cfg, dispatcher=dispatcher, experts=experts, device="cuda", max_num_tokens_per_rank=T)
+    try:
+        w = random_weights(cfg, seed)
+        layer.load_weights(w)
+        x, logits = random_inputs(cfg, T, seed)
+        xd, ld = x.cuda(), logits.cuda()
+        names = []
+        for owner in (layer.router, layer.experts):
+            real = owner._launch
+            owner._launch = (lambda real: lambda n, g, a, k: (names.append(n), real(n, g, a, k)))(real)
+        ahead = _call_without_host_sync(layer, xd, ld, after_warmup=names.clear)
+        assert names[:2] == ["route_softmax_kernel", "align_sort_kernel"], names
+        assert names.count("align_sort_kernel") == 1, names
+        layer._fuse_alignment = False
+        plain = layer(xd, ld, return_routing=True)
+        assert torch.equal(ahead.hidden_states, plain.hidden_states), seed
+        assert max_rel_err(ahead.hidden_states, reference_moe(cfg, x, w, logits)) < 2e-2, seed
     finally:
         layer.close()

@@ -5,9 +5,7 @@ time to issue one call while the GPU is busy with earlier work (`host_issue_ms_m
 of a layer when layers follow each other without a sync) and the wall time per call of 10 calls back
 to back against the busy time (`back_to_back_overhead_ms`).
 
-`host_gap_ms` (`idle_from_trace`) is the time the GPU waits for the host inside a synchronized call,
-from the profiler's trace of that same call: before its first kernel and between its kernels (the
-GPU's clock cancels out). `host_overhead_vs_graph_ms` (`against_graph`) isolates the host's share too: the eager call against the
+`host_overhead_vs_graph_ms` (`against_graph`) isolates the host's share: the eager call against the
 same call replayed from a CUDA graph (the same kernels, no Python, no launches from the host), both
 synchronized, one right after the other, median of the differences. wall - busy also holds what the
 GPU adds to a synchronized call without any host work (`graph_wall_minus_busy_ms`: starting and
@@ -84,51 +82,6 @@ def _busy_ms(prof, calls: int) -> float:
             t = getattr(e, "self_cuda_time_total", 0.0)
         total += t
     return total / 1e3 / calls
-
-
-def idle_from_trace(layer, x, logits, iters: int, sync) -> dict:
-    """Per synchronized call, from the profiler's trace (CPU and GPU events on one clock): the time the
-    GPU waited for the host inside the call, `host_gap_ms` = (end of the call's last kernel - the
-    call's start on the CPU) - the summed durations of its kernels: before its first kernel and between
-    its kernels. The GPU's own speed cancels out (the kernels' durations are those of the same call).
-    The profiler adds a few us of host time per launch, so this errs high. Also `sync_return_ms`: from
-    the end of the last kernel to the synchronize returning. Medians over the calls."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(iters):
-            sync()
-            with record_function(f"epmoe_call_{i}"):
-                layer(x, logits)
-                sync()
-    events = list(prof.events())
-    calls = [(e.time_range.start, e.time_range.end) for e in events
-             if e.name.startswith("epmoe_call_") and e.device_type.name == "CPU"]
-    kernels = [(e.time_range.start, e.time_range.end) for e in events
-               if e.device_type.name == "CUDA" and not e.name.startswith("epmoe_call_")]
-    return trace_gaps(calls, kernels)
-
-
-def trace_gaps(calls, kernels) -> dict:
-    """calls: (start, end) us of each call on the CPU (end after its synchronize); kernels: (start, end)
-    us of the GPU's kernels on the same clock -> the medians `idle_from_trace` reports. A kernel belongs
-    to the call during whose span it started; overlapping kernels count once (their union)."""
-    gaps, tails = [], []
-    for t0, t1 in sorted(calls):
-        ks = sorted(k for k in kernels if t0 <= k[0] <= t1)
-        if not ks:
-            continue
-        busy, reach = 0.0, ks[0][0]
-        for s, e in ks:  # the union of the kernels' spans
-            if e > reach:
-                busy += e - max(s, reach)
-                reach = e
-        gaps.append(((reach - t0) - busy) / 1e3)
-        tails.append((t1 - reach) / 1e3)
-    if not gaps:
-        return {"trace_error": "no kernels found in the calls' spans"}
-    return {"host_gap_ms": statistics.median(gaps), "host_gap_ms_min": min(gaps),
-            "sync_return_ms": statistics.median(tails)}
 
 
 def against_graph(layer, x, logits, iters: int, sync) -> dict:
@@ -247,7 +200,6 @@ def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warm
             reps.append((time.perf_counter() - t0) * 1e3 / 10)
         out.update(host_issue_ms_median=statistics.median(issue), back_to_back_ms_per_call=statistics.median(reps),
                    back_to_back_overhead_ms=statistics.median(reps) - busy)
-        out.update(idle_from_trace(layer, x, logits, iters, sync))
         out.update(against_graph(layer, x, logits, 3 * iters, sync))
         if "graph_wall_ms_median" in out:
             out["graph_wall_minus_busy_ms"] = out["graph_wall_ms_median"] - busy

@@ -270,11 +270,9 @@ class EPMoE(torch.nn.Module):
         self.router = Router(config, self.device)
         # One rank whose dispatcher hands the routing through: at decode sizes the routing launch also
         # computes the experts' block alignment (`Router.route_aligned`, one launch instead of two),
-        # where the experts backend asks for it (`Experts.fused_alignment`); elsewhere the backend's
-        # first step follows the routing launch at once (`Experts.align_ahead`: the grouped_mm sort)
+        # where the experts backend asks for it (`Experts.fused_alignment`)
         self._fuse_alignment = (not self._distributed and self.ep_size == 1 and self.dispatcher.keeps_routing
-                                and (type(self.experts).fused_alignment is not Experts.fused_alignment
-                                     or type(self.experts).align_ahead is not Experts.align_ahead))
+                                and type(self.experts).fused_alignment is not Experts.fused_alignment)
         self._weights_loaded = False
         self._loaded_dtypes: Dict[str, torch.dtype] = {}
 
@@ -528,17 +526,16 @@ class EPMoE(torch.nn.Module):
             tokens_per_rank = tuple(t for t, _ in agreed)
         rounds = max(1, -(-max(tokens_per_rank) // M))
 
-        ahead = None  # the experts' alignment of the routing, computed with it or launched right after it
+        blocks = None  # the experts' block alignment, when the routing launch computed it too
         if router_logits is None:
             routing = Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=topk_weights.float())
         elif self._fuse_alignment and rounds == 1 and T:
             block_m = self.experts.fused_alignment(T * self.config.top_k)
             if block_m is None:
                 routing = self.router(router_logits, self.e_score_correction_bias)
-                ahead = self.experts.align_ahead(routing.topk_ids)
             else:
-                routing, ahead = self.router.route_aligned(router_logits, self.e_score_correction_bias,
-                                                           self.num_local_experts, block_m)
+                routing, blocks = self.router.route_aligned(router_logits, self.e_score_correction_bias,
+                                                            self.num_local_experts, block_m)
         else:
             routing = self.router(router_logits, self.e_score_correction_bias)
 
@@ -565,8 +562,8 @@ class EPMoE(torch.nn.Module):
                 if armed is not None:
                     armed.phase = "experts" if rounds == 1 else f"experts[round {r}]"
                 with watch.phase("experts" if rounds == 1 else f"experts[round {r}]"):
-                    if ahead is not None and tokens.topk_ids is routing.topk_ids:  # the ids it aligns
-                        expert_out = self.experts(tokens, alignment=ahead)
+                    if blocks is not None and tokens.topk_ids is routing.topk_ids:  # the ids it aligns
+                        expert_out = self.experts(tokens, alignment=blocks)
                     else:
                         expert_out = self.experts(tokens)
                 if self.check_finite and isinstance(expert_out, torch.Tensor) and expert_out.numel():

@@ -154,9 +154,8 @@ class Experts(abc.ABC):
         ...
 
     def __call__(self, tokens, *, alignment=None) -> torch.Tensor:
-        """alignment: what the caller computed of tokens.topk_ids ahead of the forward because the backend
-        asked for it: the `epmoe.experts.align.BlockAlignment` of `fused_alignment` (fused into the
-        routing launch) or what `align_ahead` returned; None: none."""
+        """alignment: the `epmoe.experts.align.BlockAlignment` of tokens.topk_ids that the caller computed
+        (fused into the routing launch) because `fused_alignment` asked for it; None: none."""
         if alignment is None:
             return self.forward(tokens)
         return self.forward(tokens, alignment=alignment)
@@ -166,13 +165,6 @@ class Experts(abc.ABC):
         `num_entries` routed (row, slot) entries would compute first, when this backend takes it
         computed by the routing launch instead (forward(tokens, alignment=...)); None (default): it
         takes none for that size."""
-        return None
-
-    def align_ahead(self, topk_ids: torch.Tensor):
-        """Where `fused_alignment` gives None: the first step of a forward over these routed ids (one
-        rank: they are the tokens' own) launched NOW, right after the routing launch, so that the GPU
-        does not idle while the dispatch's Python runs; the caller passes the result to the forward
-        as `alignment`. None (default): nothing to launch ahead."""
         return None
 
     def parameters(self) -> Dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ import torch
 from epmoe.core.availability import Availability
 from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
-from epmoe.experts.align import ExpertSort, sort_by_expert, sort_by_expert_triton
+from epmoe.experts.align import sort_by_expert, sort_by_expert_triton
 from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 from epmoe.experts.activation import apply_activation
 from epmoe.quant.payload import QuantizedActivation
@@ -53,43 +53,28 @@ def fused_grouped_mm_forward(
     launch: Callable,
     align: str = "triton",
     act_args: Optional[tuple] = None,
-    sort: Optional[ExpertSort] = None,
 ) -> torch.Tensor:
     """bf16 experts forward: torch._grouped_mm GEMMs + the fused Triton gather / activation / combine
     (`epmoe.experts.triton_kernels`). params: w13 [E, R, H] (rows gate-then-up, or gate j / up j
     interleaved), w2 [E, H, I], optional fp32 biases b13 [>=E, R] (gate then up), b2 [>=E, H], optional
     w13_t / w2_t (w13 / w2 .transpose(1, 2), made once by the caller). act_args: the kernels'
     activation arguments (`triton_experts._activation_args(config)`, computed once by the caller).
-    sort: `sort_by_expert_triton(topk_ids, num_experts, launch)`, launched earlier by the caller
-    (`Experts.align_ahead`); None: sorted here. `launch(kernel_name, grid, args, kwargs)` runs one kernel. No
-    host sync, fixed shapes."""
+    `launch(kernel_name, grid, args, kwargs)` runs one kernel. No host sync, fixed shapes."""
     state: Dict[str, torch.Tensor] = {}
     for _, step in grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts,
-                                    gate_up_interleaved, launch, state, align=align, act_args=act_args,
-                                    sort=sort):  # fmt: skip
+                                    gate_up_interleaved, launch, state, align=align, act_args=act_args):  # fmt: skip
         step()
     return state["out"]
 
 
-def _sort_of(alignment, num_entries: int, num_experts: int) -> Optional[ExpertSort]:
-    """alignment when it is a sort of num_entries entries over num_experts experts (else None: the
-    forward sorts itself)."""
-    if (isinstance(alignment, ExpertSort) and alignment.num_entries == num_entries
-            and alignment.num_experts == num_experts):  # fmt: skip
-        return alignment
-    return None
-
-
 def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts, gate_up_interleaved, launch,
                      state: Dict[str, torch.Tensor], keep: bool = False, align: str = "triton",
-                     act_args: Optional[tuple] = None,
-                     sort: Optional[ExpertSort] = None) -> List[Tuple[str, Callable[[], None]]]:  # fmt: skip
+                     act_args: Optional[tuple] = None) -> List[Tuple[str, Callable[[], None]]]:  # fmt: skip
     """The forward as named steps run in order (each reads and writes `state`); benchmarks time them
     one by one (keep=True: inputs stay in `state`; else each step drops what no later step reads, so
     at most two of the [N*K, .] intermediates are alive): align (one sort launch, or torch ops), gather,
     gemm1, act, gemm2, combine."""
     take = state.get if keep else state.pop
-    given = sort
     if act_args is None:
         from epmoe.experts.triton_experts import _activation_args
 
@@ -107,14 +92,13 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
 
     def align_step():
         ids32 = (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
-        s = given if given is not None else (
-            sort_by_expert_triton(ids32, E, launch) if align == "triton" else sort_by_expert(ids32, E))
-        inv = s.inverse
+        sort = sort_by_expert_triton(ids32, E, launch) if align == "triton" else sort_by_expert(ids32, E)
+        inv = sort.inverse
         if inv is None:
             inv = torch.empty(N * K, dtype=torch.int32, device=dev)
-            inv[s.order] = torch.arange(N * K, dtype=torch.int32, device=dev)
-        ends = s.expert_ends
-        state.update(ids32=ids32, inv=inv, sorted_expert=s.sorted_expert,
+            inv[sort.order] = torch.arange(N * K, dtype=torch.int32, device=dev)
+        ends = sort.expert_ends
+        state.update(ids32=ids32, inv=inv, sorted_expert=sort.sorted_expert,
                      offs=ends if ends.dtype == torch.int32 else ends.to(torch.int32))  # fmt: skip
 
     def gather():
@@ -331,15 +315,7 @@ class GroupedMMExperts(Experts):
         for name, t in prepared.items():
             self._params[name].copy_(t)
 
-    def align_ahead(self, topk_ids: torch.Tensor) -> Optional[ExpertSort]:
-        """The forward's sort of these ids (`align_sort_kernel`, its first launch), launched now (see
-        `Experts.align_ahead`): with the Triton epilogues and alignment only."""
-        if self.epilogue == "torch" or self.align_impl != "triton" or not self._params or topk_ids.dim() != 2:
-            return None
-        return sort_by_expert_triton(topk_ids, self.num_experts, self._launch)
-
-    def forward(self, tokens, alignment: Optional[ExpertSort] = None) -> torch.Tensor:
-        """alignment: `align_ahead(tokens.topk_ids)` (the caller's guarantee), or None."""
+    def forward(self, tokens) -> torch.Tensor:
         if getattr(tokens, "layout", "flat") != "flat":
             raise ValueError(f"experts backend 'grouped_mm' takes the flat layout, got {tokens.layout!r}")
         if not self._params:
@@ -363,7 +339,7 @@ class GroupedMMExperts(Experts):
         if self.epilogue == "torch":
             return torch_grouped_mm_forward(hidden, topk_ids, topk_weights, p, cfg, E)
         return fused_grouped_mm_forward(hidden, topk_ids, topk_weights, p, cfg, E, False, self._launch,
-                                        align=self.align_impl, sort=_sort_of(alignment, N * K, E))  # fmt: skip
+                                        align=self.align_impl)  # fmt: skip
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         from epmoe.experts.launch import launch

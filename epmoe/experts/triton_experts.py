@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, replace
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -39,8 +39,8 @@ from epmoe.core.availability import Availability
 from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts import kernel_formats as kf
-from epmoe.experts.align import (BlockAlignment, ExpertSort, align_blocks, align_blocks_triton, max_blocks_for,
-                                 single_launch_applies, sort_by_expert, sort_by_expert_triton)
+from epmoe.experts.align import (BlockAlignment, align_blocks, align_blocks_triton, max_blocks_for,
+                                 single_launch_applies, sort_by_expert)
 from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 from epmoe.experts.launch import LaunchOptions
 from epmoe.quant.codec import FP8_BLOCK
@@ -608,18 +608,9 @@ class TritonExperts(Experts):
             return None
         return self.tile_config(num_entries).block_m
 
-    def align_ahead(self, topk_ids: torch.Tensor) -> Optional[ExpertSort]:
-        """The grouped_mm path's sort of these ids (`align_sort_kernel`, the first launch of a forward
-        over them on that path), launched now (see `Experts.align_ahead`); None on the other paths."""
-        if (self.align_impl != "triton" or not self._params or topk_ids.dim() != 2
-                or not self.uses_grouped_mm(topk_ids.numel())):  # fmt: skip
-            return None
-        return sort_by_expert_triton(topk_ids, self.num_experts, self._launch)
-
-    def forward(self, tokens, alignment: Optional[Union[BlockAlignment, ExpertSort]] = None) -> torch.Tensor:
-        """alignment: of tokens.topk_ids (the caller's guarantee): `align_blocks` for the block_m that
-        `fused_alignment` gave (used when it fits this forward's tiles, else computed here), or
-        `align_ahead`'s sort (the grouped_mm path)."""
+    def forward(self, tokens, alignment: Optional[BlockAlignment] = None) -> torch.Tensor:
+        """alignment: `align_blocks` of tokens.topk_ids (the caller's guarantee) for the block_m that
+        `fused_alignment` gave; used when it fits this forward's tiles, else computed here."""
         if getattr(tokens, "layout", "flat") != "flat":
             raise ValueError(f"experts backend 'triton' takes the flat layout, got {tokens.layout!r}")
         if not self._params:
@@ -648,18 +639,18 @@ class TritonExperts(Experts):
 
         x, x_scale = self._input_activations(hidden)
         if self.uses_grouped_mm(N * K):
-            from epmoe.experts.grouped_mm import _sort_of, fused_grouped_mm_forward
+            from epmoe.experts.grouped_mm import fused_grouped_mm_forward
 
             return fused_grouped_mm_forward(
                 x, topk_ids, topk_weights, self._grouped_mm_params(), self.config, E, self.gate_up_interleaved, self._launch,
-                align=self.align_impl, act_args=self.act_args, sort=_sort_of(alignment, N * K, E),
+                align=self.align_impl, act_args=self.act_args,
             )
         cfg = self.tile_config(N * K)
         plan = self._tile_plan(cfg, K)  # checked, launch keywords built: once per preset
         # no-op conversions skipped (each call costs host time); the kernels index ids and weights
         # flat by entry j = n * K + k, so [N, K] contiguous tensors serve as they are
         ids32 = (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
-        if not isinstance(alignment, BlockAlignment) or alignment.block_m != cfg.block_m or alignment.max_blocks != max_blocks_for(
+        if alignment is None or alignment.block_m != cfg.block_m or alignment.max_blocks != max_blocks_for(
                 N * K, E, cfg.block_m):  # fmt: skip
             alignment = self._align(ids32, cfg)
         act, act_scale = self._gemm1(x, x_scale, alignment, N * K, K, cfg, plan)

@@ -6,8 +6,7 @@ triton experts) with the fused launch against the same layer without it (bit for
 reference. One JSON line per case.
 
 Cases: "route,routing,E,K,T,block_m,extra" (extra: none | nan (a row of NaN logits: ids -1) | nobias |
-strided), "layer,routing,T" and "ahead,routing,T" (the grouped_mm path's sort launched right after the
-routing)."""
+strided) and "layer,routing,T"."""
 
 import os
 import sys
@@ -132,53 +131,6 @@ def layer_case(routing, T, seed):
     return res
 
 
-def ahead_case(routing, T, seed):
-    """The ep = 1 layer whose experts take the grouped_mm path (triton backend, triton_grouped_mm=on;
-    under the interpreter torch._grouped_mm runs on the CPU): the sort launches right after the
-    routing (`Experts.align_ahead`), before the dispatch, and the output has the same bits as without
-    it."""
-    from epmoe import EPMoE, reference_moe
-    from epmoe.resolve import detect_environment, resolve_plan
-    from tests.cpu.helpers import max_rel_err, random_inputs, random_weights
-    from tests.triton_interpret import match_gpu_rounding
-
-    match_gpu_rounding()
-    cfg = _cfg(routing, 16, 4, H=128, I=64)
-    plan = resolve_plan(cfg, dispatcher="torch", experts="triton", environment=detect_environment(arch="sm90"))
-    layer = EPMoE(cfg, dispatcher="torch", experts="triton", device="cpu", max_num_tokens_per_rank=64, plan=plan,
-                  experts_options={"triton_grouped_mm": "on"})
-    w = random_weights(cfg, seed)
-    layer.load_weights(w)
-    x, logits = random_inputs(cfg, T, seed)
-    names = []
-    for owner in (layer.router, layer.experts):
-        real = owner._launch
-        owner._launch = (lambda real: lambda n, g, a, k: (names.append(n), real(n, g, a, k)))(real)
-    dispatch = layer.dispatcher.dispatch
-
-    def dispatch_marked(*a, **k):
-        names.append("dispatch")
-        return dispatch(*a, **k)
-
-    layer.dispatcher.dispatch = dispatch_marked
-    ahead = layer(x, logits, return_routing=True)
-    ahead_names, names[:] = list(names), []
-    layer._fuse_alignment = False
-    plain = layer(x, logits, return_routing=True)
-    ref = reference_moe(cfg, x, w, logits)
-    res = dict(
-        sort_ahead=ahead_names[:3] == [layer.router._kernel, "align_sort_kernel", "dispatch"],
-        plain_order=names[:3] == [layer.router._kernel, "dispatch", "align_sort_kernel"],
-        same_launches=sorted(ahead_names) == sorted(names),
-        same_bits=bool(torch.equal(ahead.hidden_states, plain.hidden_states)),
-        err=max_rel_err(ahead.hidden_states, ref),
-    )
-    res["vs_reference"] = res["err"] < 2e-2
-    res["all_equal"] = all(v for v in res.values() if isinstance(v, bool))
-    res["names"] = ahead_names
-    return res
-
-
 def main() -> None:
     def run(case, seed):
         kind, *rest = case.split(",")
@@ -186,8 +138,6 @@ def main() -> None:
             return not_applied(seed)
         if kind == "layer":
             return layer_case(rest[0], int(rest[1]), seed)
-        if kind == "ahead":
-            return ahead_case(rest[0], int(rest[1]), seed)
         routing, E, K, T, bm, extra = rest
         return route_case(routing, int(E), int(K), int(T), int(bm), extra, seed)
 

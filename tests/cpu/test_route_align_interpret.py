@@ -5,8 +5,7 @@ one token, T * top_k at the one-program limit (1024), E not a power of two, bloc
 of NaN logits (ids -1), strided logits; where it does not apply (too many entries, no tokens, torch
 routing) the routing alone. And the ep = 1 layer (torch dispatcher, triton experts) launches it instead
 of the routing and alignment kernels, with the same bits as without it and within bf16 error of the
-float64 reference; where its experts take the grouped_mm path, the layer launches their sort right
-after the routing, before the dispatch (`Experts.align_ahead`), with the same bits as without it."""
+float64 reference."""
 
 import importlib.util
 import os
@@ -21,7 +20,7 @@ CASES = [  # route,routing,E,K,T,block_m,extra
     "route,softmax,16,4,1,16,none", "route,softmax,60,6,37,16,nan", "route,softmax,128,8,128,16,none",
     "route,softmax,24,3,9,8,strided", "route,sigmoid_grouped,64,8,33,32,none",
     "route,sigmoid_grouped,72,6,17,16,nobias", "route,sigmoid_grouped,32,4,11,16,nan",
-    "not_applied", "layer,softmax,13", "layer,sigmoid_grouped,6", "ahead,softmax,40", "ahead,sigmoid_grouped,9",
+    "not_applied", "layer,softmax,13", "layer,sigmoid_grouped,6",
 ]
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_route_align_worker.py")
 

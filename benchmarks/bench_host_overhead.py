@@ -9,9 +9,9 @@ to back against the busy time (`back_to_back_overhead_ms`).
 same call replayed from a CUDA graph (the same kernels, no Python, no launches from the host), both
 synchronized, one right after the other, median of the differences. wall - busy also holds what the
 GPU adds to a synchronized call without any host work (`graph_wall_minus_busy_ms`: starting and
-finishing, the sync, and at prefill sizes the GPU's clock: a prefill call right after an idle moment
-runs faster than the same kernels back to back under the profiler, so wall - busy moves by +-0.2 ms
-between runs on the same code).
+finishing, the sync; at prefill sizes also the GPU's own time, which varies from loop to loop: the
+same kernels took 6.1-6.7 ms in one process on an H200, so there wall - busy moves by 0.2 ms and more
+between runs of the same code).
 
     python benchmarks/bench_host_overhead.py                      # torch + flashinfer dispatchers, T 128 / 4096
     python benchmarks/bench_host_overhead.py --dispatchers torch --tokens 128 --json out.json

@@ -132,8 +132,10 @@ def against_graph(layer, x, logits, iters: int, sync) -> dict:
     return {"graph_wall_ms_median": statistics.median(graph), "host_overhead_vs_graph_ms": statistics.median(diffs)}
 
 
-def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warmup: int,
-            routing_impl: str = "auto") -> dict:
+def layer_and_inputs(cfg, dispatcher: str, T: int, device, experts: str = "triton", warmup: int = 10,
+                     routing_impl: str = "auto"):
+    """(layer, x, logits): an ep = 1 EPMoE with random weights (`_weights`) and T random tokens and
+    router logits (seed 1), after `warmup` calls (they compile) and a synchronize."""
     from epmoe import EPMoE
 
     layer = EPMoE(cfg, dispatcher=dispatcher, experts=experts, device=device, max_num_tokens_per_rank=max(T, 128))
@@ -143,10 +145,19 @@ def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warm
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(T, cfg.hidden_size, generator=g).to(device=device, dtype=cfg.dtype)
     logits = torch.randn(T, cfg.num_experts, generator=g).to(device)
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
         layer(x, logits)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return layer, x, logits
+
+
+def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warmup: int,
+            routing_impl: str = "auto") -> dict:
+    layer, x, logits = layer_and_inputs(cfg, dispatcher, T, device, experts=experts, warmup=warmup,
+                                        routing_impl=routing_impl)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     wall = []
     for _ in range(iters):

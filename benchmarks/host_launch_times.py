@@ -10,7 +10,7 @@ plus a sync, a sync alone, torch.empty). DeepSeek-V3 expert shape, triton expert
 import cProfile, io, pstats, statistics, sys, time, torch, os
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_host_overhead as B
-from epmoe import EPMoE, MoEConfig
+from epmoe import MoEConfig
 from epmoe.experts import launch as L
 
 cfg = MoEConfig(num_experts=128, top_k=8, hidden_size=7168, intermediate_size=2048, dtype=torch.bfloat16)
@@ -43,14 +43,7 @@ torch._grouped_mm = gmm
 
 for disp in sys.argv[1].split(","):
     for T in (128, 4096):
-        layer = EPMoE(cfg, dispatcher=disp, experts="triton", device=dev, max_num_tokens_per_rank=max(T, 128))
-        layer.load_weights(B._weights(cfg, dev))
-        g = torch.Generator(device="cpu").manual_seed(1)
-        x = torch.randn(T, cfg.hidden_size, generator=g).to(device=dev, dtype=cfg.dtype)
-        logits = torch.randn(T, cfg.num_experts, generator=g).to(dev)
-        for _ in range(10):
-            layer(x, logits)
-        sync()
+        layer, x, logits = B.layer_and_inputs(cfg, disp, T, dev)
         wall = []
         for _ in range(30):
             sync(); t0 = time.perf_counter(); layer(x, logits); sync(); wall.append((time.perf_counter() - t0) * 1e3)

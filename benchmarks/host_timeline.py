@@ -9,20 +9,13 @@ import sys, torch
 import os
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_host_overhead as B
-from epmoe import EPMoE, MoEConfig
+from epmoe import MoEConfig
 from torch.profiler import ProfilerActivity, profile, schedule, record_function
 
 cfg = MoEConfig(num_experts=128, top_k=8, hidden_size=7168, intermediate_size=2048, dtype=torch.bfloat16)
 dev = torch.device("cuda")
 for T in (128, 4096):
-    layer = EPMoE(cfg, dispatcher="torch", experts="triton", device=dev, max_num_tokens_per_rank=max(T, 128))
-    layer.load_weights(B._weights(cfg, dev))
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(T, cfg.hidden_size, generator=g).to(device=dev, dtype=cfg.dtype)
-    logits = torch.randn(T, cfg.num_experts, generator=g).to(dev)
-    for _ in range(10):
-        layer(x, logits)
-    torch.cuda.synchronize()
+    layer, x, logits = B.layer_and_inputs(cfg, "torch", T, dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=2, active=3),
                  acc_events=True) as prof:
         for i in range(5):

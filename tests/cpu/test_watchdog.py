@@ -29,9 +29,10 @@ SLACK_S = 3.0  # polling, writing the report, process exit, a loaded 2-core box
 CFG = MoEConfig(num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, dtype=torch.float32)
 
 
-def _run(mode: str, world: int, limit: float):
-    """Start `world` worker processes; wait up to `limit` s. -> (returncodes, exit times, step-3 times, logs);
-    a rank still running at `limit` has returncode None (then killed)."""
+def _run(mode: str, world: int, limit: float, after_step3: float = None):
+    """Start `world` worker processes; wait up to `limit` s, and (after_step3) no longer than that many
+    seconds after every rank has reached step 3. -> (returncodes, exit times, step-3 times, logs); a rank
+    still running at the end has returncode None (then killed)."""
     outdir = tempfile.mkdtemp(prefix="epmoe-wd-")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
@@ -43,8 +44,12 @@ def _run(mode: str, world: int, limit: float):
                                       env={**env, "RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
         log.close()
     t0 = time.monotonic()
+    end = t0 + limit
     exits = [None] * world
-    while time.monotonic() - t0 < limit and any(e is None for e in exits):
+    progress = [os.path.join(outdir, f"progress.{r}") for r in range(world)]
+    while time.monotonic() < end and any(e is None for e in exits):
+        if after_step3 is not None and end - t0 == limit and all(map(os.path.exists, progress)):
+            end = min(end, time.monotonic() + after_step3)
         for r, p in enumerate(procs):
             if exits[r] is None and p.poll() is not None:
                 exits[r] = time.time()
@@ -115,7 +120,8 @@ def test_standin_healthy_calls_disarm_and_nothing_fires():
 def test_standin_watchdog_off_does_not_fire():
     """Stand-in, EPMoE(watchdog=False): the survivor stays blocked past timeout + grace + slack (the
     hang the watchdog exists for); the test kills it."""
-    codes, exits, step3, logs = _run("off", 2, TIMEOUT_S + GRACE_S + SLACK_S + 15)
+    codes, exits, step3, logs = _run("off", 2, TIMEOUT_S + GRACE_S + SLACK_S + 25,
+                                     after_step3=TIMEOUT_S + GRACE_S + SLACK_S + 1)
     assert codes[1] == -9, logs[1]
     assert codes[0] is None, f"rank 0 should still be blocked: rc {codes[0]}\n{logs[0]}"
     assert "fault report" not in logs[0], logs[0]

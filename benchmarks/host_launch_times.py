@@ -5,7 +5,7 @@ with a queued sleep and while it is idle (synchronized calls). Also per case: wa
 bench_host_overhead.py), the kernels' GPU times, a cProfile of 20 calls, and the floors (a tiny op
 plus a sync, a sync alone, torch.empty). DeepSeek-V3 expert shape, triton experts. Needs a GPU.
 
-    python benchmarks/host_launch_times.py torch,flashinfer
+    python benchmarks/host_launch_times.py [torch,flashinfer]
 """
 import cProfile, io, pstats, statistics, sys, time, torch, os
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +41,7 @@ def gmm(*a, **k):
     r = og(*a, **k); EV.append(("_grouped_mm", time.perf_counter())); return r
 torch._grouped_mm = gmm
 
-for disp in sys.argv[1].split(","):
+for disp in (sys.argv[1] if len(sys.argv) > 1 else "torch,flashinfer").split(","):
     for T in (128, 4096):
         layer, x, logits = B.layer_and_inputs(cfg, disp, T, dev)
         wall = []

@@ -144,7 +144,7 @@ def _next_pow2(n: int) -> int:
 @functools.lru_cache(maxsize=1024)
 def _carve_sizes(sizes: tuple):
     """(split sizes, index of each size's view): a gap of 1-3 int32 after each size that is not a multiple
-    of 4 and is not the last, so every view starts 16-byte aligned."""
+    of 4 and is not the last, so every view starts 16-byte aligned. Cached per sizes: do not modify."""
     parts, keep = [], []
     for i, n in enumerate(sizes):
         keep.append(len(parts))

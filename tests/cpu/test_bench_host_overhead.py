@@ -28,4 +28,3 @@ def test_cpu_host_mode_counts_ops_and_launches():
     assert small["host_us_median"] > 0 and small["triton_launches_per_forward"] >= 4
     assert large["grouped_mm_per_forward"] == 2  # 256 rows per expert: the grouped_mm path
     assert "nonzero" not in small["torch_ops"] and "_local_scalar_dense" not in small["torch_ops"]
-

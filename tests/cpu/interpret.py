@@ -14,18 +14,28 @@ from typing import Callable, Dict, Sequence
 
 
 def run_interpret_worker(worker: str, cases: Sequence[str], timeout: float = 240) -> Dict[str, dict]:
-    """case name -> the worker's result dict; fails the test if the worker printed none."""
+    """case name -> the worker's result dict; fails the test if a worker printed none. The cases are
+    dealt round-robin to one worker process per CPU core (at most 4), run at the same time."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, worker, *cases], capture_output=True, text=True, env=env, timeout=timeout)
+    cases = list(cases)
+    jobs = max(1, min(len(cases), os.cpu_count() or 1, 4))
+    procs = [subprocess.Popen([sys.executable, worker, *cases[j::jobs]], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for j in range(jobs)]
     out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            out[r["case"]] = r
-    if not out:
-        import pytest
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            got = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+            if not got:
+                import pytest
 
-        pytest.fail(f"interpreter worker produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+                pytest.fail(f"interpreter worker produced no results (rc={proc.returncode}):\n{stderr[-4000:]}")
+            out.update((r["case"], r) for r in got)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return out
 
 

@@ -168,8 +168,7 @@ def _count_and_plan(flat, num_experts, block_m, max_blocks, launch, sorted_ids_r
     E, nk, dev = num_experts, flat.numel(), flat.device
     counts, starts, ends, block_expert, block_rows, sorted_ids = _carve(
         dev, E + 1, E + 1, E, max_blocks, max_blocks, sorted_ids_rows)
-    chunk = _chunk(nk)
-    launch("align_count_kernel", (E + 1,), (flat, counts, nk, E), dict(CHUNK=chunk, num_warps=chunk // 256))
+    launch("align_count_kernel", (E + 1,), (flat, counts, nk, E), _scan_options(_chunk(nk)))
     launch("align_plan_kernel", (1,), (counts, starts, ends, block_expert, block_rows, sorted_ids, E, max_blocks, nk),
            dict(BLOCK_M=block_m, E_PAD=_next_pow2(E + 1), NB=16, WITH_PAD=True, BM_PAD=_next_pow2(block_m),
                 num_warps=4))  # fmt: skip

@@ -73,15 +73,21 @@ def _weights(cfg, device, seed=0):
     return ExpertWeights(w1=rnd(E, I, H), w3=rnd(E, I, H), w2=rnd(E, H, I))
 
 
-def _busy_ms(prof, calls: int) -> float:
-    """Sum of GPU kernel time per call (profiler, self device time of every event)."""
-    total = 0.0
+def _device_times(prof) -> dict:
+    """Profiler event name -> its self device time (us, all calls), for the events that have any."""
+    times = {}
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None)
         if t is None:
             t = getattr(e, "self_cuda_time_total", 0.0)
-        total += t
-    return total / 1e3 / calls
+        if t:
+            times[e.key] = t
+    return times
+
+
+def _busy_ms(prof, calls: int) -> float:
+    """Sum of GPU kernel time per call (profiler, self device time of every event)."""
+    return sum(_device_times(prof).values()) / 1e3 / calls
 
 
 def against_graph(layer, x, logits, iters: int, sync) -> dict:

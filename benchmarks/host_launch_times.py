@@ -53,11 +53,7 @@ for disp in (sys.argv[1] if len(sys.argv) > 1 else "torch,flashinfer").split(","
                 layer(x, logits)
             sync()
         busy = B._busy_ms(prof, 5)
-        kern = {}
-        for e in prof.key_averages():
-            t = getattr(e, "self_device_time_total", 0.0)
-            if t:
-                kern[e.key[:50]] = t / 5
+        kern = {k[:50]: t / 5 for k, t in B._device_times(prof).items()}
         # host timeline with the GPU busy
         runs = []
         for _ in range(30):

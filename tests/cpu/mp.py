@@ -51,6 +51,11 @@ def _worker(fn, rank, world_size, init_file, queue, args, kwargs, pg_timeout):
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
+        # gloo's connectFullMesh can return on rank j (its side of pair (0, j) written) before rank 0
+        # has read it; a fn without collectives then lets rank j exit and rank 0's connect fails with
+        # "Connection closed by peer" (seen once in CI on a loaded 2-core VM). The barrier holds every
+        # rank until all have connected.
+        dist.barrier()
         result = fn(rank, world_size, *args, **kwargs)
         buf = io.BytesIO()  # plain bytes: tensors sent through the queue would share fds with a dying process
         torch.save(result, buf)

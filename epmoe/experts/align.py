@@ -144,14 +144,14 @@ def _next_pow2(n: int) -> int:
 @functools.lru_cache(maxsize=1024)
 def _carve_sizes(sizes: tuple):
     """(split sizes, index of each size's view): a gap of 1-3 int32 after each size that is not a multiple
-    of 4 and is not the last, so every view starts 16-byte aligned. Cached per sizes: do not modify."""
+    of 4 and is not the last, so every view starts 16-byte aligned (tuples: cached per sizes)."""
     parts, keep = [], []
     for i, n in enumerate(sizes):
         keep.append(len(parts))
         parts.append(n)
         if n % 4 and i + 1 < len(sizes):
             parts.append(4 - n % 4)
-    return parts, keep
+    return tuple(parts), tuple(keep)
 
 
 def _carve(dev, *sizes: int):

@@ -23,11 +23,15 @@ def _topk_stable(v, k):
     return vals[..., :k], idx[..., :k]
 
 
-def _tie_at(vals_sorted, k):
-    """Rows whose k-th and (k+1)-th largest values are equal (the choice at the k-th place is a tie)."""
-    if k >= vals_sorted.shape[-1]:
-        return torch.zeros(vals_sorted.shape[0], dtype=torch.bool)
-    return vals_sorted[:, k - 1] == vals_sorted[:, k]
+def _choose(v, k):
+    """The k largest of each row, ties by the lowest index (a stable sort) -> (ids, tied): tied marks
+    the rows whose k-th and (k+1)-th largest values are equal (a tie at the k-th place)."""
+    vals, idx = torch.sort(v, dim=-1, descending=True, stable=True)
+    if k < v.shape[-1]:
+        tied = vals[:, k - 1] == vals[:, k]
+    else:
+        tied = torch.zeros(v.shape[0], dtype=torch.bool)
+    return idx[:, :k], tied
 
 
 def route_stable(cfg, logits, bias):
@@ -37,20 +41,17 @@ def route_stable(cfg, logits, bias):
     x = logits.float()
     K = cfg.top_k
     if cfg.routing == "softmax":
-        p = torch.softmax(x, dim=-1)
-        vals, ids = torch.sort(p, dim=-1, descending=True, stable=True)
-        return ids[:, :K], _tie_at(vals, K)
+        return _choose(torch.softmax(x, dim=-1), K)
     s = torch.sigmoid(x)
     c = s + bias.float() if bias is not None else s
     T, E = c.shape
     g = c.view(T, cfg.n_group, E // cfg.n_group)
     gs = _topk_stable(g, 2)[0].sum(-1)
-    gvals, gorder = torch.sort(gs, dim=-1, descending=True, stable=True)
-    gi = gorder[:, :cfg.topk_group]
+    gi, groups_tied = _choose(gs, cfg.topk_group)
     mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gi, True)
     masked = torch.where(mask.unsqueeze(-1), g, float("-inf")).view(T, E)
-    vals, ids = torch.sort(masked, dim=-1, descending=True, stable=True)
-    return ids[:, :K], _tie_at(vals, K) | _tie_at(gvals, cfg.topk_group)
+    ids, tied = _choose(masked, K)
+    return ids, tied | groups_tied
 
 
 def run_case(routing, E, K, T, extra, seed):

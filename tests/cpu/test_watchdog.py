@@ -48,8 +48,9 @@ def _run(mode: str, world: int, limit: float, after_step3: float = None):
     exits = [None] * world
     progress = [os.path.join(outdir, f"progress.{r}") for r in range(world)]
     while time.monotonic() < end and any(e is None for e in exits):
-        if after_step3 is not None and end - t0 == limit and all(map(os.path.exists, progress)):
+        if after_step3 is not None and all(map(os.path.exists, progress)):
             end = min(end, time.monotonic() + after_step3)
+            after_step3 = None  # once: from the moment every rank had reached step 3
         for r, p in enumerate(procs):
             if exits[r] is None and p.poll() is not None:
                 exits[r] = time.time()

@@ -344,11 +344,25 @@ def w4a16_swap_kernel(
 
 
 @gluon.jit
+def _permuted_k(n):
+    """Where natural K index n sits in the K_PERM order: within each 32-wide group, index 8t + 2c + b
+    goes to position 8c + 2t + b (the k position at which the wgmma kernel's A fragment holds the
+    thread's natural weight byte; `permute_k` does the same to a tensor)."""
+    return (n & ~31) | (n & 1) | (((n >> 3) & 3) << 1) | (((n >> 1) & 3) << 3)
+
+
+def permute_k(x):
+    """[..., K] -> the same values in the K_PERM order of the wgmma kernel (`_permuted_k`), a copy."""
+    shape = x.shape
+    return x.reshape(*shape[:-1], shape[-1] // 32, 4, 4, 2).transpose(-3, -2).reshape(shape)
+
+
+@gluon.jit
 def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
               N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
               GEMM1: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
               HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              MMA: gl.constexpr):
+              MMA: gl.constexpr, K_PERM: gl.constexpr = False):
     # epilogue in the accumulator layout: rows n (weight rows), columns p (tile rows)
     n_acc = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     offs_p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
@@ -363,7 +377,8 @@ def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_pt
             acc_u += gl.load(b_ptr + e64 * stride_be + N_OUT + n_acc)[:, None]
     if GEMM1:
         act = _act(acc_g, acc_u, alpha, beta, limit, ACT, HAS_LIMIT)
-        o_ptrs = out_ptr + offs_p.to(gl.int64)[None, :] * stride_om + n_acc[:, None]
+        n_out = _permuted_k(n_acc) if K_PERM else n_acc  # gemm2 (K_PERM) reads act in the permuted K order
+        o_ptrs = out_ptr + offs_p.to(gl.int64)[None, :] * stride_om + n_out[:, None]
         gl.store(o_ptrs, act.to(out_ptr.dtype.element_ty))
     else:
         ids = gl.load(sorted_ids_ptr + offs_p)
@@ -414,6 +429,19 @@ def _wn_layout(R, num_warps):
     )
 
 
+@gluon.constexpr_function
+def _wgmma_weight_layout(R, num_warps, k_perm):
+    """The weight bytes of a K step as the wgmma kernel reads them from the ring: [R, 4, 8] (`_w3_layout`,
+    8 contiguous bytes per thread and row) with K_PERM, else [R, 2, 2, 8] (`_wn_layout`)."""
+    return _w3_layout(R, num_warps) if k_perm else _wn_layout(R, num_warps)
+
+
+@gluon.constexpr_function
+def _wgmma_scale_layout(WN, k_perm):
+    """The scales' layout matching `_wgmma_weight_layout`: [R, 4 (t)] with K_PERM, else [R, 2 (cg)]."""
+    return gl.SliceLayout(2, WN) if k_perm else gl.SliceLayout(2, gl.SliceLayout(3, WN))
+
+
 @gluon.jit
 def _wn_operands(b, s_lo, s_hi, W_FMT: gl.constexpr, R: gl.constexpr, A_L: gl.constexpr):
     """Weight bytes [R, 2, 2, 8] and raw scales [R, 2] (low / high half) -> the A operands (lo, hi)
@@ -429,9 +457,10 @@ def _wn_operands(b, s_lo, s_hi, W_FMT: gl.constexpr, R: gl.constexpr, A_L: gl.co
 
 
 @gluon.jit
-def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr):
+def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr, K_PERM: gl.constexpr = False):
     """cp.async everything K step kk reads from the ring into its stage (nothing past K): the token
-    tile (two 32-wide halves), the weight bytes and (nvfp4) the scales; one commit group."""
+    tile (two 32-wide halves), the weight bytes and (nvfp4, without K_PERM) the scales; one commit
+    group."""
     x_lo, x_hi, w_s, s_s = ring
     x_ptrs, cols, w_ptrs, wcols, s_ptrs, scols = ptrs
     s = kk % STAGES
@@ -440,7 +469,7 @@ def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr)
     async_copy.async_copy_global_to_shared(x_hi.index(s), x_ptrs + (kk * 64 + 32), mask=ok[None, :])
     okw = (wcols * 0 + kk) < num_k
     async_copy.async_copy_global_to_shared(w_s.index(s), w_ptrs + kk * 32, mask=okw[None, :])
-    if W_FMT == 2:
+    if W_FMT == 2 and not K_PERM:
         oks = (scols * 0 + kk) < num_k
         async_copy.async_copy_global_to_shared(s_s.index(s), s_ptrs + kk * 4, mask=oks[None, :])
     async_copy.commit_group()
@@ -448,25 +477,38 @@ def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr)
 
 @gluon.jit
 def _ring_operands(ring, sr_ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr, R: gl.constexpr,
-                   WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr):
+                   WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr, K_PERM: gl.constexpr = False):
     """The A operands of K step kk from its ring stage (mxfp4 scales: two bytes per row, read from
-    global memory)."""
+    global memory). K_PERM (WN: `_w3_layout`; sr_ptrs: (scale-word pointers [R, 4], bit offsets of
+    the thread's low-half group)): each thread reads its 8 contiguous bytes of a row (one 8-byte
+    shared load), which hold A's k positions 8c + 2t + b (the decode kernel's order; the token
+    tile's K is permuted to match, see w4a16_wgmma_kernel), and its scales from the row's word."""
     x_lo, x_hi, w_s, s_s = ring
     s = kk % STAGES
-    b = w_s.index(s).reshape([R, 2, 2, 8]).load(WN)
-    if W_FMT == 2:
-        s_lo = s_s.index(s).slice(0, 2, dim=1).load(S2)
-        s_hi = s_s.index(s).slice(2, 2, dim=1).load(S2)
+    if K_PERM:
+        w_ptrs, shift = sr_ptrs
+        b3 = w_s.index(s).reshape([R, 4, 8]).load(WN)
+        word = gl.load(w_ptrs + gl.minimum(kk, num_k - 1)).to(gl.int32)
+        s_lo, s_hi = _step_scales(word, shift, 2 if W_FMT == 2 else 1)
+        lo, hi = _dequant3(b3, gl.expand_dims(s_lo, 2), gl.expand_dims(s_hi, 2), W_FMT)
+        a_lo = _to_a(lo, R, A_L)
+        a_hi = _to_a(hi, R, A_L)
     else:
-        k = gl.minimum(kk, num_k - 1)
-        s_lo = gl.load(sr_ptrs + k * 2)
-        s_hi = gl.load(sr_ptrs + (k * 2 + 1))
-    return _wn_operands(b, s_lo, s_hi, W_FMT, R, A_L)
+        b = w_s.index(s).reshape([R, 2, 2, 8]).load(WN)
+        if W_FMT == 2:
+            s_lo = s_s.index(s).slice(0, 2, dim=1).load(S2)
+            s_hi = s_s.index(s).slice(2, 2, dim=1).load(S2)
+        else:
+            k = gl.minimum(kk, num_k - 1)
+            s_lo = gl.load(sr_ptrs + k * 2)
+            s_hi = gl.load(sr_ptrs + (k * 2 + 1))
+        a_lo, a_hi = _wn_operands(b, s_lo, s_hi, W_FMT, R, A_L)
+    return a_lo, a_hi
 
 
 @gluon.jit
 def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
-                R: gl.constexpr, WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr):
+                R: gl.constexpr, WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr, K_PERM: gl.constexpr = False):
     """K step kk: its wgmmas (operands a_lo / a_hi) run while step kk + 1's operands are dequantized
     from the ring. -> step kk + 1's operands."""
     # steps <= kk + 1 have landed (for every thread), and every warpgroup is done with the wgmmas of
@@ -474,12 +516,12 @@ def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.cons
     async_copy.wait_group(STAGES - 3)
     fence_async_shared()
     gl.thread_barrier()
-    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES, W_FMT)
+    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES, W_FMT, K_PERM)
     x_lo, x_hi, w_s, s_s = ring
     s = kk % STAGES
     acc = warpgroup_mma(a_lo, x_lo.index(s).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(a_hi, x_hi.index(s).permute((1, 0)), acc, is_async=True)
-    n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, S2, A_L)
+    n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, S2, A_L, K_PERM)
     acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
     return acc, n_lo, n_hi
 
@@ -507,6 +549,7 @@ def w4a16_wgmma_kernel(
     BLOCK_M: gl.constexpr,  # routed rows per tile: 64 or 128 (the wgmma's N)
     BLOCK_N: gl.constexpr,  # outputs per program (MMA tile rows R: BLOCK_N, gated 2 * BLOCK_N; 16 * num_warps * 2^i)
     STAGES: gl.constexpr,  # K steps in flight (cp.async ring: tokens, weights, nvfp4 scales); >= 3
+    K_PERM: gl.constexpr = False,  # K order of the decode kernel (8-byte weight loads); x's K permuted to match
 ):
     """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows."""
     num_warps: gl.constexpr = gl.num_warps()
@@ -515,8 +558,8 @@ def w4a16_wgmma_kernel(
     gl.static_assert(STAGES >= 3)
     MMA: gl.constexpr = _wgmma_layout(num_warps, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    WN: gl.constexpr = _wn_layout(R, num_warps)
-    S2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, WN))  # [R, 2 (cg)] scales
+    WN: gl.constexpr = _wgmma_weight_layout(R, num_warps, K_PERM)
+    S2: gl.constexpr = _wgmma_scale_layout(WN, K_PERM)  # [R, 2 (cg)] scales; K_PERM: [R, 4 (t)]
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])  # [BM, 32] token halves
     XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     WC: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [num_warps, 1], [1, 0])  # [R, 32] weight bytes
@@ -536,10 +579,18 @@ def w4a16_wgmma_kernel(
         srow_c = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, SC))
         scols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC))
         s_ptrs = ws_ptr + e64 * stride_wse + srow_c[:, None] * stride_wsn + scols[None, :]
-        # mxfp4: scale pointers in the operand layout (group 2kk low half, 2kk + 1 high half)
-        srow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
-        cs = gl.arange(0, 2, layout=gl.SliceLayout(0, S2))
-        sr_ptrs = ws_ptr + e64 * stride_wse + srow[:, None] * stride_wsn + (cs * 0)[None, :]
+        if K_PERM:  # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row
+            srow3 = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
+            ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
+            s_rows = ws_ptr + e64 * stride_wse + srow3[:, None] * stride_wsn + (ts * 0)[None, :]
+            WTYPE: gl.constexpr = gl.int32 if W_FMT == 2 else gl.int16
+            GROUP_BITS: gl.constexpr = 8 if W_FMT == 2 else 0  # nvfp4: t's low-half group is byte t // 2
+            sr_ptrs = (s_rows.to(gl.pointer_type(WTYPE), bitcast=True),
+                       ((ts // 2) * GROUP_BITS)[None, :] + (srow3 * 0).to(gl.int32)[:, None])
+        else:  # mxfp4: scale pointers in the operand layout (group 2kk low half, 2kk + 1 high half)
+            srow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
+            cs = gl.arange(0, 2, layout=gl.SliceLayout(0, S2))
+            sr_ptrs = ws_ptr + e64 * stride_wse + srow[:, None] * stride_wsn + (cs * 0)[None, :]
 
         x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
         x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
@@ -550,36 +601,38 @@ def w4a16_wgmma_kernel(
 
         num_k = K // 64
         for i in gl.static_range(STAGES - 1):
-            _ring_copy(ring, ptrs, i, num_k, STAGES, W_FMT)
+            _ring_copy(ring, ptrs, i, num_k, STAGES, W_FMT, K_PERM)
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         acc = gl.zeros([R, BLOCK_M], gl.float32, MMA)
-        a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, S2, A_L)
+        a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, S2, A_L, K_PERM)
         # two K steps per iteration: the operands of the step in flight and of the next one live in
         # different registers without a copy at the loop's end
         for kk in range(0, num_k - 1, 2):
-            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, S2, A_L)
+            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, S2, A_L,
+                                          K_PERM)
             acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                          S2, A_L)
+                                          S2, A_L, K_PERM)
         if num_k % 2:
             acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                          S2, A_L)
+                                          S2, A_L, K_PERM)
         async_copy.wait_group(0)
 
         if GATED:
             _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
-                            alpha, beta, limit, W_FMT, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, R, num_warps)
+                            alpha, beta, limit, W_FMT, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, R, num_warps,
+                            K_PERM)
         else:
             _epilogue(acc, acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
                       N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
-                      GEMM1, W_FMT, False, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA)
+                      GEMM1, W_FMT, False, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA, K_PERM)
 
 
 @gluon.jit
 def _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
                     alpha, beta, limit, W_FMT: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
                     HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, R: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    num_warps: gl.constexpr, K_PERM: gl.constexpr = False):
     """acc [gate rows; up rows] x [tile rows] -> act [tile rows, BLOCK_N outputs] (through shared memory:
     gate and up of one output live in different warpgroups)."""
     EL: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, num_warps], [0, 1])  # [BN, BM], n fastest
@@ -599,4 +652,5 @@ def _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, strid
         g += gl.load(b_ptr + e64 * stride_be + n)[:, None]
         u += gl.load(b_ptr + e64 * stride_be + N_OUT + n)[:, None]
     act = _act(g, u, alpha, beta, limit, ACT, HAS_LIMIT)
-    gl.store(out_ptr + p.to(gl.int64)[None, :] * stride_om + n[:, None], act.to(out_ptr.dtype.element_ty))
+    n_out = _permuted_k(n) if K_PERM else n  # gemm2 reads act in the permuted K order
+    gl.store(out_ptr + p.to(gl.int64)[None, :] * stride_om + n_out[:, None], act.to(out_ptr.dtype.element_ty))

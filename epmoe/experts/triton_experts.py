@@ -82,6 +82,7 @@ class TritonConfig:
     gemm2: GemmConfig
     split_m: bool = False
     wgmma: bool = False
+    k_perm: bool = False  # wgmma: the decode kernel's K order (8-byte weight loads; gemm1's tokens permuted)
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
@@ -92,8 +93,8 @@ class TritonConfig:
         )
 
 
-def _cfg(name, bm, g1, g2, split=False, wgmma=False) -> TritonConfig:
-    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma)
+def _cfg(name, bm, g1, g2, split=False, wgmma=False, k_perm=False) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, k_perm)
 
 
 # Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
@@ -152,6 +153,10 @@ _FP4_PRESETS = {
     "wgmma_w4r128": _cfg("wgmma_w4r128", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
     "wgmma_w4r128_s3": _cfg("wgmma_w4r128_s3", 128, (64, 64, 4, 3), (128, 64, 4, 3), wgmma=True),
     "wgmma_w4r128_m64": _cfg("wgmma_w4r128_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
+    "wgmma_w4r128_kp": _cfg("wgmma_w4r128_kp", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True, k_perm=True),
+    "wgmma_w4r128_kp_s3": _cfg("wgmma_w4r128_kp_s3", 128, (64, 64, 4, 3), (128, 64, 4, 3), wgmma=True, k_perm=True),
+    # 64-row MMA tiles: 155 / 161 registers (sm90 compile), three CTAs per SM
+    "wgmma_w4r128_kp_m64": _cfg("wgmma_w4r128_kp_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True, k_perm=True),
     "wgmma_r256": _cfg("wgmma_r256", 128, (128, 64, 8, 3), (256, 64, 8, 4), wgmma=True),
     "wgmma_g2r256": _cfg("wgmma_g2r256", 128, (64, 64, 8, 5), (256, 64, 8, 4), wgmma=True),
 }
@@ -795,8 +800,13 @@ class TritonExperts(Experts):
         if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
+            if cfg.k_perm and gemm1:  # the tokens' K in the kernel's order (gemm1 writes act in it for gemm2)
+                from epmoe.experts.gluon_w4a16 import permute_k
+
+                xp = permute_k(x)
+                args = (xp,) + args[1:13] + (xp.stride(0),) + args[14:]
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,
-                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, num_warps=g.num_warps))
+                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, K_PERM=cfg.k_perm, num_warps=g.num_warps))
             return
         BN = GLUON_W4A16_BLOCK_N
         unroll = GLUON_W4A16_UNROLL

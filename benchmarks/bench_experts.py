@@ -47,12 +47,13 @@ SWEEP = {
                                 "g:1:0:decode:128:8", "g:2:0:decode:64:2"],
     ("mxfp4_w4a16", "prefill"): ["auto", "noprefetch_fp4", "prefill_n128", "medium"],
 }
-# Pseudo presets (configuration switches, not tile presets): "legacy_fp4" / "packed_fp4" = triton with
-# triton_fp4_convert=legacy / packed (auto: the default, asm; legacy and packed run the Triton
-# kernels); "triton_w4a16" = W4A16 decode tiles on the Triton kernels instead of the Gluon ones
+# Pseudo presets (configuration switches, not tile presets): "legacy_fp4" / "packed_fp4" /
+# "asm_fp4" / "words_fp4" = triton with triton_fp4_convert=legacy / packed / asm / words (auto: the
+# default, FP4_CONVERT; legacy and packed run the Triton kernels; words loads its own bit-permuted
+# copy of the weights); "triton_w4a16" = W4A16 decode tiles on the Triton kernels instead of the Gluon ones
 # (triton_w4a16_decode=triton); "noprefetch_fp4" = FP4_SCALE_PREFETCH off; "torch_epilogue" =
 # grouped_mm with grouped_mm_epilogue=torch.
-FP4_CONVERT_PRESETS = {"legacy_fp4": "legacy", "packed_fp4": "packed"}
+FP4_CONVERT_PRESETS = {"legacy_fp4": "legacy", "packed_fp4": "packed", "asm_fp4": "asm", "words_fp4": "words"}
 QUICK_SWEEP = {
     ("triton", "bf16", "prefill"): ["auto", "prefill"],  # the grouped_mm path and the Triton GEMMs
     ("triton", "nvfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4"],
@@ -298,7 +299,7 @@ def compute_ratios(report) -> List[dict]:
                 old = t("triton", mode, phase, name)
                 if new is not None and old is not None:
                     what = ("Triton kernels" if name == "triton_w4a16" else f"{FP4_CONVERT_PRESETS[name]} fp4 conversion")
-                    out.append(dict(what=f"triton {mode} {phase}: {what} / default (speed-up)", value=old / new,
+                    out.append(dict(what=f"triton {mode} {phase}: {what} time / default's (default's speed-up)", value=old / new,
                                     target=1.0, met=old / new >= 1.0))  # fmt: skip
         add(f"triton bf16 decode / triton {mode} decode (speed-up)", t("triton", "bf16", "decode"),
             t("triton", mode, "decode"), 2.5, le=False)  # fmt: skip
@@ -345,6 +346,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--no-peers", action="store_true", help="skip the torch grouped-GEMM peers")
+    ap.add_argument("--fp4-convert", default=None, choices=("asm", "words", "packed", "legacy"),
+                    help="triton W4A16 runs without a *_fp4 preset: this conversion instead of the default")
     ap.add_argument("--json", default=None, help="output JSON (default $OUT/bench_experts.json or bench_results/)")
     args = ap.parse_args(argv)
     for name in ("experts", "hidden", "inter", "top_k"):
@@ -378,6 +381,7 @@ def run_plan(args, plan: List[Run]) -> int:
     from epmoe.experts import triton_experts as TE
 
     GLUON_DEFAULTS = (TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS)
+    GLUON_WORDS_TILES = dict(TE.GLUON_W4A16_WORDS_TILES)
     from epmoe.experts.triton_experts import FP4_CONVERT, pick_config, presets_for
     from epmoe.quant.plan import QuantPlan
 
@@ -417,14 +421,16 @@ def run_plan(args, plan: List[Run]) -> int:
     save()
     current = {}  # (backend, mode) -> experts object (weights resident for its runs only)
     for run in plan:
-        key = (run.backend, run.mode)
+        conv = FP4_CONVERT_PRESETS.get(run.preset, args.fp4_convert or FP4_CONVERT)
+        key = (run.backend, run.mode, conv == "words")  # the words conversion reads its own weight layout
         if key not in current:
             current.clear()
             torch.cuda.empty_cache()
             if run.backend == "torch_loop":
                 ex = TorchLoopExperts(cfg, weights.w13(), weights.w2)
             else:
-                spec = ExpertsSpec(cfg, 0, 1, dev, plan=QuantPlan(expert_mode=run.mode))
+                opts = (("triton_fp4_convert", conv),) if run.backend == "triton" else ()
+                spec = ExpertsSpec(cfg, 0, 1, dev, plan=QuantPlan(expert_mode=run.mode), options=opts)
                 cls = EXPERTS.get(run.backend)
                 avail = cls.availability(spec)
                 if not avail:
@@ -439,16 +445,18 @@ def run_plan(args, plan: List[Run]) -> int:
         if run.backend == "triton":
             preset = run.preset
             TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS = GLUON_DEFAULTS
+            TE.GLUON_W4A16_WORDS_TILES = dict(GLUON_WORDS_TILES)
             if preset.startswith("g:"):  # Gluon W4A16: g:<unroll>:<maxnreg or 0>:<tile preset>[:<block_n>[:<warps>]]
                 _, unroll, maxnreg, preset, *more = preset.split(":")
                 TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG = int(unroll), (int(maxnreg) or None)
                 TE.GLUON_W4A16_BLOCK_N = int(more[0]) if more else GLUON_DEFAULTS[2]
                 TE.GLUON_W4A16_WARPS = int(more[1]) if len(more) > 1 else GLUON_DEFAULTS[3]
+                TE.GLUON_W4A16_WORDS_TILES = {}  # the variant as given, for every conversion
             tile = preset not in ("auto", "noprefetch_fp4", "triton_w4a16") and preset not in FP4_CONVERT_PRESETS
             TE.FP4_SCALE_PREFETCH = preset != "noprefetch_fp4"
             ex.w4a16_decode = "triton" if preset == "triton_w4a16" else TE.W4A16_DECODE_KERNEL
             ex.config_override = presets_for(run.mode)[preset] if tile else None
-            ex.fp4_convert = FP4_CONVERT_PRESETS.get(run.preset, FP4_CONVERT)
+            ex.fp4_convert = conv
             preset_used = ex.tile_config(entries).describe()
             if run.mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
                 preset_used += f" fp4 convert {ex.fp4_convert if ex.fp4_packed else 'legacy'}"

@@ -29,8 +29,10 @@ Scales: logical K 8t + 2c + b of the low half is in nvfp4 group 4kk + t // 2 (+ 
 mxfp4 group 2kk (high half 2kk + 1), so each thread needs one scale per row and half: it takes them by
 shift and mask from the row's scale word of two K steps (nvfp4 8 bytes, mxfp4 4), which every lane of
 the row loads (one load per row and two steps instead of one byte per half and step).
-The e2m1 -> bf16 bits are `triton_kernels._E2M1_BF16_ASM` (value * 2^-126), times the bf16 scale
-with 2^126 folded in (nvfp4: s * 2^119 and 2^7 on the global scale), as the packed conversion.
+The e2m1 -> bf16 bits are `triton_kernels._E2M1_BF16_ASM` (value * 2^-126), or with WORDS (convert
+mode "words": weights bit-permuted per 4-byte word at load) `_E2M1_BF16_WORDS_ASM`, the same bits;
+times the bf16 scale with 2^126 folded in (nvfp4: s * 2^119 and 2^7 on the global scale), as the
+packed conversion.
 """
 
 from triton.experimental import gluon
@@ -38,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from epmoe.experts.triton_kernels import _E2M1_BF16_ASM
+from epmoe.experts.triton_kernels import _E2M1_BF16_ASM, _E2M1_BF16_WORDS_ASM
 
 TWO_119 = gl.constexpr(2.0**119)
 
@@ -147,26 +149,34 @@ def _loads(x_ptrs, g_ptrs, u_ptrs, kk, gw, uw, sh, HI: gl.constexpr, GATED: gl.c
 
 @gluon.jit
 def _step(acc_g, acc_u, xl, xh, gb, gsl, gsh, ub, usl, ush, W_FMT: gl.constexpr, GATED: gl.constexpr,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr):
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
+          WORDS: gl.constexpr = False):
     """One K step of 64: both halves of gate (and up) against the token halves."""
     x_lo = _to_b(xl, BLOCK_M, B_L)
     x_hi = _to_b(xh, BLOCK_M, B_L)
-    w_lo, w_hi = _dequant3(gb, gl.expand_dims(gsl, 2), gl.expand_dims(gsh, 2), W_FMT)
+    w_lo, w_hi = _dequant3(gb, gl.expand_dims(gsl, 2), gl.expand_dims(gsh, 2), W_FMT, WORDS)
     acc_g = mma_v2(_to_a(w_lo, BLOCK_N, A_L), x_lo, acc_g)
     acc_g = mma_v2(_to_a(w_hi, BLOCK_N, A_L), x_hi, acc_g)
     if GATED:
-        v_lo, v_hi = _dequant3(ub, gl.expand_dims(usl, 2), gl.expand_dims(ush, 2), W_FMT)
+        v_lo, v_hi = _dequant3(ub, gl.expand_dims(usl, 2), gl.expand_dims(ush, 2), W_FMT, WORDS)
         acc_u = mma_v2(_to_a(v_lo, BLOCK_N, A_L), x_lo, acc_u)
         acc_u = mma_v2(_to_a(v_hi, BLOCK_N, A_L), x_hi, acc_u)
     return acc_g, acc_u
 
 
 @gluon.jit
-def _dequant3(p3, s_lo, s_hi, W_FMT: gl.constexpr):
-    """bytes [BN, 4, 8] + per (row, t) scales [BN, 4, 1] (raw e4m3 / e8m0) -> bf16 (lo, hi) [BN, 4, 8]."""
-    lo, hi = gl.inline_asm_elementwise(
-        _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [p3], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
-    )
+def _dequant3(p3, s_lo, s_hi, W_FMT: gl.constexpr, WORDS: gl.constexpr = False):
+    """bytes [BN, 4, 8] + per (row, t) scales [BN, 4, 1] (raw e4m3 / e8m0) -> bf16 (lo, hi) [BN, 4, 8].
+    WORDS: the bytes are bit-permuted words (convert mode "words"); each conversion call takes 4 of a
+    thread's 8 contiguous bytes, i.e. one aligned word."""
+    if WORDS:
+        lo, hi = gl.inline_asm_elementwise(
+            _E2M1_BF16_WORDS_ASM, "=r,=r,=r,=r,r", [p3], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+        )
+    else:
+        lo, hi = gl.inline_asm_elementwise(
+            _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [p3], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+        )
     return lo * _scale_bf16(s_lo, W_FMT), hi * _scale_bf16(s_hi, W_FMT)
 
 
@@ -263,6 +273,7 @@ def w4a16_swap_kernel(
     BLOCK_M: gl.constexpr,  # routed rows per tile: 8 or 16 (the mma's N)
     BLOCK_N: gl.constexpr,  # weight rows per program (per projection)
     UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64)
+    WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
 ):
     num_warps: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = _mma_layout(num_warps)
@@ -328,15 +339,15 @@ def w4a16_swap_kernel(
                 d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
                     x_ptrs, g_ptrs, u_ptrs, kk + 3, gd, ud, s_shift, HI, GATED)
             acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
-                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
             if UNROLL >= 2:
                 acc_g, acc_u = _step(acc_g, acc_u, b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush,
-                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
             if UNROLL == 4:
                 acc_g, acc_u = _step(acc_g, acc_u, c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush,
-                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
                 acc_g, acc_u = _step(acc_g, acc_u, d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush,
-                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L)
+                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
 
         _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
                   N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
@@ -404,8 +415,9 @@ def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_pt
 # b = 0..1), i.e. bytes 16cg + 8cl + 2t + b of the k64-interleaved row (two-byte shared-memory
 # loads); nvfp4 group cg of the half.
 #
-# H200 (2026-12-01), T = 4096: 9.5-9.6 ms against the Triton kernels' 10.4-10.9 (the same output bit
-# for bit); measurements, profile and next steps in docs/hopper-experts.md.
+# H200, T = 4096: natural K order 9.5-9.6 ms (2026-12-01, the Triton kernels' output bit for bit) against
+# the Triton kernels' 10.4-10.9; K_PERM 9.3 / 8.8 ms (nvfp4 / mxfp4, 2026-12-02, the auto preset);
+# measurements, profile and next steps in docs/hopper-experts.md.
 
 
 @gluon.constexpr_function
@@ -477,7 +489,8 @@ def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr,
 
 @gluon.jit
 def _ring_operands(ring, sr_ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr, R: gl.constexpr,
-                   WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr, K_PERM: gl.constexpr = False):
+                   WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr, K_PERM: gl.constexpr = False,
+                   WORDS: gl.constexpr = False):
     """The A operands of K step kk from its ring stage (mxfp4 scales: two bytes per row, read from
     global memory). K_PERM (WN: `_w3_layout`; sr_ptrs: (scale-word pointers [R, 4], bit offsets of
     the thread's low-half group)): each thread reads its 8 contiguous bytes of a row (one 8-byte
@@ -490,7 +503,7 @@ def _ring_operands(ring, sr_ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.con
         b3 = w_s.index(s).reshape([R, 4, 8]).load(WN)
         word = gl.load(w_ptrs + gl.minimum(kk, num_k - 1)).to(gl.int32)
         s_lo, s_hi = _step_scales(word, shift, 2 if W_FMT == 2 else 1)
-        lo, hi = _dequant3(b3, gl.expand_dims(s_lo, 2), gl.expand_dims(s_hi, 2), W_FMT)
+        lo, hi = _dequant3(b3, gl.expand_dims(s_lo, 2), gl.expand_dims(s_hi, 2), W_FMT, WORDS)
         a_lo = _to_a(lo, R, A_L)
         a_hi = _to_a(hi, R, A_L)
     else:
@@ -508,7 +521,8 @@ def _ring_operands(ring, sr_ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.con
 
 @gluon.jit
 def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
-                R: gl.constexpr, WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr, K_PERM: gl.constexpr = False):
+                R: gl.constexpr, WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr, K_PERM: gl.constexpr = False,
+                WORDS: gl.constexpr = False):
     """K step kk: its wgmmas (operands a_lo / a_hi) run while step kk + 1's operands are dequantized
     from the ring. -> step kk + 1's operands."""
     # steps <= kk + 1 have landed (for every thread), and every warpgroup is done with the wgmmas of
@@ -521,7 +535,7 @@ def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.cons
     s = kk % STAGES
     acc = warpgroup_mma(a_lo, x_lo.index(s).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(a_hi, x_hi.index(s).permute((1, 0)), acc, is_async=True)
-    n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, S2, A_L, K_PERM)
+    n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, S2, A_L, K_PERM, WORDS)
     acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
     return acc, n_lo, n_hi
 
@@ -550,12 +564,14 @@ def w4a16_wgmma_kernel(
     BLOCK_N: gl.constexpr,  # outputs per program (MMA tile rows R: BLOCK_N, gated 2 * BLOCK_N; 16 * num_warps * 2^i)
     STAGES: gl.constexpr,  # K steps in flight (cp.async ring: tokens, weights, nvfp4 scales); >= 3
     K_PERM: gl.constexpr = False,  # K order of the decode kernel (8-byte weight loads); x's K permuted to match
+    WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words"; needs K_PERM)
 ):
     """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows."""
     num_warps: gl.constexpr = gl.num_warps()
     R: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # MMA tile rows (gated: BLOCK_N gate rows, then up rows)
     gl.static_assert(R % (16 * num_warps) == 0)
     gl.static_assert(STAGES >= 3)
+    gl.static_assert(K_PERM or not WORDS)  # natural K order converts bytes of different words together
     MMA: gl.constexpr = _wgmma_layout(num_warps, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WN: gl.constexpr = _wgmma_weight_layout(R, num_warps, K_PERM)
@@ -605,17 +621,17 @@ def w4a16_wgmma_kernel(
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         acc = gl.zeros([R, BLOCK_M], gl.float32, MMA)
-        a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, S2, A_L, K_PERM)
+        a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, S2, A_L, K_PERM, WORDS)
         # two K steps per iteration: the operands of the step in flight and of the next one live in
         # different registers without a copy at the loop's end
         for kk in range(0, num_k - 1, 2):
             acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, S2, A_L,
-                                          K_PERM)
+                                          K_PERM, WORDS)
             acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                          S2, A_L, K_PERM)
+                                          S2, A_L, K_PERM, WORDS)
         if num_k % 2:
             acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                          S2, A_L, K_PERM)
+                                          S2, A_L, K_PERM, WORDS)
         async_copy.wait_group(0)
 
         if GATED:

@@ -108,6 +108,53 @@ def deinterleave_fp4_k64(kpacked: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
 
+# Bit positions of the words of convert mode "words" (`triton_kernels._E2M1_BF16_WORDS_ASM`): output word
+# j of the conversion holds, in its low / high bf16, the nibble of FP4_WORD_NIBBLES[j] (0-3: low nibble
+# of byte 0-3, 4-7: high nibble), whose bits 0..3 land on bf16 bits 6, 7, 8, 15 (+ 16 for the high bf16).
+# FP4_WORD_SOURCE[j][i] is where the permuted word stores nibble bit i of output j's low bf16 (+ 16:
+# high bf16): outputs 0-2 are one left shift by 3j, output 3 gathers bits 10, 11, 13, 14.
+FP4_WORD_NIBBLES = ((0, 1), (2, 3), (4, 5), (6, 7))
+FP4_WORD_SOURCE = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
+
+
+def _fp4_word_moves():
+    """[(nibble 0-7, nibble bit, permuted-word bit)] of `permute_fp4_words`, 32 entries."""
+    return [
+        (nib, i, src + 16 * half)
+        for (nibs, srcs) in zip(FP4_WORD_NIBBLES, FP4_WORD_SOURCE)
+        for half, nib in enumerate(nibs)
+        for i, src in enumerate(srcs)
+    ]
+
+
+def permute_fp4_words(kpacked: torch.Tensor, chunk_words: int = 1 << 22) -> torch.Tensor:
+    """fp4 kernel packing [..., C/2] uint8 (C/2 % 4 == 0) -> the same bytes with the 32 bits of every
+    aligned 4-byte word permuted for the conversion of mode "words" (above); inverse
+    `unpermute_fp4_words`. New storage on the input's device; int32 scratch of ~10 x chunk_words."""
+    if kpacked.shape[-1] % 4:
+        raise ValueError(f"the fp4 word layout needs K/2 % 4 == 0 bytes per row, got {kpacked.shape[-1]}")
+    src = kpacked.contiguous().view(torch.int32).reshape(-1)  # little-endian words: byte j at bits 8j
+    out = torch.empty_like(src)
+    moves = _fp4_word_moves()
+    for lo in range(0, src.numel(), chunk_words):
+        w = src[lo:lo + chunk_words]
+        acc = torch.zeros_like(w)
+        for nib, i, dst in moves:
+            bit = 4 * (nib % 4 * 2 + nib // 4) + i  # nibble bit i of byte nib % 4 (low / high nibble)
+            acc |= ((w >> bit) & 1) << dst
+        out[lo:lo + chunk_words] = acc
+    return out.view(torch.uint8).reshape(kpacked.shape)
+
+
+def unpermute_fp4_words(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `permute_fp4_words`."""
+    w = words.contiguous().view(torch.int32).reshape(-1)
+    acc = torch.zeros_like(w)
+    for nib, i, dst in _fp4_word_moves():
+        acc |= ((w >> dst) & 1) << (4 * (nib % 4 * 2 + nib // 4) + i)
+    return acc.view(torch.uint8).reshape(words.shape)
+
+
 # --------------------------------------------------------------------------- ExpertWeights
 
 

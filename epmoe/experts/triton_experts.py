@@ -154,9 +154,6 @@ _FP4_PRESETS = {
     "wgmma_w4r128_s3": _cfg("wgmma_w4r128_s3", 128, (64, 64, 4, 3), (128, 64, 4, 3), wgmma=True),
     "wgmma_w4r128_m64": _cfg("wgmma_w4r128_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
     "wgmma_w4r128_kp": _cfg("wgmma_w4r128_kp", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True, k_perm=True),
-    "wgmma_w4r128_kp_s3": _cfg("wgmma_w4r128_kp_s3", 128, (64, 64, 4, 3), (128, 64, 4, 3), wgmma=True, k_perm=True),
-    # 64-row MMA tiles: 155 / 161 registers (sm90 compile), three CTAs per SM
-    "wgmma_w4r128_kp_m64": _cfg("wgmma_w4r128_kp_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True, k_perm=True),
     "wgmma_r256": _cfg("wgmma_r256", 128, (128, 64, 8, 3), (256, 64, 8, 4), wgmma=True),
     "wgmma_g2r256": _cfg("wgmma_g2r256", 128, (64, 64, 8, 5), (256, 64, 8, 4), wgmma=True),
 }
@@ -166,11 +163,12 @@ _FP4_PRESETS = {
 AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     "bf16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
     "fp8_block": ((16, "decode"), (40, "small"), (None, "medium")),
-    # W4A16 at T=4096 (H200, 2026-12-01): the Gluon wgmma kernel "wgmma_w4r128" 9.6 / 9.5 ms, the Triton
-    # kernels "prefill_n128" 10.9 / 10.4 (nvfp4 / mxfp4); where the Gluon kernel cannot run (Triton
-    # interpreter, shapes it does not tile), WGMMA_FALLBACK instead
-    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128")),
-    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128")),
+    # W4A16 at T=4096 (H200, 2026-12-02, one run): the Gluon wgmma kernel in the decode kernel's K order
+    # "wgmma_w4r128_kp" 9.27 / 8.79 ms, natural K order "wgmma_w4r128" 9.56 / 9.54, the Triton kernels
+    # "prefill_n128" 10.9 / 10.4 (2026-12-01) (nvfp4 / mxfp4); where the Gluon kernel cannot run
+    # (Triton interpreter, shapes it does not tile), WGMMA_FALLBACK instead
+    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp")),
+    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp")),
 }
 WGMMA_FALLBACK = "prefill_n128"  # the auto preset for W4A16 prefill tiles the Gluon wgmma kernel cannot run
 # Layout of w13 in bf16 mode (gated activations): "interleaved" (rows gate j, up j: one wide dot per
@@ -189,10 +187,15 @@ GROUPED_MM_CHOICES = ("auto", "on", "off")
 # integer ops, two values per op; `_fp4_dequant_packed`) or "legacy" (fp16 bits, fp32 multiply;
 # `_fp4_dequant`). Same weights bit for bit. Spec option `triton_fp4_convert` overrides; asm and
 # packed need a bf16 model (and, for mxfp4, scale exponents <= 128, checked at load); asm runs as
-# packed under the Triton interpreter (which cannot run PTX).
-FP4_CONVERT = "asm"
-FP4_CONVERT_CHOICES = ("asm", "packed", "legacy")
-# W4A16 decode tiles (block_m 8 or 16) with the asm conversion: "gluon" runs `epmoe.experts.gluon_w4a16`
+# packed under the Triton interpreter (which cannot run PTX). "words": asm on weights whose 4-byte
+# words are bit-permuted at load (`kernel_formats.permute_fp4_words`, `_E2M1_BF16_WORDS_ASM`: one
+# shift and mask for 3 of every 4 bf16 pairs); the same bf16 bits, the weights' bytes differ; under
+# the interpreter (or where packed is not possible) it loads plain bytes and runs as packed / legacy.
+# Default "words" (H200, 2026-12-02, DeepSeek-V3 shape, same runs as asm: decode T = 128 nvfp4 1.46 vs
+# 1.55 ms, mxfp4 1.40 vs 1.47 ms with GLUON_W4A16_WORDS_TILES; prefill T = 4096 1.4 % faster).
+FP4_CONVERT = "words"
+FP4_CONVERT_CHOICES = ("asm", "words", "packed", "legacy")
+# W4A16 decode tiles (block_m 8 or 16) with the asm or words conversion: "gluon" runs `epmoe.experts.gluon_w4a16`
 # (weights straight from global memory into the mma operand registers, no shared memory; swap-AB),
 # "triton" the Triton kernels. Spec option `triton_w4a16_decode` overrides. Under the Triton
 # interpreter (no Gluon) the Triton kernels run.
@@ -203,6 +206,11 @@ GLUON_W4A16_BLOCK_N = 64  # weight rows per program (16 per warp at GLUON_W4A16_
 GLUON_W4A16_WARPS = 4  # warps per program (each owns 16 weight rows per row group)
 GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first); lowered to divide K / 64
 GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None: its own choice)
+# With the words conversion, per mode: (unroll, block_n, warps) instead of the three above, where block_n
+# divides both projections. mxfp4 (H200, 2026-12-02, decode T = 128, DeepSeek-V3 shape, two runs):
+# 1.40 / 1.41 ms against 1.60 with the defaults, whose second K step's loads ptxas schedules after the
+# first step's MMAs; nvfp4 keeps the defaults (1.46 / 1.47 ms; 1.48 / 1.49 with these).
+GLUON_W4A16_WORDS_TILES: Dict[str, Tuple[int, int, int]] = {"mxfp4_w4a16": (4, 128, 8)}
 GLUON_WGMMA_BLOCK_MS = (64, 128)  # routed rows per tile of the Gluon wgmma kernel (presets with wgmma=True)
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
@@ -321,7 +329,7 @@ class TritonOptions(ExpertsOptions):
     # None = the module default (GROUPED_MM_MIN_ROWS / "auto", ALIGN, FP4_CONVERT): read at construction
     triton_grouped_mm: Optional[str] = None  # auto | on | off: bf16 through torch._grouped_mm
     triton_align: Optional[str] = None  # triton | torch: routing alignment kernels
-    triton_fp4_convert: Optional[str] = None  # asm | packed | legacy: fp4 -> bf16 in the W4A16 loops
+    triton_fp4_convert: Optional[str] = None  # asm | words | packed | legacy: fp4 -> bf16 in the W4A16 loops
     triton_w4a16_decode: Optional[str] = None  # gluon | triton: kernels of W4A16 decode tiles
 
 
@@ -438,6 +446,7 @@ class TritonExperts(Experts):
         if self.w4a16_decode not in W4A16_DECODE_CHOICES:
             raise ValueError(f"triton_w4a16_decode={self.w4a16_decode!r}; use one of {W4A16_DECODE_CHOICES}")
         self._fp4_scales_ok = True  # mxfp4: every scale exponent <= 128 (set at load)
+        self._fp4_words = False  # fp4 weights stored bit-permuted per word (convert mode "words"; set at load)
         self.grouped_mm = spec.option("triton_grouped_mm") or "auto"
         if self.grouped_mm not in GROUPED_MM_CHOICES:
             raise ValueError(f"triton_grouped_mm={self.grouped_mm!r}; use one of {GROUPED_MM_CHOICES}")
@@ -467,18 +476,32 @@ class TritonExperts(Experts):
         """Do the fp4 GEMM loops build bf16 bits (`_fp4_dequant_packed`, Triton ops or inline PTX)?"""
         return (
             self.mode in ("nvfp4_w4a16", "mxfp4_w4a16")
-            and self.fp4_convert in ("asm", "packed")
+            and self.fp4_convert in ("asm", "words", "packed")
             and self.config.dtype == torch.bfloat16
             and self._fp4_scales_ok
         )
 
     @property
     def _fp4_kernel_convert(self) -> int:
-        """FP4_PACKED for the kernels: 0 legacy, 1 packed (Triton ops), 2 packed bits from inline PTX
-        (not under the interpreter, which cannot run PTX: there it is 1, the same bits)."""
+        """FP4_PACKED for the kernels: 0 legacy, 1 packed (Triton ops), 2 packed bits from inline PTX,
+        3 the same from bit-permuted words (not under the interpreter, which cannot run PTX: there
+        asm and words are 1, the same bits, on plain bytes)."""
         if not self.fp4_packed:
             return 0
-        return 2 if self.fp4_convert == "asm" and not interpreter_enabled() else 1
+        if interpreter_enabled():
+            return 1
+        return {"asm": 2, "words": 3}.get(self.fp4_convert, 1)
+
+    def _fp4_words_layout(self, prepared: Dict[str, torch.Tensor]) -> bool:
+        """Are the fp4 weights of `prepared` (plain kernel bytes) to be stored bit-permuted per word
+        (convert mode "words" where its PTX runs: the conversion `_fp4_kernel_convert` 3)?"""
+        return (
+            self.mode in ("nvfp4_w4a16", "mxfp4_w4a16")
+            and self.fp4_convert == "words"
+            and self.config.dtype == torch.bfloat16
+            and not interpreter_enabled()
+            and (self.mode != "mxfp4_w4a16" or _mx_scales_packable(prepared))
+        )
 
     def uses_grouped_mm(self, num_entries: int) -> bool:
         """Does a forward of `num_entries` routed (row, slot) entries run the grouped_mm path?"""
@@ -552,6 +575,17 @@ class TritonExperts(Experts):
                 "fp4 conversion this backend was loaded with cannot represent; construct it with "
                 "triton_fp4_convert=legacy"
             )
+        words = self._fp4_words_layout(new)
+        if self._params and words != self._fp4_words:
+            # captured CUDA graphs read the loaded layout: refuse rather than compute garbage
+            raise ValueError(
+                f"reloaded {self.mode} weights need the {'bit-permuted' if words else 'plain'} fp4 layout (mxfp4 "
+                f"scale exponents {'<=' if words else '>'} 128), but this backend was loaded with the other one; "
+                f"construct it with triton_fp4_convert=asm"
+            )
+        if words:
+            new["w13"] = kf.permute_fp4_words(new["w13"])
+            new["w2"] = kf.permute_fp4_words(new["w2"])
         expected = self._expected_shapes()
         for name, shape in expected.items():
             if tuple(new[name].shape) != shape:
@@ -566,6 +600,7 @@ class TritonExperts(Experts):
             # the packed conversion folds 2^126 into a bf16 scale 2^(e-1): exact for e <= 128
             # (weights up to 6 * 2); larger exponents take the legacy conversion (a reload re-checks)
             self._fp4_scales_ok = _mx_scales_packable(prepared)
+        self._fp4_words = self._fp4_kernel_convert == 3  # the layout prepare_weights gave these bytes
         if not self._params:
             # 16-byte aligned storage (a prepared tensor may be a view): the Gluon W4A16 kernels read
             # a row's scales of two K steps as one 8-byte word
@@ -669,9 +704,9 @@ class TritonExperts(Experts):
         """(cfg, runs the Gluon W4A16 kernels, gemm1 launch keywords, gemm2 launch keywords) of the Triton
         GEMMs for tile preset `cfg`: checked (`_check_tile_config`) and built once, then kept, keyed by the
         preset and what else the plan reads that may change (the fp4 conversion: a reload can switch
-        it; the W4A16 decode kernel choice; FP4_SCALE_PREFETCH and GLUON_W4A16_BLOCK_N, module settings)."""
+        it; the W4A16 decode kernel choice; FP4_SCALE_PREFETCH and the Gluon decode tiles, module settings)."""
         conv = self._fp4_kernel_convert
-        key = (id(cfg), top_k, conv, FP4_SCALE_PREFETCH, self.w4a16_decode, GLUON_W4A16_BLOCK_N)
+        key = (id(cfg), top_k, conv, FP4_SCALE_PREFETCH, self.w4a16_decode, self._gluon_decode_tiles())
         plan = self._tile_plans.get(key)
         if plan is not None and plan[0] is cfg:
             return plan
@@ -757,10 +792,12 @@ class TritonExperts(Experts):
 
     def uses_gluon_w4a16(self, cfg: TritonConfig) -> bool:
         """Do this tile preset's GEMMs run the Gluon W4A16 kernels (`epmoe.experts.gluon_w4a16`)?"""
-        if self._fp4_kernel_convert != 2 or not _gluon_available():  # W4A16, bf16 model, asm, no interpreter
+        if self._fp4_kernel_convert not in (2, 3) or not _gluon_available():  # W4A16, bf16, asm, no interpreter
             return False
         I, H = self.intermediate_size, self.hidden_size
         if cfg.wgmma:
+            if self._fp4_kernel_convert == 3 and not cfg.k_perm:
+                return False  # natural K order: a conversion call would take bytes of different words
             n1, n2 = self._wgmma_block_n(True, cfg), self._wgmma_block_n(False, cfg)
             scales_align = self.mode != "nvfp4_w4a16" or ((H // 16) % 16 == 0 and (I // 16) % 16 == 0)  # cp.async
             return (cfg.block_m in GLUON_WGMMA_BLOCK_MS and not cfg.split_m and scales_align
@@ -769,9 +806,18 @@ class TritonExperts(Experts):
             self.w4a16_decode == "gluon"
             and cfg.block_m in GLUON_W4A16_BLOCK_MS
             and not cfg.split_m
-            and I % GLUON_W4A16_BLOCK_N == 0
-            and H % GLUON_W4A16_BLOCK_N == 0
+            and I % self._gluon_decode_tiles()[1] == 0
+            and H % self._gluon_decode_tiles()[1] == 0
         )
+
+    def _gluon_decode_tiles(self) -> Tuple[int, int, int]:
+        """(K steps per iteration, weight rows per program, warps) of the Gluon W4A16 decode kernel:
+        GLUON_W4A16_WORDS_TILES' for this mode with the words conversion where its rows divide both
+        projections, else GLUON_W4A16_UNROLL / _BLOCK_N / _WARPS."""
+        t = GLUON_W4A16_WORDS_TILES.get(self.mode) if self._fp4_kernel_convert == 3 else None
+        if t is None or self.intermediate_size % t[1] or self.hidden_size % t[1]:
+            return GLUON_W4A16_UNROLL, GLUON_W4A16_BLOCK_N, GLUON_W4A16_WARPS
+        return t
 
     def _wgmma_block_n(self, gemm1: bool, cfg: TritonConfig) -> int:
         """Outputs per program of the Gluon wgmma kernel: the preset's block_n gated (its MMA tile: as many
@@ -796,7 +842,8 @@ class TritonExperts(Experts):
             out.stride(0), alpha, beta, limit,
         )  # fmt: skip
         consts = dict(GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
-                      HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m)
+                      HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m,
+                      WORDS=self._fp4_kernel_convert == 3)
         if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
@@ -808,13 +855,12 @@ class TritonExperts(Experts):
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,
                          dict(consts, BLOCK_N=BN, STAGES=g.num_stages, K_PERM=cfg.k_perm, num_warps=g.num_warps))
             return
-        BN = GLUON_W4A16_BLOCK_N
-        unroll = GLUON_W4A16_UNROLL
+        unroll, BN, warps = self._gluon_decode_tiles()
         while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
         self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), args,
-                     dict(consts, BLOCK_N=BN, UNROLL=unroll, num_warps=GLUON_W4A16_WARPS, **extra))
+                     dict(consts, BLOCK_N=BN, UNROLL=unroll, num_warps=warps, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);

@@ -107,9 +107,36 @@ def _e2m1_bf16_asm() -> str:
 
 _E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm())
 
+# The same 4 output words from a 4-byte word whose 32 bits were permuted at load time
+# (`kernel_formats.permute_fp4_words`, convert mode "words"): the bits of output $j (j = 0, 1, 2) are
+# stored 3j places below where the bf16 pair wants them (mask FP4_WORD_PAIR = 0x81C081C0: sign at 15,
+# exponent|mantissa at 8..6, and the same + 16), so each is one shift and one mask; the 8 bits left
+# (10, 11, 13, 14 and + 16) hold $3, which takes three shifts: 13 PTX instructions per 8 values
+# instead of 20. Every output is the `_E2M1_BF16_ASM` output of the original word, so a kernel's result does not
+# change, but the 4 bytes packed into one call must be one aligned word of the weights (each call
+# reads bits of all four bytes).
+FP4_WORD_PAIR = 0x81C081C0
+
+
+def _e2m1_bf16_words_asm() -> str:
+    """The PTX of `_E2M1_BF16_WORDS_ASM` (input: a word permuted by `kernel_formats.permute_fp4_words`)."""
+    return "\n".join([
+        "{", ".reg .b32 t, u;",
+        f"and.b32 $0, $4, {FP4_WORD_PAIR:#x};",
+        "shl.b32 t, $4, 3;", f"and.b32 $1, t, {FP4_WORD_PAIR:#x};",
+        "shl.b32 t, $4, 6;", f"and.b32 $2, t, {FP4_WORD_PAIR:#x};",
+        "shr.b32 t, $4, 4;", "and.b32 t, t, 0x00C000C0;",  # bits 10, 11 -> 6, 7
+        "shr.b32 u, $4, 5;", "and.b32 u, u, 0x01000100;", "or.b32 t, t, u;",  # bit 13 -> 8
+        "shl.b32 u, $4, 1;", "and.b32 u, u, 0x80008000;", "or.b32 $3, t, u;",  # bit 14 -> 15
+        "}",
+    ])  # fmt: skip
+
+
+_E2M1_BF16_WORDS_ASM = tl.constexpr(_e2m1_bf16_words_asm())
+
 
 @triton.jit
-def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, ASM: tl.constexpr = False):
+def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, ASM: tl.constexpr = 0):
     """`_fp4_dequant` with bf16 built from the bits, two values per integer op (bf16 models only).
 
     For each byte b (low nibble = K element j, high nibble = j + HALF), one 32-bit word holds both
@@ -126,8 +153,13 @@ def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constex
              commutes with fp32 rounding: the same result bit for bit)
     bf16 multiplies keep subnormal operands (PTX mul/fma .bf16 have no flush-to-zero).
     ASM: the same bit patterns from inline PTX (`_E2M1_BF16_ASM`, 4 bytes per call: ~2 instructions
-    per value instead of ~5); the interpreter cannot run PTX, so launches under it pass ASM=False."""
-    if ASM:
+    per value instead of ~5); ASM 3: from the bit-permuted words of convert mode "words"
+    (`_E2M1_BF16_WORDS_ASM`); the interpreter cannot run PTX, so launches under it pass ASM=0."""
+    if ASM == 3:
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_BF16_WORDS_ASM, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+    elif ASM:
         lo, hi = tl.inline_asm_elementwise(
             _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
         )
@@ -154,14 +186,14 @@ def _fp4_block(p, s_ptrs, n0, n1, n2, n3, kk, num_k, HALF: tl.constexpr, W_FMT: 
     """K step kk of a W4A16 loop: bytes p -> (w_lo, w_hi) and the scales the next step uses.
     FP4_PREFETCH: n0..n3 are step kk's scales (read one step earlier) and step kk + 1's are read
     now; otherwise step kk's are read here (n0..n3 pass through). FP4_PACKED: 0 `_fp4_dequant`,
-    1 `_fp4_dequant_packed`, 2 the same with inline PTX."""
+    1 `_fp4_dequant_packed`, 2 the same with inline PTX, 3 inline PTX on bit-permuted words."""
     c0, c1, c2, c3 = n0, n1, n2, n3
     if FP4_PREFETCH:
         n0, n1, n2, n3 = _fp4_scales(s_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
     else:
         c0, c1, c2, c3 = _fp4_scales(s_ptrs, kk, W_FMT)
     if FP4_PACKED:
-        w_lo, w_hi = _fp4_dequant_packed(p, c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED == 2)
+        w_lo, w_hi = _fp4_dequant_packed(p, c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED if FP4_PACKED >= 2 else 0)
     else:
         w_lo, w_hi = _fp4_dequant(p, c0, c1, c2, c3, HALF, W_FMT, OUT_DTYPE)
     return w_lo, w_hi, n0, n1, n2, n3
@@ -391,7 +423,7 @@ def moe_gemm1_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    FP4_PACKED: tl.constexpr,  # fp4 -> bf16: 0 _fp4_dequant, 1 _fp4_dequant_packed, 2 the same with inline PTX
+    FP4_PACKED: tl.constexpr,  # fp4 -> bf16: 0 _fp4_dequant, 1 _fp4_dequant_packed, 2 the same with inline PTX, 3 on permuted words
     FP4_PREFETCH: tl.constexpr = True,  # fp4: load the scales one K step ahead
 ):
     num_n = tl.cdiv(I, BLOCK_N)
@@ -538,7 +570,7 @@ def moe_gemm2_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    FP4_PACKED: tl.constexpr,  # fp4 -> bf16: 0 _fp4_dequant, 1 _fp4_dequant_packed, 2 the same with inline PTX
+    FP4_PACKED: tl.constexpr,  # fp4 -> bf16: 0 _fp4_dequant, 1 _fp4_dequant_packed, 2 the same with inline PTX, 3 on permuted words
     FP4_PREFETCH: tl.constexpr = True,  # fp4: load the scales one K step ahead
 ):
     num_n = tl.cdiv(N, BLOCK_N)

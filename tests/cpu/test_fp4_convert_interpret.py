@@ -93,3 +93,41 @@ def test_asm_conversion_text_builds_the_packed_bits():
         hi = [packed(x)[1] for x in b]
         assert r["$0"] == lo[0] | (lo[1] << 16) and r["$1"] == lo[2] | (lo[3] << 16), hex(word)
         assert r["$2"] == hi[0] | (hi[1] << 16) and r["$3"] == hi[2] | (hi[3] << 16), hex(word)
+
+
+def test_words_conversion_text_builds_the_same_words_from_permuted_bits():
+    """Convert mode "words": the one-shift PTX (`_E2M1_BF16_WORDS_ASM`) on a word permuted by
+    `kernel_formats.permute_fp4_words` gives the 4 output words `_E2M1_BF16_ASM` gives on the original
+    word (PTX model, see `_run_ptx`; on the device: tests/gpu/test_hopper_experts.py), for every byte
+    value in every lane and random words; the permutation is a bijection of the 32 bits and
+    `unpermute_fp4_words` inverts it."""
+    import random
+
+    import torch
+
+    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton_kernels import _E2M1_BF16_ASM, _E2M1_BF16_WORDS_ASM
+
+    def text(a):
+        return a.value if hasattr(a, "value") else a
+
+    assert sorted(dst for _, _, dst in kf._fp4_word_moves()) == list(range(32))
+    rng = random.Random(1)
+    words = [b << (8 * lane) for b in range(256) for lane in range(4)] + [rng.getrandbits(32) for _ in range(3000)]
+    raw = torch.tensor([[(w >> (8 * i)) & 0xFF for i in range(4)] for w in words], dtype=torch.uint8)
+    perm = kf.permute_fp4_words(raw)
+    assert torch.equal(kf.unpermute_fp4_words(perm), raw)
+    for word, p in zip(words, perm.tolist()):
+        pw = p[0] | (p[1] << 8) | (p[2] << 16) | (p[3] << 24)
+        want = _run_ptx(text(_E2M1_BF16_ASM), word)
+        got = _run_ptx(text(_E2M1_BF16_WORDS_ASM), pw)
+        assert [got[f"${j}"] for j in range(4)] == [want[f"${j}"] for j in range(4)], hex(word)
+
+
+def test_permute_fp4_words_rejects_rows_of_partial_words():
+    import torch
+
+    from epmoe.experts import kernel_formats as kf
+
+    with pytest.raises(ValueError, match="K/2 % 4 == 0"):
+        kf.permute_fp4_words(torch.zeros(2, 6, dtype=torch.uint8))

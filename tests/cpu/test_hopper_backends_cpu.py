@@ -279,6 +279,64 @@ def test_mxfp4_packed_conversion_range_at_load(force_available):
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+def test_words_conversion_stores_bit_permuted_words(force_available, monkeypatch, mode):
+    """Convert mode "words" (outside the interpreter, where its PTX runs): the fp4 weights are the asm
+    mode's bytes with every 4-byte word bit-permuted (`kernel_formats.permute_fp4_words`), the scales
+    unchanged; the kernels get conversion 3 (`WORDS` for the Gluon kernels), and the natural-K-order
+    wgmma presets give way to the Triton kernels. Under the interpreter the bytes stay plain. This
+    checks the layout and the kernel choice only; the kernels' results are GPU tests."""
+    from epmoe.experts import triton_experts as TE
+
+    monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(TE, "_gluon_available", lambda: True)
+    base = _spec(mode, hidden_size=256, intermediate_size=256)  # shapes the wgmma presets tile
+    w = T.random_expert_weights(base.config, base.num_local_experts, first_expert=base.first_local_expert)
+    q = kf.quantize_expert_weights(w, mode)
+    runs = {}
+    for conv in ("asm", "words"):
+        ex = TritonExperts(ExpertsSpec(base.config, 1, 2, CPU, plan=base.plan, options=(("triton_fp4_convert", conv),)))
+        ex.load_weights(q)
+        runs[conv] = ex
+    asm, words = runs["asm"].parameters(), runs["words"].parameters()
+    for k in ("w13", "w2"):
+        assert not torch.equal(words[k], asm[k])
+        assert torch.equal(kf.unpermute_fp4_words(words[k]), asm[k]), k
+    for k in asm:
+        if k not in ("w13", "w2"):
+            assert torch.equal(words[k], asm[k]), k
+    ex = runs["words"]
+    assert ex._fp4_kernel_convert == 3 and runs["asm"]._fp4_kernel_convert == 2
+    presets = presets_for(mode)
+    assert not ex.uses_gluon_w4a16(presets["wgmma_w4r128"]) and runs["asm"].uses_gluon_w4a16(presets["wgmma_w4r128"])
+    assert ex.uses_gluon_w4a16(presets["wgmma_w4r128_kp"]) and ex.uses_gluon_w4a16(presets["decode"])
+    monkeypatch.setattr(TE, "interpreter_enabled", lambda: True)
+    plain = TritonExperts(ExpertsSpec(base.config, 1, 2, CPU, plan=base.plan, options=(("triton_fp4_convert", "words"),)))
+    plain.load_weights(q)
+    assert torch.equal(plain.parameters()["w13"], asm["w13"]) and plain._fp4_kernel_convert == 1
+
+
+def test_words_conversion_refuses_a_reload_that_changes_the_layout(force_available, monkeypatch):
+    """mxfp4 in convert mode "words": a first load with scale exponents > 128 keeps plain bytes (legacy
+    conversion); a reload in the packed range would need the permuted words, which the loaded
+    backend (and its captured graphs) do not read: refused with the fix, weights unchanged."""
+    from epmoe.experts import triton_experts as TE
+
+    monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
+    spec = _spec("mxfp4_w4a16")
+    spec = ExpertsSpec(spec.config, 1, 2, CPU, plan=spec.plan, options=(("triton_fp4_convert", "words"),))
+    w = T.random_expert_weights(spec.config, spec.num_local_experts, first_expert=spec.first_local_expert)
+    q = kf.quantize_expert_weights(w, "mxfp4_w4a16")
+    big = T.ExpertWeights(**{**q.__dict__, "w2_scale": q.w2_scale.clone().fill_(140)})
+    ex = TritonExperts(spec)
+    ex.load_weights(big)
+    assert ex._fp4_kernel_convert == 0 and not ex._fp4_words
+    before = ex.parameters()["w13"].clone()
+    with pytest.raises(ValueError, match="triton_fp4_convert=asm"):
+        ex.load_weights(q)
+    assert torch.equal(ex.parameters()["w13"], before)
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 def test_tile_plan_follows_the_decode_kernel_choice(force_available, monkeypatch, mode):
     """The per-preset launch plan (`_tile_plan`, kept between calls) follows what may change after it is
     built: switching `w4a16_decode` or GLUON_W4A16_BLOCK_N gives a new plan whose kernel choice is

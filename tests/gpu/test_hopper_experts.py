@@ -340,8 +340,9 @@ def test_cuda_graph_replay_equals_eager(name, mode, options):
 @pytest.mark.parametrize("shape,N", [("ds", 1), ("ds", 256), ("gptoss", 512)])
 def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
     """The fp4 -> bf16 conversions give the legacy conversion's output bit for bit on the GPU
-    (decode, small and prefill tiles): the default (bf16 bits from inline PTX, which the CPU
-    interpreter cannot run: this is its only check) and the packed Triton-ops one. bf16 subnormal
+    (decode, small and prefill tiles): the default (bf16 bits from inline PTX on bit-permuted weight
+    words, which the CPU interpreter cannot run: with test_fp4_words_conversion_equals_asm, its only
+    check) and the packed Triton-ops one. bf16 subnormal
     operands (code 0.5 -> 2^-127) survive the bf16 multiply, and the nvfp4 2^-7 folded into the
     global scale changes no bit."""
     seed = _seed()
@@ -350,8 +351,8 @@ def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
     # which sum K in another order: test_w4a16_gluon_decode)
     tk = (("triton_w4a16_decode", "triton"),)
     default, w = _backend("triton", mode, cfg_kwargs, ep, seed, tk)
-    assert default.fp4_packed and default.fp4_convert == "asm", "asm is the default conversion for bf16 models"
-    assert default._fp4_kernel_convert == 2
+    assert default.fp4_packed and default.fp4_convert == "words", "words is the default conversion for bf16 models"
+    assert default._fp4_kernel_convert == 3
     from epmoe.experts import EXPERTS
 
     def other(conv):
@@ -373,6 +374,43 @@ def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
         del ex
         diff = (out_a.float() - out_o.float()).abs().max().item()
         assert torch.equal(out_a, out_o), f"{mode} {shape} N={N} seed={seed}: asm != {conv} (max diff {diff:.3g})"
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("shape,N,preset,decode", [
+    ("ds", 1, None, "gluon"), ("ds", 1, None, "triton"), ("ds", 256, None, "gluon"), ("ds", 600, None, "gluon"),
+    ("ds", 600, "prefill_n128", "gluon"), ("gptoss", 1, None, "gluon"), ("gptoss", 512, None, "gluon"),
+    ("relu2", 300, None, "gluon"),
+])  # fmt: skip
+def test_fp4_words_conversion_equals_asm(mode, shape, N, preset, decode):
+    """Convert mode "words" (weights bit-permuted per 4-byte word at load, `_E2M1_BF16_WORDS_ASM`)
+    gives the asm mode's output bit for bit on every kernel that reads W4A16 weights: the Gluon
+    decode kernel (N = 1), the Triton kernels (decode tiles with triton_w4a16_decode=triton, the
+    64-row tiles at N = 256, prefill_n128, GPT-OSS prefill), and the Gluon wgmma kernel in the decode
+    kernel's K order (the auto prefill preset at N = 600). Each conversion call must take one whole
+    word of the weights; a kernel that packed other bytes would give other values."""
+    from epmoe.experts import EXPERTS
+
+    seed = _seed()
+    cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
+    opts = (("triton_w4a16_decode", decode),) + ((("triton_config", preset),) if preset else ())
+    asm, w = _backend("triton", mode, cfg_kwargs, ep, seed, (("triton_fp4_convert", "asm"),) + opts)
+    words = EXPERTS.get("triton")(ExpertsSpec(asm.config, ep - 1, ep, torch.device("cuda"),
+                                              plan=QuantPlan(expert_mode=mode),
+                                              options=(("triton_fp4_convert", "words"),) + opts))  # fmt: skip
+    words.load_weights(w)
+    assert asm._fp4_kernel_convert == 2 and words._fp4_kernel_convert == 3
+    E = asm.spec.num_local_experts
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(N, asm.config.hidden_size, generator=g, device="cuda").bfloat16()
+    ids, tw = T.random_local_routing(N, asm.config.top_k, E, "cuda", seed + 2, invalid_frac=0.2)
+    cfg = asm.tile_config(N * asm.config.top_k)
+    out_a = asm(DispatchedTokens(x, ids, tw))
+    out_w = words(DispatchedTokens(x, ids, tw))
+    del words
+    diff = (out_a.float() - out_w.float()).abs().max().item()
+    print(f"{mode} {shape} N={N} {cfg.name} gluon={asm.uses_gluon_w4a16(cfg)}: words vs asm max diff {diff:.3g}")
+    assert torch.equal(out_a, out_w), f"{mode} {shape} N={N} {cfg.name} seed={seed}: words != asm (max diff {diff:.3g})"
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
@@ -415,6 +453,7 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
     monkeypatch.setattr(TE, "GLUON_W4A16_UNROLL", unroll)
     monkeypatch.setattr(TE, "GLUON_W4A16_BLOCK_N", block_n)
     monkeypatch.setattr(TE, "GLUON_W4A16_WARPS", warps)
+    monkeypatch.setattr(TE, "GLUON_W4A16_WORDS_TILES", {})  # the variant as given, for every conversion
     for cfg_kwargs, ep, N in ((DS, DS_EP, 60), (GPTOSS, GPTOSS_EP, 40)):
         if cfg_kwargs["intermediate_size"] % block_n or cfg_kwargs["hidden_size"] % block_n:
             continue  # (GPT-OSS 2880 rows: 64-row programs only)
@@ -429,17 +468,20 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("preset", ["wgmma", "wgmma_m64", "wgmma_w4", "wgmma_w4r128", "wgmma_w4r128_m64", "wgmma_r256",
-                                    "wgmma_w4r128_kp", "wgmma_w4r128_kp_s3", "wgmma_w4r128_kp_m64"])
+                                    "wgmma_w4r128_kp"])
 def test_w4a16_gluon_wgmma(mode, preset):
     """The Gluon wgmma W4A16 kernel (prefill tiles of 64 / 128 routed rows) against the float64 math
     and the Triton kernels with the same tiles: DeepSeek shape (rows per expert 1-2 tiles, padding
-    and empty tiles), relu2 (not gated) and GPT-OSS (2880 = 45 K steps; 64-row programs only)."""
+    and empty tiles), relu2 (not gated) and GPT-OSS (2880 = 45 K steps; 64-row programs only). The
+    presets in natural K order run with the asm conversion (the words one needs the decode kernel's
+    K order, `k_perm`)."""
     from epmoe.experts import EXPERTS
     from epmoe.experts import triton_experts as TE
 
     cfg_t = TE.presets_for(mode)[preset]
+    conv = () if cfg_t.k_perm else (("triton_fp4_convert", "asm"),)
     for cfg_kwargs, ep, N in ((DS, DS_EP, 600), (RELU2, 8, 300), (GPTOSS, GPTOSS_EP, 700)):  # GPT-OSS: 2880 = 45 x 64
-        ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
+        ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed(), conv)
         runs = ex.uses_gluon_w4a16(cfg_t)
         divides = (cfg_kwargs["intermediate_size"] % ex._wgmma_block_n(True, cfg_t) == 0
                    and cfg_kwargs["hidden_size"] % ex._wgmma_block_n(False, cfg_t) == 0
@@ -448,13 +490,13 @@ def test_w4a16_gluon_wgmma(mode, preset):
         assert runs == divides, f"{preset} {cfg_kwargs}: uses_gluon_w4a16 {runs}"
         ex.config_override = cfg_t
         try:
-            _, x, ids, tw, out = _run_case("triton", mode, cfg_kwargs, ep, N)
+            _, x, ids, tw, out = _run_case("triton", mode, cfg_kwargs, ep, N, options=conv)
         finally:
             ex.config_override = None
         if not runs:
             continue
         tk = EXPERTS.get("triton")(ExpertsSpec(ex.config, ep - 1, ep, torch.device("cuda"),
-                                               plan=QuantPlan(expert_mode=mode)))  # fmt: skip
+                                               plan=QuantPlan(expert_mode=mode), options=conv))  # fmt: skip
         tk.load_weights(w)
         tk.config_override = replace(cfg_t, wgmma=False)
         assert not tk.uses_gluon_w4a16(tk.config_override)

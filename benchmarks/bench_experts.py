@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--no-peers", action="store_true", help="skip the torch grouped-GEMM peers")
-    ap.add_argument("--fp4-convert", default=None, choices=("asm", "words", "packed", "legacy"),
+    ap.add_argument("--fp4-convert", default=None, choices=("auto", "asm", "words", "packed", "legacy"),
                     help="triton W4A16 runs without a *_fp4 preset: this conversion instead of the default")
     ap.add_argument("--json", default=None, help="output JSON (default $OUT/bench_experts.json or bench_results/)")
     args = ap.parse_args(argv)
@@ -421,7 +421,8 @@ def run_plan(args, plan: List[Run]) -> int:
     save()
     current = {}  # (backend, mode) -> experts object (weights resident for its runs only)
     for run in plan:
-        conv = FP4_CONVERT_PRESETS.get(run.preset, args.fp4_convert or FP4_CONVERT)
+        TE.GLUON_W4A16_WORDS_TILES = dict(GLUON_WORDS_TILES)  # a "g:" run below replaces them for itself
+        conv = FP4_CONVERT_PRESETS.get(run.preset) or TE.resolve_fp4_convert(args.fp4_convert or FP4_CONVERT, run.mode, H, I)
         key = (run.backend, run.mode, conv == "words")  # the words conversion reads its own weight layout
         if key not in current:
             current.clear()
@@ -445,7 +446,6 @@ def run_plan(args, plan: List[Run]) -> int:
         if run.backend == "triton":
             preset = run.preset
             TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS = GLUON_DEFAULTS
-            TE.GLUON_W4A16_WORDS_TILES = dict(GLUON_WORDS_TILES)
             if preset.startswith("g:"):  # Gluon W4A16: g:<unroll>:<maxnreg or 0>:<tile preset>[:<block_n>[:<warps>]]
                 _, unroll, maxnreg, preset, *more = preset.split(":")
                 TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG = int(unroll), (int(maxnreg) or None)

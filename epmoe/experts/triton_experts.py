@@ -191,10 +191,13 @@ GROUPED_MM_CHOICES = ("auto", "on", "off")
 # words are bit-permuted at load (`kernel_formats.permute_fp4_words`, `_E2M1_BF16_WORDS_ASM`: one
 # shift and mask for 3 of every 4 bf16 pairs); the same bf16 bits, the weights' bytes differ; under
 # the interpreter (or where packed is not possible) it loads plain bytes and runs as packed / legacy.
-# Default "words" (H200, 2026-12-02, DeepSeek-V3 shape, same runs as asm: decode T = 128 nvfp4 1.46 vs
-# 1.55 ms, mxfp4 1.40 vs 1.47 ms with GLUON_W4A16_WORDS_TILES; prefill T = 4096 1.4 % faster).
-FP4_CONVERT = "words"
-FP4_CONVERT_CHOICES = ("asm", "words", "packed", "legacy")
+# Default "auto": words (H200, 2026-12-02, same runs as asm, decode T = 128 / prefill T = 4096:
+# DeepSeek-V3 shape nvfp4 1.46 vs 1.55 ms / 9.16 vs 9.29, mxfp4 1.40 vs 1.47 ms with
+# GLUON_W4A16_WORDS_TILES / 8.63 vs 8.75; GPT-OSS shape nvfp4 0.84 vs 0.99 ms / 4.87 vs 5.01), except
+# mxfp4 where those tiles' rows do not divide both projections: asm (GPT-OSS shape: 0.85 vs 0.90 ms
+# decode; prefill 3.65 vs 3.57).
+FP4_CONVERT = "auto"
+FP4_CONVERT_CHOICES = ("auto", "asm", "words", "packed", "legacy")
 # W4A16 decode tiles (block_m 8 or 16) with the asm or words conversion: "gluon" runs `epmoe.experts.gluon_w4a16`
 # (weights straight from global memory into the mma operand registers, no shared memory; swap-AB),
 # "triton" the Triton kernels. Spec option `triton_w4a16_decode` overrides. Under the Triton
@@ -292,6 +295,18 @@ def kernel_function(device: torch.device, name: str):
 # --------------------------------------------------------------------------- backend
 
 
+def resolve_fp4_convert(convert: str, mode: str, hidden_size: int, intermediate_size: int) -> str:
+    """The fp4 conversion a backend runs for `convert` (FP4_CONVERT_CHOICES): "auto" is "words", except
+    for mxfp4 where GLUON_W4A16_WORDS_TILES' rows do not divide both projections ("asm", measured faster
+    there); the others as given."""
+    if convert != "auto":
+        return convert
+    tiles = GLUON_W4A16_WORDS_TILES.get(mode)
+    if mode == "mxfp4_w4a16" and (tiles is None or intermediate_size % tiles[1] or hidden_size % tiles[1]):
+        return "asm"
+    return "words"
+
+
 def _owned(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
     """A contiguous copy this backend owns (never an alias of the caller's tensor: reloads copy
     into it in place)."""
@@ -329,7 +344,7 @@ class TritonOptions(ExpertsOptions):
     # None = the module default (GROUPED_MM_MIN_ROWS / "auto", ALIGN, FP4_CONVERT): read at construction
     triton_grouped_mm: Optional[str] = None  # auto | on | off: bf16 through torch._grouped_mm
     triton_align: Optional[str] = None  # triton | torch: routing alignment kernels
-    triton_fp4_convert: Optional[str] = None  # asm | words | packed | legacy: fp4 -> bf16 in the W4A16 loops
+    triton_fp4_convert: Optional[str] = None  # auto | asm | words | packed | legacy: fp4 -> bf16 in the W4A16 loops
     triton_w4a16_decode: Optional[str] = None  # gluon | triton: kernels of W4A16 decode tiles
 
 
@@ -439,9 +454,10 @@ class TritonExperts(Experts):
         self.align_impl = spec.option("triton_align") or ALIGN
         if self.align_impl not in ALIGN_CHOICES:
             raise ValueError(f"triton_align={self.align_impl!r}; use one of {ALIGN_CHOICES}")
-        self.fp4_convert = spec.option("triton_fp4_convert") or FP4_CONVERT
-        if self.fp4_convert not in FP4_CONVERT_CHOICES:
-            raise ValueError(f"triton_fp4_convert={self.fp4_convert!r}; use one of {FP4_CONVERT_CHOICES}")
+        conv = spec.option("triton_fp4_convert") or FP4_CONVERT
+        if conv not in FP4_CONVERT_CHOICES:
+            raise ValueError(f"triton_fp4_convert={conv!r}; use one of {FP4_CONVERT_CHOICES}")
+        self.fp4_convert = resolve_fp4_convert(conv, self.mode, self.hidden_size, self.intermediate_size)
         self.w4a16_decode = spec.option("triton_w4a16_decode") or W4A16_DECODE_KERNEL
         if self.w4a16_decode not in W4A16_DECODE_CHOICES:
             raise ValueError(f"triton_w4a16_decode={self.w4a16_decode!r}; use one of {W4A16_DECODE_CHOICES}")

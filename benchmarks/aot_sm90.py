@@ -164,7 +164,20 @@ def analyze(compiled) -> dict:
         qgmma=len(re.findall(r"\bQGMMA\b", sass)),
         hmma=len(re.findall(r"\bHMMA\b", sass)),
         ldl_stl=len(re.findall(r"\b(LDL|STL)\b", sass)),
+        loop_ldl_stl=loop_spills(sass),
     )
+
+
+def loop_spills(sass: str) -> int:
+    """LDL / STL instructions inside loops of the SASS (between a backward branch's target and the
+    branch): the spills that cost in every iteration, unlike a few values kept across a loop."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    inside = set()
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            inside.update(a for a, _ in ins if int(m.group(1), 16) <= a <= addr)
+    return sum(1 for a, t in ins if a in inside and re.search(r"\b(LDL|STL)\b", t))
 
 
 CASES = {

@@ -17,6 +17,9 @@ k64 interleave (`interleave_fp4_k64`): canonical packing has element 2j in the l
 the kernels read 64-element K blocks where byte j (0 <= j < 32) of block b holds element 64b + j in
 its low nibble and 64b + 32 + j in its high nibble, so a K tile splits into two contiguous halves
 with no register shuffles. K must be a multiple of 64.
+Word bit permutation (`permute_fp4_words`, the triton backend's fp4 conversion "words", on the GPU):
+the k64-interleaved bytes with the 32 bits of every aligned 4-byte word permuted so that the one-shift
+PTX conversion gives the bf16 values the per-byte one gives on the plain word.
 
 fp8_block with dimensions that are not multiples of 128 (e.g. GPT-OSS H = 2880): the last block
 row/column is partial; quantization here pads it (`quantize_fp8_block`), with the same scale

@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     ap.add_argument("--quick", action="store_true", help="triton default presets only")
-    ap.add_argument("--presets", default="", help="triton runs: these presets (those the mode has), e.g. auto,wgmma")
+    ap.add_argument("--presets", default="", help="triton runs: these presets (those the mode has), e.g. auto,prefill_n128")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--experts", type=int, default=128, help="local experts")

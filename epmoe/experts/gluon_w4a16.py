@@ -356,14 +356,14 @@ def w4a16_swap_kernel(
 
 @gluon.jit
 def _permuted_k(n):
-    """Where natural K index n sits in the K_PERM order: within each 32-wide group, index 8t + 2c + b
+    """Where natural K index n sits in the wgmma kernel's K order: within each 32-wide group, index 8t + 2c + b
     goes to position 8c + 2t + b (the k position at which the wgmma kernel's A fragment holds the
     thread's natural weight byte; `permute_k` does the same to a tensor)."""
     return (n & ~31) | (n & 1) | (((n >> 3) & 3) << 1) | (((n >> 1) & 3) << 3)
 
 
 def permute_k(x):
-    """[..., K] -> the same values in the K_PERM order of the wgmma kernel (`_permuted_k`), a copy."""
+    """[..., K] -> the same values in the K order of the wgmma kernel (`_permuted_k`), a copy."""
     shape = x.shape
     return x.reshape(*shape[:-1], shape[-1] // 32, 4, 4, 2).transpose(-3, -2).reshape(shape)
 
@@ -388,7 +388,7 @@ def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_pt
             acc_u += gl.load(b_ptr + e64 * stride_be + N_OUT + n_acc)[:, None]
     if GEMM1:
         act = _act(acc_g, acc_u, alpha, beta, limit, ACT, HAS_LIMIT)
-        n_out = _permuted_k(n_acc) if K_PERM else n_acc  # gemm2 (K_PERM) reads act in the permuted K order
+        n_out = _permuted_k(n_acc) if K_PERM else n_acc  # the wgmma kernel's gemm2 reads act in the permuted K order
         o_ptrs = out_ptr + offs_p.to(gl.int64)[None, :] * stride_om + n_out[:, None]
         gl.store(o_ptrs, act.to(out_ptr.dtype.element_ty))
     else:
@@ -404,20 +404,22 @@ def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_pt
 # --------------------------------------------------------------------------- prefill: wgmma
 # Tiles of 64 or 128 routed rows run warpgroup MMAs (wgmma), swap-AB as above: the weights are the A
 # operand, dequantized into registers (wgmma reads A from registers), the routed rows the B operand.
-# One cp.async ring (STAGES K steps deep) brings the gathered token rows, the weight bytes and the
-# nvfp4 scales into shared memory. A program's MMA tile has 16 * num_warps * 2^i weight rows; gated
-# (gemm1): its first half are gate rows, its second half the up rows of the same outputs, joined in
-# the epilogue through shared memory (one accumulator). Each K step's wgmmas are issued before the
-# next step's weights are read from the ring and dequantized.
+# One cp.async ring (STAGES K steps deep) brings the gathered token rows and the weight bytes into
+# shared memory; the scales come as one word per row and K step from global memory. A program's MMA
+# tile has 16 * num_warps * 2^i weight rows; gated (gemm1): its first half are gate rows, its second
+# half the up rows of the same outputs, joined in the epilogue through shared memory (one
+# accumulator). Each K step's wgmmas are issued before the next step's weights are read from the ring
+# and dequantized.
 #
-# K order here is the natural one (the token tile in shared memory is read by the hardware in K
-# order): thread (lane 4g + t) holds A's k positions 16cg + 8cl + 2t + b of a 32-wide half (cg, cl,
-# b = 0..1), i.e. bytes 16cg + 8cl + 2t + b of the k64-interleaved row (two-byte shared-memory
-# loads); nvfp4 group cg of the half.
+# K order: the decode kernel's. Each thread reads its 8 contiguous weight bytes of a row (one 8-byte
+# shared load), which hold A's k positions 8c + 2t + b for logical K 8t + 2c + b; the hardware reads
+# the token tile from shared memory in k order, so gemm1's tokens are copied with their K permuted
+# the same way (`permute_k`) and gemm1's epilogue writes act in that order for gemm2 (`_permuted_k`).
+# (The natural K order, two-byte shared loads and their byte assembly: 763 instead of 604 loop
+# instructions, 3-8 % slower; removed after 2026-12-02.)
 #
-# H200, T = 4096: natural K order 9.5-9.6 ms (2026-12-01, the Triton kernels' output bit for bit) against
-# the Triton kernels' 10.4-10.9; K_PERM 9.3 / 8.8 ms (nvfp4 / mxfp4, 2026-12-02, the auto preset);
-# measurements, profile and next steps in docs/hopper-experts.md.
+# H200, T = 4096 (2026-12-02): 9.3 / 8.8 ms nvfp4 / mxfp4 (asm conversion), 9.2 / 8.6 (words), against
+# the Triton kernels' 10.4-10.9; measurements, profile and next steps in docs/hopper-experts.md.
 
 
 @gluon.constexpr_function
@@ -425,104 +427,40 @@ def _wgmma_layout(num_warps, BM):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16])
 
 
-@gluon.constexpr_function
-def _wn_layout(R, num_warps):
-    """[R rows, 2 (cg), 2 (cl), 8 (j)] weight bytes: lane 4g + t holds rows g (+8) of its warp's 16 (and
-    the same rows + 16 * num_warps * rep) and bytes j = 2t, 2t + 1 of each 8-byte chunk (cg, cl): k
-    positions 16cg + 8cl + 2t + b of the A fragment."""
-    warp_rows = [16 * (1 << i) for i in range(num_warps.bit_length() - 1)]
-    reps = [16 * num_warps * (1 << i) for i in range(max(0, (R // (16 * num_warps)).bit_length() - 1))]
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [8, 0, 0, 0]] + [[r, 0, 0, 0] for r in reps],
-        lane_bases=[[0, 0, 0, 2], [0, 0, 0, 4], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-        warp_bases=[[r, 0, 0, 0] for r in warp_rows],
-        block_bases=[],
-        shape=[R, 2, 2, 8],
-    )
-
-
-@gluon.constexpr_function
-def _wgmma_weight_layout(R, num_warps, k_perm):
-    """The weight bytes of a K step as the wgmma kernel reads them from the ring: [R, 4, 8] (`_w3_layout`,
-    8 contiguous bytes per thread and row) with K_PERM, else [R, 2, 2, 8] (`_wn_layout`)."""
-    return _w3_layout(R, num_warps) if k_perm else _wn_layout(R, num_warps)
-
-
-@gluon.constexpr_function
-def _wgmma_scale_layout(WN, k_perm):
-    """The scales' layout matching `_wgmma_weight_layout`: [R, 4 (t)] with K_PERM, else [R, 2 (cg)]."""
-    return gl.SliceLayout(2, WN) if k_perm else gl.SliceLayout(2, gl.SliceLayout(3, WN))
-
-
 @gluon.jit
-def _wn_operands(b, s_lo, s_hi, W_FMT: gl.constexpr, R: gl.constexpr, A_L: gl.constexpr):
-    """Weight bytes [R, 2, 2, 8] and raw scales [R, 2] (low / high half) -> the A operands (lo, hi)
-    [R, 32] bf16 of one K step."""
-    f_lo = gl.expand_dims(gl.expand_dims(_scale_bf16(s_lo, W_FMT), 2), 3)
-    f_hi = gl.expand_dims(gl.expand_dims(_scale_bf16(s_hi, W_FMT), 2), 3)
-    lo, hi = gl.inline_asm_elementwise(
-        _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [b], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
-    )
-    a_lo = gl.convert_layout(gl.reshape(lo * f_lo, [R, 32]), A_L, assert_trivial=True)
-    a_hi = gl.convert_layout(gl.reshape(hi * f_hi, [R, 32]), A_L, assert_trivial=True)
-    return a_lo, a_hi
-
-
-@gluon.jit
-def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr, K_PERM: gl.constexpr = False):
+def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr):
     """cp.async everything K step kk reads from the ring into its stage (nothing past K): the token
-    tile (two 32-wide halves), the weight bytes and (nvfp4, without K_PERM) the scales; one commit
-    group."""
-    x_lo, x_hi, w_s, s_s = ring
-    x_ptrs, cols, w_ptrs, wcols, s_ptrs, scols = ptrs
+    tile (two 32-wide halves) and the weight bytes; one commit group."""
+    x_lo, x_hi, w_s = ring
+    x_ptrs, cols, w_ptrs, wcols = ptrs
     s = kk % STAGES
     ok = (cols * 0 + kk) < num_k
     async_copy.async_copy_global_to_shared(x_lo.index(s), x_ptrs + kk * 64, mask=ok[None, :])
     async_copy.async_copy_global_to_shared(x_hi.index(s), x_ptrs + (kk * 64 + 32), mask=ok[None, :])
     okw = (wcols * 0 + kk) < num_k
     async_copy.async_copy_global_to_shared(w_s.index(s), w_ptrs + kk * 32, mask=okw[None, :])
-    if W_FMT == 2 and not K_PERM:
-        oks = (scols * 0 + kk) < num_k
-        async_copy.async_copy_global_to_shared(s_s.index(s), s_ptrs + kk * 4, mask=oks[None, :])
     async_copy.commit_group()
 
 
 @gluon.jit
 def _ring_operands(ring, sr_ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr, R: gl.constexpr,
-                   WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr, K_PERM: gl.constexpr = False,
-                   WORDS: gl.constexpr = False):
-    """The A operands of K step kk from its ring stage (mxfp4 scales: two bytes per row, read from
-    global memory). K_PERM (WN: `_w3_layout`; sr_ptrs: (scale-word pointers [R, 4], bit offsets of
-    the thread's low-half group)): each thread reads its 8 contiguous bytes of a row (one 8-byte
-    shared load), which hold A's k positions 8c + 2t + b (the decode kernel's order; the token
-    tile's K is permuted to match, see w4a16_wgmma_kernel), and its scales from the row's word."""
-    x_lo, x_hi, w_s, s_s = ring
+                   WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False):
+    """The A operands of K step kk: each thread's 8 contiguous weight bytes of a row from the ring stage
+    (WN: `_w3_layout`), its scales from the row's scale word (sr_ptrs: (scale-word pointers [R, 4],
+    bit offsets of the thread's low-half group))."""
+    x_lo, x_hi, w_s = ring
     s = kk % STAGES
-    if K_PERM:
-        w_ptrs, shift = sr_ptrs
-        b3 = w_s.index(s).reshape([R, 4, 8]).load(WN)
-        word = gl.load(w_ptrs + gl.minimum(kk, num_k - 1)).to(gl.int32)
-        s_lo, s_hi = _step_scales(word, shift, 2 if W_FMT == 2 else 1)
-        lo, hi = _dequant3(b3, gl.expand_dims(s_lo, 2), gl.expand_dims(s_hi, 2), W_FMT, WORDS)
-        a_lo = _to_a(lo, R, A_L)
-        a_hi = _to_a(hi, R, A_L)
-    else:
-        b = w_s.index(s).reshape([R, 2, 2, 8]).load(WN)
-        if W_FMT == 2:
-            s_lo = s_s.index(s).slice(0, 2, dim=1).load(S2)
-            s_hi = s_s.index(s).slice(2, 2, dim=1).load(S2)
-        else:
-            k = gl.minimum(kk, num_k - 1)
-            s_lo = gl.load(sr_ptrs + k * 2)
-            s_hi = gl.load(sr_ptrs + (k * 2 + 1))
-        a_lo, a_hi = _wn_operands(b, s_lo, s_hi, W_FMT, R, A_L)
-    return a_lo, a_hi
+    w_ptrs, shift = sr_ptrs
+    b3 = w_s.index(s).reshape([R, 4, 8]).load(WN)
+    word = gl.load(w_ptrs + gl.minimum(kk, num_k - 1)).to(gl.int32)
+    s_lo, s_hi = _step_scales(word, shift, 2 if W_FMT == 2 else 1)
+    lo, hi = _dequant3(b3, gl.expand_dims(s_lo, 2), gl.expand_dims(s_hi, 2), W_FMT, WORDS)
+    return _to_a(lo, R, A_L), _to_a(hi, R, A_L)
 
 
 @gluon.jit
 def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
-                R: gl.constexpr, WN: gl.constexpr, S2: gl.constexpr, A_L: gl.constexpr, K_PERM: gl.constexpr = False,
-                WORDS: gl.constexpr = False):
+                R: gl.constexpr, WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False):
     """K step kk: its wgmmas (operands a_lo / a_hi) run while step kk + 1's operands are dequantized
     from the ring. -> step kk + 1's operands."""
     # steps <= kk + 1 have landed (for every thread), and every warpgroup is done with the wgmmas of
@@ -530,12 +468,12 @@ def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.cons
     async_copy.wait_group(STAGES - 3)
     fence_async_shared()
     gl.thread_barrier()
-    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES, W_FMT, K_PERM)
-    x_lo, x_hi, w_s, s_s = ring
+    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES)
+    x_lo, x_hi, w_s = ring
     s = kk % STAGES
     acc = warpgroup_mma(a_lo, x_lo.index(s).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(a_hi, x_hi.index(s).permute((1, 0)), acc, is_async=True)
-    n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, S2, A_L, K_PERM, WORDS)
+    n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, A_L, WORDS)
     acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
     return acc, n_lo, n_hi
 
@@ -562,24 +500,22 @@ def w4a16_wgmma_kernel(
     HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr,  # routed rows per tile: 64 or 128 (the wgmma's N)
     BLOCK_N: gl.constexpr,  # outputs per program (MMA tile rows R: BLOCK_N, gated 2 * BLOCK_N; 16 * num_warps * 2^i)
-    STAGES: gl.constexpr,  # K steps in flight (cp.async ring: tokens, weights, nvfp4 scales); >= 3
-    K_PERM: gl.constexpr = False,  # K order of the decode kernel (8-byte weight loads); x's K permuted to match
-    WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words"; needs K_PERM)
+    STAGES: gl.constexpr,  # K steps in flight (cp.async ring: tokens, weights); >= 3
+    WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
 ):
-    """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows."""
+    """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows; x's K
+    in the order of `permute_k` for gemm1 (gemm2 reads the act gemm1 wrote in it)."""
     num_warps: gl.constexpr = gl.num_warps()
     R: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # MMA tile rows (gated: BLOCK_N gate rows, then up rows)
     gl.static_assert(R % (16 * num_warps) == 0)
     gl.static_assert(STAGES >= 3)
-    gl.static_assert(K_PERM or not WORDS)  # natural K order converts bytes of different words together
     MMA: gl.constexpr = _wgmma_layout(num_warps, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    WN: gl.constexpr = _wgmma_weight_layout(R, num_warps, K_PERM)
-    S2: gl.constexpr = _wgmma_scale_layout(WN, K_PERM)  # [R, 2 (cg)] scales; K_PERM: [R, 4 (t)]
+    WN: gl.constexpr = _w3_layout(R, num_warps)  # [R, 4, 8] weight bytes of a K step, 8 contiguous per thread
+    S2: gl.constexpr = gl.SliceLayout(2, WN)  # [R, 4 (t)] scales
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])  # [BM, 32] token halves
     XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     WC: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [num_warps, 1], [1, 0])  # [R, 32] weight bytes
-    SC: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [num_warps, 1], [1, 0])  # [R, 4] nvfp4 scales
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
     pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
@@ -592,65 +528,57 @@ def w4a16_wgmma_kernel(
         wrow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, WC))
         wcols = gl.arange(0, 32, layout=gl.SliceLayout(0, WC))
         w_ptrs = w_ptr + e64 * stride_we + wrow[:, None] * stride_wn + wcols[None, :]
-        srow_c = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, SC))
-        scols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC))
-        s_ptrs = ws_ptr + e64 * stride_wse + srow_c[:, None] * stride_wsn + scols[None, :]
-        if K_PERM:  # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row
-            srow3 = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
-            ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
-            s_rows = ws_ptr + e64 * stride_wse + srow3[:, None] * stride_wsn + (ts * 0)[None, :]
-            WTYPE: gl.constexpr = gl.int32 if W_FMT == 2 else gl.int16
-            GROUP_BITS: gl.constexpr = 8 if W_FMT == 2 else 0  # nvfp4: t's low-half group is byte t // 2
-            sr_ptrs = (s_rows.to(gl.pointer_type(WTYPE), bitcast=True),
-                       ((ts // 2) * GROUP_BITS)[None, :] + (srow3 * 0).to(gl.int32)[:, None])
-        else:  # mxfp4: scale pointers in the operand layout (group 2kk low half, 2kk + 1 high half)
-            srow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
-            cs = gl.arange(0, 2, layout=gl.SliceLayout(0, S2))
-            sr_ptrs = ws_ptr + e64 * stride_wse + srow[:, None] * stride_wsn + (cs * 0)[None, :]
+        # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row
+        srow3 = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
+        ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
+        s_rows = ws_ptr + e64 * stride_wse + srow3[:, None] * stride_wsn + (ts * 0)[None, :]
+        WTYPE: gl.constexpr = gl.int32 if W_FMT == 2 else gl.int16
+        GROUP_BITS: gl.constexpr = 8 if W_FMT == 2 else 0  # nvfp4: t's low-half group is byte t // 2
+        sr_ptrs = (s_rows.to(gl.pointer_type(WTYPE), bitcast=True),
+                   ((ts // 2) * GROUP_BITS)[None, :] + (srow3 * 0).to(gl.int32)[:, None])
 
         x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
         x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
         w_s = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 32], PLAIN)
-        s_s = gl.allocate_shared_memory(ws_ptr.dtype.element_ty, [STAGES, R, 4], PLAIN)
-        ring = (x_lo, x_hi, w_s, s_s)
-        ptrs = (x_ptrs, cols, w_ptrs, wcols, s_ptrs, scols)
+        ring = (x_lo, x_hi, w_s)
+        ptrs = (x_ptrs, cols, w_ptrs, wcols)
 
         num_k = K // 64
         for i in gl.static_range(STAGES - 1):
-            _ring_copy(ring, ptrs, i, num_k, STAGES, W_FMT, K_PERM)
+            _ring_copy(ring, ptrs, i, num_k, STAGES)
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         acc = gl.zeros([R, BLOCK_M], gl.float32, MMA)
-        a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, S2, A_L, K_PERM, WORDS)
+        a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, A_L, WORDS)
         # two K steps per iteration: the operands of the step in flight and of the next one live in
         # different registers without a copy at the loop's end
         for kk in range(0, num_k - 1, 2):
-            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, S2, A_L,
-                                          K_PERM, WORDS)
+            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, A_L,
+                                          WORDS)
             acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                          S2, A_L, K_PERM, WORDS)
+                                          A_L, WORDS)
         if num_k % 2:
             acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                          S2, A_L, K_PERM, WORDS)
+                                          A_L, WORDS)
         async_copy.wait_group(0)
 
         if GATED:
             _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
-                            alpha, beta, limit, W_FMT, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, R, num_warps,
-                            K_PERM)
+                            alpha, beta, limit, W_FMT, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, R, num_warps)
         else:
             _epilogue(acc, acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
                       N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
-                      GEMM1, W_FMT, False, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA, K_PERM)
+                      GEMM1, W_FMT, False, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA, True)
 
 
 @gluon.jit
 def _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
                     alpha, beta, limit, W_FMT: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
                     HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, R: gl.constexpr,
-                    num_warps: gl.constexpr, K_PERM: gl.constexpr = False):
+                    num_warps: gl.constexpr):
     """acc [gate rows; up rows] x [tile rows] -> act [tile rows, BLOCK_N outputs] (through shared memory:
-    gate and up of one output live in different warpgroups)."""
+    gate and up of one output live in different warpgroups), at act's K positions for gemm2
+    (`_permuted_k`)."""
     EL: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, num_warps], [0, 1])  # [BN, BM], n fastest
     ES: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     buf = gl.allocate_shared_memory(gl.float32, [R, BLOCK_M], ES)
@@ -668,5 +596,5 @@ def _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, strid
         g += gl.load(b_ptr + e64 * stride_be + n)[:, None]
         u += gl.load(b_ptr + e64 * stride_be + N_OUT + n)[:, None]
     act = _act(g, u, alpha, beta, limit, ACT, HAS_LIMIT)
-    n_out = _permuted_k(n) if K_PERM else n  # gemm2 reads act in the permuted K order
+    n_out = _permuted_k(n)  # gemm2 reads act in the permuted K order
     gl.store(out_ptr + p.to(gl.int64)[None, :] * stride_om + n_out[:, None], act.to(out_ptr.dtype.element_ty))

@@ -82,7 +82,6 @@ class TritonConfig:
     gemm2: GemmConfig
     split_m: bool = False
     wgmma: bool = False
-    k_perm: bool = False  # wgmma: the decode kernel's K order (8-byte weight loads; gemm1's tokens permuted)
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
@@ -93,8 +92,8 @@ class TritonConfig:
         )
 
 
-def _cfg(name, bm, g1, g2, split=False, wgmma=False, k_perm=False) -> TritonConfig:
-    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, k_perm)
+def _cfg(name, bm, g1, g2, split=False, wgmma=False) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma)
 
 
 # Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
@@ -146,16 +145,10 @@ _FP4_PRESETS = {
     "prefill_n256": _cfg("prefill_n256", 128, (128, 64, 8, 3), (256, 64, 8, 3), split=True),
     # the Gluon wgmma kernel: MMA tiles of 16 * num_warps * 2^i weight rows (gated: half gate, half up),
     # num_stages K steps in flight (>= 3); block_n = its outputs per program
-    "wgmma": _cfg("wgmma", 128, (64, 64, 8, 5), (128, 64, 8, 5), wgmma=True),
-    "wgmma_s4": _cfg("wgmma_s4", 128, (64, 64, 8, 4), (128, 64, 8, 4), wgmma=True),
-    "wgmma_m64": _cfg("wgmma_m64", 64, (64, 64, 8, 5), (128, 64, 8, 5), wgmma=True),
-    "wgmma_w4": _cfg("wgmma_w4", 128, (32, 64, 4, 5), (64, 64, 4, 5), wgmma=True),
-    "wgmma_w4r128": _cfg("wgmma_w4r128", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
-    "wgmma_w4r128_s3": _cfg("wgmma_w4r128_s3", 128, (64, 64, 4, 3), (128, 64, 4, 3), wgmma=True),
-    "wgmma_w4r128_m64": _cfg("wgmma_w4r128_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
-    "wgmma_w4r128_kp": _cfg("wgmma_w4r128_kp", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True, k_perm=True),
-    "wgmma_r256": _cfg("wgmma_r256", 128, (128, 64, 8, 3), (256, 64, 8, 4), wgmma=True),
-    "wgmma_g2r256": _cfg("wgmma_g2r256", 128, (64, 64, 8, 5), (256, 64, 8, 4), wgmma=True),
+    # (the natural-K-order variants "wgmma", "_m64", "_w4", "_w4r128", "_r256", ..., measured slower
+    # than the decode kernel's K order, were removed after 2026-12-02: docs/hopper-experts.md)
+    "wgmma_w4r128_kp": _cfg("wgmma_w4r128_kp", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
+    "wgmma_w4r128_kp_m64": _cfg("wgmma_w4r128_kp_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
 }
 
 # The tuned table: preset by mean rows per local expert (upper bounds, inclusive; None = any).
@@ -812,10 +805,9 @@ class TritonExperts(Experts):
             return False
         I, H = self.intermediate_size, self.hidden_size
         if cfg.wgmma:
-            if self._fp4_kernel_convert == 3 and not cfg.k_perm:
-                return False  # natural K order: a conversion call would take bytes of different words
             n1, n2 = self._wgmma_block_n(True, cfg), self._wgmma_block_n(False, cfg)
-            scales_align = self.mode != "nvfp4_w4a16" or ((H // 16) % 16 == 0 and (I // 16) % 16 == 0)  # cp.async
+            # nvfp4 scale rows 16-byte aligned (the kernel reads 4-byte words; only such shapes ran)
+            scales_align = self.mode != "nvfp4_w4a16" or ((H // 16) % 16 == 0 and (I // 16) % 16 == 0)
             return (cfg.block_m in GLUON_WGMMA_BLOCK_MS and not cfg.split_m and scales_align
                     and I % n1 == 0 and H % n2 == 0 and H % 64 == 0 and I % 64 == 0)
         return (
@@ -863,13 +855,13 @@ class TritonExperts(Experts):
         if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
-            if cfg.k_perm and gemm1:  # the tokens' K in the kernel's order (gemm1 writes act in it for gemm2)
+            if gemm1:  # the tokens' K in the kernel's order (gemm1 writes act in it for gemm2)
                 from epmoe.experts.gluon_w4a16 import permute_k
 
                 xp = permute_k(x)
                 args = (xp,) + args[1:13] + (xp.stride(0),) + args[14:]
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,
-                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, K_PERM=cfg.k_perm, num_warps=g.num_warps))
+                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, num_warps=g.num_warps))
             return
         unroll, BN, warps = self._gluon_decode_tiles()
         while (k // 64) % unroll:

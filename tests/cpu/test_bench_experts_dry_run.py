@@ -47,10 +47,10 @@ def test_dry_run_quick_and_bad_args():
 def test_dry_run_presets_filter():
     """--presets replaces the triton runs' presets with those the mode has (others are left out)."""
     r = _run("--dry-run", "--backends", "triton", "--modes", "bf16,nvfp4_w4a16", "--decode-tokens", "0",
-             "--presets", "auto,wgmma_w4r128,prefill_n128,nope")
+             "--presets", "auto,wgmma_w4r128_kp,prefill_n128,nope")
     assert r.returncode == 0, r.stderr
     assert "plan: 5 runs" in r.stdout, r.stdout
-    assert "nvfp4_w4a16  prefill T= 4096 preset=wgmma_w4r128" in r.stdout
+    assert "nvfp4_w4a16  prefill T= 4096 preset=wgmma_w4r128_kp" in r.stdout
     assert "bf16         prefill T= 4096 preset=prefill_n128" in r.stdout
     assert "wgmma" not in r.stdout.split("nvfp4")[0], "bf16 has no wgmma presets"
     assert "nope" not in r.stdout

@@ -282,8 +282,8 @@ def test_mxfp4_packed_conversion_range_at_load(force_available):
 def test_words_conversion_stores_bit_permuted_words(force_available, monkeypatch, mode):
     """Convert mode "words" (outside the interpreter, where its PTX runs): the fp4 weights are the asm
     mode's bytes with every 4-byte word bit-permuted (`kernel_formats.permute_fp4_words`), the scales
-    unchanged; the kernels get conversion 3 (`WORDS` for the Gluon kernels), and the natural-K-order
-    wgmma presets give way to the Triton kernels. Under the interpreter the bytes stay plain. This
+    unchanged; the kernels get conversion 3 (`WORDS` for the Gluon kernels). Under the interpreter
+    the bytes stay plain. This
     checks the layout and the kernel choice only; the kernels' results are GPU tests."""
     from epmoe.experts import triton_experts as TE
 
@@ -307,8 +307,8 @@ def test_words_conversion_stores_bit_permuted_words(force_available, monkeypatch
     ex = runs["words"]
     assert ex._fp4_kernel_convert == 3 and runs["asm"]._fp4_kernel_convert == 2
     presets = presets_for(mode)
-    assert not ex.uses_gluon_w4a16(presets["wgmma_w4r128"]) and runs["asm"].uses_gluon_w4a16(presets["wgmma_w4r128"])
-    assert ex.uses_gluon_w4a16(presets["wgmma_w4r128_kp"]) and ex.uses_gluon_w4a16(presets["decode"])
+    for name in ("wgmma_w4r128_kp", "decode"):  # every Gluon kernel converts whole words
+        assert ex.uses_gluon_w4a16(presets[name]) and runs["asm"].uses_gluon_w4a16(presets[name]), name
     monkeypatch.setattr(TE, "interpreter_enabled", lambda: True)
     plain = TritonExperts(ExpertsSpec(base.config, 1, 2, CPU, plan=base.plan, options=(("triton_fp4_convert", "words"),)))
     plain.load_weights(q)

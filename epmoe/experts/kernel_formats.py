@@ -130,14 +130,18 @@ def _fp4_word_moves():
     ]
 
 
-def permute_fp4_words(kpacked: torch.Tensor, chunk_words: int = 1 << 22) -> torch.Tensor:
+def permute_fp4_words(kpacked: torch.Tensor, chunk_words: int = 1 << 22, inplace: bool = False) -> torch.Tensor:
     """fp4 kernel packing [..., C/2] uint8 (C/2 % 4 == 0) -> the same bytes with the 32 bits of every
     aligned 4-byte word permuted for the conversion of mode "words" (above); inverse
-    `unpermute_fp4_words`. New storage on the input's device; int32 scratch of ~10 x chunk_words."""
+    `unpermute_fp4_words`. New storage on the input's device, or with inplace (a contiguous input the
+    caller owns) the input itself, chunk by chunk: no second copy of the weights at load. int32
+    scratch of ~10 x chunk_words."""
     if kpacked.shape[-1] % 4:
         raise ValueError(f"the fp4 word layout needs K/2 % 4 == 0 bytes per row, got {kpacked.shape[-1]}")
+    if inplace and not kpacked.is_contiguous():
+        raise ValueError("permute_fp4_words(inplace=True) needs a contiguous tensor")
     src = kpacked.contiguous().view(torch.int32).reshape(-1)  # little-endian words: byte j at bits 8j
-    out = torch.empty_like(src)
+    out = src if inplace else torch.empty_like(src)
     moves = _fp4_word_moves()
     for lo in range(0, src.numel(), chunk_words):
         w = src[lo:lo + chunk_words]
@@ -145,7 +149,7 @@ def permute_fp4_words(kpacked: torch.Tensor, chunk_words: int = 1 << 22) -> torc
         for nib, i, dst in moves:
             bit = 4 * (nib % 4 * 2 + nib // 4) + i  # nibble bit i of byte nib % 4 (low / high nibble)
             acc |= ((w >> bit) & 1) << dst
-        out[lo:lo + chunk_words] = acc
+        out[lo:lo + chunk_words] = acc  # (inplace: this chunk is read before it is written)
     return out.view(torch.uint8).reshape(kpacked.shape)
 
 

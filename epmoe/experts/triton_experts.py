@@ -592,9 +592,9 @@ class TritonExperts(Experts):
                 f"scale exponents {'<=' if words else '>'} 128), but this backend was loaded with the other one; "
                 f"construct it with triton_fp4_convert=asm"
             )
-        if words:
-            new["w13"] = kf.permute_fp4_words(new["w13"])
-            new["w2"] = kf.permute_fp4_words(new["w2"])
+        if words:  # new's fp4 tensors are this call's own contiguous copies: permuted in place
+            new["w13"] = kf.permute_fp4_words(new["w13"], inplace=True)
+            new["w2"] = kf.permute_fp4_words(new["w2"], inplace=True)
         expected = self._expected_shapes()
         for name, shape in expected.items():
             if tuple(new[name].shape) != shape:

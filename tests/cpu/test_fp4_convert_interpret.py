@@ -124,6 +124,24 @@ def test_words_conversion_text_builds_the_same_words_from_permuted_bits():
         assert [got[f"${j}"] for j in range(4)] == [want[f"${j}"] for j in range(4)], hex(word)
 
 
+def test_permute_fp4_words_in_place_equals_the_copy():
+    """inplace=True (the backend's load path) permutes the caller's tensor chunk by chunk to the same
+    bytes as the copying call, chunks not dividing the words included; a non-contiguous tensor is
+    refused."""
+    import torch
+
+    from epmoe.experts import kernel_formats as kf
+
+    x = torch.randint(0, 256, (3, 7, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    want = kf.permute_fp4_words(x)
+    y = x.clone()
+    got = kf.permute_fp4_words(y, chunk_words=5, inplace=True)
+    assert got.data_ptr() == y.data_ptr() and torch.equal(got, want) and torch.equal(y, want)
+    assert torch.equal(kf.unpermute_fp4_words(y), x)
+    with pytest.raises(ValueError, match="contiguous"):
+        kf.permute_fp4_words(x.transpose(0, 1), inplace=True)
+
+
 def test_permute_fp4_words_rejects_rows_of_partial_words():
     import torch
 

@@ -288,14 +288,21 @@ def kernel_function(device: torch.device, name: str):
 # --------------------------------------------------------------------------- backend
 
 
+def _words_tiles(mode: str, hidden_size: int, intermediate_size: int) -> Optional[Tuple[int, int, int]]:
+    """GLUON_W4A16_WORDS_TILES' entry for `mode` where its rows divide both projections, else None."""
+    tiles = GLUON_W4A16_WORDS_TILES.get(mode)
+    if tiles is None or intermediate_size % tiles[1] or hidden_size % tiles[1]:
+        return None
+    return tiles
+
+
 def resolve_fp4_convert(convert: str, mode: str, hidden_size: int, intermediate_size: int) -> str:
     """The fp4 conversion a backend runs for `convert` (FP4_CONVERT_CHOICES): "auto" is "words", except
     for mxfp4 where GLUON_W4A16_WORDS_TILES' rows do not divide both projections ("asm", measured faster
     there); the others as given."""
     if convert != "auto":
         return convert
-    tiles = GLUON_W4A16_WORDS_TILES.get(mode)
-    if mode == "mxfp4_w4a16" and (tiles is None or intermediate_size % tiles[1] or hidden_size % tiles[1]):
+    if mode == "mxfp4_w4a16" and _words_tiles(mode, hidden_size, intermediate_size) is None:
         return "asm"
     return "words"
 
@@ -480,37 +487,35 @@ class TritonExperts(Experts):
             return f"torch._grouped_mm has its CUTLASS path on sm90 / sm100 only, this GPU is sm{cap[0]}{cap[1]}"
         return None
 
-    @property
-    def fp4_packed(self) -> bool:
-        """Do the fp4 GEMM loops build bf16 bits (`_fp4_dequant_packed`, Triton ops or inline PTX)?"""
+    def _packed_with(self, scales_ok: bool) -> bool:
+        """`fp4_packed` for weights whose mxfp4 scale exponents are all <= 128 (scales_ok) or not."""
         return (
             self.mode in ("nvfp4_w4a16", "mxfp4_w4a16")
             and self.fp4_convert in ("asm", "words", "packed")
             and self.config.dtype == torch.bfloat16
-            and self._fp4_scales_ok
+            and scales_ok
         )
 
     @property
-    def _fp4_kernel_convert(self) -> int:
-        """FP4_PACKED for the kernels: 0 legacy, 1 packed (Triton ops), 2 packed bits from inline PTX,
-        3 the same from bit-permuted words (not under the interpreter, which cannot run PTX: there
-        asm and words are 1, the same bits, on plain bytes)."""
-        if not self.fp4_packed:
+    def fp4_packed(self) -> bool:
+        """Do the fp4 GEMM loops build bf16 bits (`_fp4_dequant_packed`, Triton ops or inline PTX)?"""
+        return self._packed_with(self._fp4_scales_ok)
+
+    def _kernel_convert_with(self, scales_ok: bool) -> int:
+        """`_fp4_kernel_convert` for weights with or without scales_ok (see `_packed_with`)."""
+        if not self._packed_with(scales_ok):
             return 0
         if interpreter_enabled():
             return 1
         return {"asm": 2, "words": 3}.get(self.fp4_convert, 1)
 
-    def _fp4_words_layout(self, prepared: Dict[str, torch.Tensor]) -> bool:
-        """Are the fp4 weights of `prepared` (plain kernel bytes) to be stored bit-permuted per word
-        (convert mode "words" where its PTX runs: the conversion `_fp4_kernel_convert` 3)?"""
-        return (
-            self.mode in ("nvfp4_w4a16", "mxfp4_w4a16")
-            and self.fp4_convert == "words"
-            and self.config.dtype == torch.bfloat16
-            and not interpreter_enabled()
-            and (self.mode != "mxfp4_w4a16" or _mx_scales_packable(prepared))
-        )
+    @property
+    def _fp4_kernel_convert(self) -> int:
+        """FP4_PACKED for the kernels: 0 legacy, 1 packed (Triton ops), 2 packed bits from inline PTX,
+        3 the same from bit-permuted words (not under the interpreter, which cannot run PTX: there
+        asm and words are 1, the same bits, on plain bytes). 3 is also the weights' layout: bit-permuted
+        words (`kernel_formats.permute_fp4_words`)."""
+        return self._kernel_convert_with(self._fp4_scales_ok)
 
     def uses_grouped_mm(self, num_entries: int) -> bool:
         """Does a forward of `num_entries` routed (row, slot) entries run the grouped_mm path?"""
@@ -577,14 +582,15 @@ class TritonExperts(Experts):
         if cfg.has_bias:
             new["b13"] = _owned(weights.b13, dev, torch.float32)
             new["b2"] = _owned(weights.b2, dev, torch.float32)
-        if self.mode == "mxfp4_w4a16" and self._params and self.fp4_packed and not _mx_scales_packable(new):
+        scales_ok = self.mode != "mxfp4_w4a16" or _mx_scales_packable(new)
+        if self.mode == "mxfp4_w4a16" and self._params and self.fp4_packed and not scales_ok:
             # captured CUDA graphs keep the packed conversion: refuse rather than compute garbage
             raise ValueError(
                 "reloaded mxfp4 weights have scale exponents > 128 (weights above 2 * 6), which the packed "
                 "fp4 conversion this backend was loaded with cannot represent; construct it with "
                 "triton_fp4_convert=legacy"
             )
-        words = self._fp4_words_layout(new)
+        words = self._kernel_convert_with(scales_ok) == 3  # the layout these bytes get (plain or words)
         if self._params and words != self._fp4_words:
             # captured CUDA graphs read the loaded layout: refuse rather than compute garbage
             raise ValueError(
@@ -715,7 +721,7 @@ class TritonExperts(Experts):
         preset and what else the plan reads that may change (the fp4 conversion: a reload can switch
         it; the W4A16 decode kernel choice; FP4_SCALE_PREFETCH and the Gluon decode tiles, module settings)."""
         conv = self._fp4_kernel_convert
-        key = (id(cfg), top_k, conv, FP4_SCALE_PREFETCH, self.w4a16_decode, self._gluon_decode_tiles())
+        key = (id(cfg), top_k, conv, FP4_SCALE_PREFETCH, self.w4a16_decode, self._gluon_decode_tiles(conv))
         plan = self._tile_plans.get(key)
         if plan is not None and plan[0] is cfg:
             return plan
@@ -801,7 +807,8 @@ class TritonExperts(Experts):
 
     def uses_gluon_w4a16(self, cfg: TritonConfig) -> bool:
         """Do this tile preset's GEMMs run the Gluon W4A16 kernels (`epmoe.experts.gluon_w4a16`)?"""
-        if self._fp4_kernel_convert not in (2, 3) or not _gluon_available():  # W4A16, bf16, asm, no interpreter
+        conv = self._fp4_kernel_convert
+        if conv not in (2, 3) or not _gluon_available():  # W4A16, bf16, asm / words, no interpreter
             return False
         I, H = self.intermediate_size, self.hidden_size
         if cfg.wgmma:
@@ -814,18 +821,17 @@ class TritonExperts(Experts):
             self.w4a16_decode == "gluon"
             and cfg.block_m in GLUON_W4A16_BLOCK_MS
             and not cfg.split_m
-            and I % self._gluon_decode_tiles()[1] == 0
-            and H % self._gluon_decode_tiles()[1] == 0
+            and I % self._gluon_decode_tiles(conv)[1] == 0
+            and H % self._gluon_decode_tiles(conv)[1] == 0
         )
 
-    def _gluon_decode_tiles(self) -> Tuple[int, int, int]:
-        """(K steps per iteration, weight rows per program, warps) of the Gluon W4A16 decode kernel:
-        GLUON_W4A16_WORDS_TILES' for this mode with the words conversion where its rows divide both
-        projections, else GLUON_W4A16_UNROLL / _BLOCK_N / _WARPS."""
-        t = GLUON_W4A16_WORDS_TILES.get(self.mode) if self._fp4_kernel_convert == 3 else None
-        if t is None or self.intermediate_size % t[1] or self.hidden_size % t[1]:
-            return GLUON_W4A16_UNROLL, GLUON_W4A16_BLOCK_N, GLUON_W4A16_WARPS
-        return t
+    def _gluon_decode_tiles(self, conv: int) -> Tuple[int, int, int]:
+        """(K steps per iteration, weight rows per program, warps) of the Gluon W4A16 decode kernel for
+        the kernels' fp4 conversion `conv` (`_fp4_kernel_convert`): GLUON_W4A16_WORDS_TILES' for this
+        mode with the words conversion (3) where its rows divide both projections, else
+        GLUON_W4A16_UNROLL / _BLOCK_N / _WARPS."""
+        t = _words_tiles(self.mode, self.hidden_size, self.intermediate_size) if conv == 3 else None
+        return t if t is not None else (GLUON_W4A16_UNROLL, GLUON_W4A16_BLOCK_N, GLUON_W4A16_WARPS)
 
     def _wgmma_block_n(self, gemm1: bool, cfg: TritonConfig) -> int:
         """Outputs per program of the Gluon wgmma kernel: the preset's block_n gated (its MMA tile: as many
@@ -842,6 +848,7 @@ class TritonExperts(Experts):
         b = p.get("b13" if gemm1 else "b2", w)
         n_out, k = (I, H) if gemm1 else (H, I)
         ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
+        conv = self._fp4_kernel_convert
         args = (
             x, w, ws, wg, b, out, w_flat if w_flat is not None else out,
             blocks.sorted_ids, blocks.block_expert,
@@ -851,7 +858,7 @@ class TritonExperts(Experts):
         )  # fmt: skip
         consts = dict(GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
                       HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m,
-                      WORDS=self._fp4_kernel_convert == 3)
+                      WORDS=conv == 3)
         if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
@@ -863,7 +870,7 @@ class TritonExperts(Experts):
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,
                          dict(consts, BLOCK_N=BN, STAGES=g.num_stages, num_warps=g.num_warps))
             return
-        unroll, BN, warps = self._gluon_decode_tiles()
+        unroll, BN, warps = self._gluon_decode_tiles(conv)
         while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}

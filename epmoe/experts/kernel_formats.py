@@ -121,9 +121,10 @@ FP4_WORD_SOURCE = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
 
 
 def _fp4_word_moves():
-    """[(nibble 0-7, nibble bit, permuted-word bit)] of `permute_fp4_words`, 32 entries."""
+    """[(bit of the plain word, bit of the permuted word)] of `permute_fp4_words`, 32 pairs: nibble bit i
+    of byte j's low / high nibble is plain bit 8j + i / 8j + 4 + i."""
     return [
-        (nib, i, src + 16 * half)
+        (8 * (nib % 4) + 4 * (nib // 4) + i, src + 16 * half)
         for (nibs, srcs) in zip(FP4_WORD_NIBBLES, FP4_WORD_SOURCE)
         for half, nib in enumerate(nibs)
         for i, src in enumerate(srcs)
@@ -146,9 +147,8 @@ def permute_fp4_words(kpacked: torch.Tensor, chunk_words: int = 1 << 22, inplace
     for lo in range(0, src.numel(), chunk_words):
         w = src[lo:lo + chunk_words]
         acc = torch.zeros_like(w)
-        for nib, i, dst in moves:
-            bit = 4 * (nib % 4 * 2 + nib // 4) + i  # nibble bit i of byte nib % 4 (low / high nibble)
-            acc |= ((w >> bit) & 1) << dst
+        for src_bit, dst in moves:
+            acc |= ((w >> src_bit) & 1) << dst
         out[lo:lo + chunk_words] = acc  # (inplace: this chunk is read before it is written)
     return out.view(torch.uint8).reshape(kpacked.shape)
 
@@ -157,8 +157,8 @@ def unpermute_fp4_words(words: torch.Tensor) -> torch.Tensor:
     """Inverse of `permute_fp4_words`."""
     w = words.contiguous().view(torch.int32).reshape(-1)
     acc = torch.zeros_like(w)
-    for nib, i, dst in _fp4_word_moves():
-        acc |= ((w >> dst) & 1) << (4 * (nib % 4 * 2 + nib // 4) + i)
+    for src_bit, dst in _fp4_word_moves():
+        acc |= ((w >> dst) & 1) << src_bit
     return acc.view(torch.uint8).reshape(words.shape)
 
 

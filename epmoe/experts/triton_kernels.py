@@ -136,7 +136,7 @@ _E2M1_BF16_WORDS_ASM = tl.constexpr(_e2m1_bf16_words_asm())
 
 
 @triton.jit
-def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, ASM: tl.constexpr = 0):
+def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, FP4_PACKED: tl.constexpr = 1):
     """`_fp4_dequant` with bf16 built from the bits, two values per integer op (bf16 models only).
 
     For each byte b (low nibble = K element j, high nibble = j + HALF), one 32-bit word holds both
@@ -152,14 +152,15 @@ def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constex
              into the per-expert global scale on the fp32 accumulator (power-of-two scaling
              commutes with fp32 rounding: the same result bit for bit)
     bf16 multiplies keep subnormal operands (PTX mul/fma .bf16 have no flush-to-zero).
-    ASM: the same bit patterns from inline PTX (`_E2M1_BF16_ASM`, 4 bytes per call: ~2 instructions
-    per value instead of ~5); ASM 3: from the bit-permuted words of convert mode "words"
-    (`_E2M1_BF16_WORDS_ASM`); the interpreter cannot run PTX, so launches under it pass ASM=0."""
-    if ASM == 3:
+    FP4_PACKED 1: these Triton integer ops; 2: the same bit patterns from inline PTX (`_E2M1_BF16_ASM`,
+    4 bytes per call: ~2 instructions per value instead of ~5); 3: from the bit-permuted words of
+    convert mode "words" (`_E2M1_BF16_WORDS_ASM`); the interpreter cannot run PTX, so launches under
+    it pass 1."""
+    if FP4_PACKED == 3:
         lo, hi = tl.inline_asm_elementwise(
             _E2M1_BF16_WORDS_ASM, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
         )
-    elif ASM:
+    elif FP4_PACKED == 2:
         lo, hi = tl.inline_asm_elementwise(
             _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
         )
@@ -193,7 +194,7 @@ def _fp4_block(p, s_ptrs, n0, n1, n2, n3, kk, num_k, HALF: tl.constexpr, W_FMT: 
     else:
         c0, c1, c2, c3 = _fp4_scales(s_ptrs, kk, W_FMT)
     if FP4_PACKED:
-        w_lo, w_hi = _fp4_dequant_packed(p, c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED if FP4_PACKED >= 2 else 0)
+        w_lo, w_hi = _fp4_dequant_packed(p, c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED)
     else:
         w_lo, w_hi = _fp4_dequant(p, c0, c1, c2, c3, HALF, W_FMT, OUT_DTYPE)
     return w_lo, w_hi, n0, n1, n2, n3

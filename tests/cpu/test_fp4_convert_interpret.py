@@ -111,7 +111,8 @@ def test_words_conversion_text_builds_the_same_words_from_permuted_bits():
     def text(a):
         return a.value if hasattr(a, "value") else a
 
-    assert sorted(dst for _, _, dst in kf._fp4_word_moves()) == list(range(32))
+    moves = kf._fp4_word_moves()
+    assert sorted(dst for _, dst in moves) == list(range(32)) and sorted(src for src, _ in moves) == list(range(32))
     rng = random.Random(1)
     words = [b << (8 * lane) for b in range(256) for lane in range(4)] + [rng.getrandbits(32) for _ in range(3000)]
     raw = torch.tensor([[(w >> (8 * i)) & 0xFF for i in range(4)] for w in words], dtype=torch.uint8)

@@ -26,7 +26,7 @@ def _topk_stable(v, k):
 def _choose(v, k):
     """The k largest of each row, ties by the lowest index (a stable sort) -> (ids, tied): tied marks
     the rows whose k-th and (k+1)-th largest values are equal (a tie at the k-th place)."""
-    vals, idx = torch.sort(v, dim=-1, descending=True, stable=True)
+    vals, idx = _topk_stable(v, k + 1)  # one past the k-th, where a row has one
     if k < v.shape[-1]:
         tied = vals[:, k - 1] == vals[:, k]
     else:

@@ -169,14 +169,10 @@ def _dequant3(p3, s_lo, s_hi, W_FMT: gl.constexpr, WORDS: gl.constexpr = False):
     """bytes [BN, 4, 8] + per (row, t) scales [BN, 4, 1] (raw e4m3 / e8m0) -> bf16 (lo, hi) [BN, 4, 8].
     WORDS: the bytes are bit-permuted words (convert mode "words"); each conversion call takes 4 of a
     thread's 8 contiguous bytes, i.e. one aligned word."""
-    if WORDS:
-        lo, hi = gl.inline_asm_elementwise(
-            _E2M1_BF16_WORDS_ASM, "=r,=r,=r,=r,r", [p3], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
-        )
-    else:
-        lo, hi = gl.inline_asm_elementwise(
-            _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [p3], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
-        )
+    ASM: gl.constexpr = _E2M1_BF16_WORDS_ASM if WORDS else _E2M1_BF16_ASM
+    lo, hi = gl.inline_asm_elementwise(
+        ASM, "=r,=r,=r,=r,r", [p3], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
+    )
     return lo * _scale_bf16(s_lo, W_FMT), hi * _scale_bf16(s_hi, W_FMT)
 
 

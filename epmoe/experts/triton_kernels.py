@@ -156,13 +156,10 @@ def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constex
     4 bytes per call: ~2 instructions per value instead of ~5); 3: from the bit-permuted words of
     convert mode "words" (`_E2M1_BF16_WORDS_ASM`); the interpreter cannot run PTX, so launches under
     it pass 1."""
-    if FP4_PACKED == 3:
+    if FP4_PACKED >= 2:
+        ASM: tl.constexpr = _E2M1_BF16_WORDS_ASM if FP4_PACKED == 3 else _E2M1_BF16_ASM
         lo, hi = tl.inline_asm_elementwise(
-            _E2M1_BF16_WORDS_ASM, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
-        )
-    elif FP4_PACKED == 2:
-        lo, hi = tl.inline_asm_elementwise(
-            _E2M1_BF16_ASM, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+            ASM, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
         )
     else:
         b = p.to(tl.uint32)

@@ -283,8 +283,8 @@ def test_words_conversion_stores_bit_permuted_words(force_available, monkeypatch
     """Convert mode "words" (outside the interpreter, where its PTX runs): the fp4 weights are the asm
     mode's bytes with every 4-byte word bit-permuted (`kernel_formats.permute_fp4_words`), the scales
     unchanged; the kernels get conversion 3 (`WORDS` for the Gluon kernels). Under the interpreter
-    the bytes stay plain. This
-    checks the layout and the kernel choice only; the kernels' results are GPU tests."""
+    the bytes stay plain. This checks the layout and the kernel choice only; the kernels' results
+    are GPU tests."""
     from epmoe.experts import triton_experts as TE
 
     monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)

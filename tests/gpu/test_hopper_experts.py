@@ -340,9 +340,9 @@ def test_cuda_graph_replay_equals_eager(name, mode, options):
 @pytest.mark.parametrize("shape,N", [("ds", 1), ("ds", 256), ("gptoss", 512)])
 def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
     """The fp4 -> bf16 conversions give the legacy conversion's output bit for bit on the GPU
-    (decode, small and prefill tiles): the default (bf16 bits from inline PTX on bit-permuted weight
-    words, which the CPU interpreter cannot run: with test_fp4_words_conversion_equals_asm, its only
-    check) and the packed Triton-ops one. bf16 subnormal
+    (decode, small and prefill tiles): the default (bf16 bits from inline PTX, on bit-permuted weight
+    words where `auto` picks the words conversion; the CPU interpreter cannot run PTX: with
+    test_fp4_words_conversion_equals_asm, its only check) and the packed Triton-ops one. bf16 subnormal
     operands (code 0.5 -> 2^-127) survive the bf16 multiply, and the nvfp4 2^-7 folded into the
     global scale changes no bit."""
     seed = _seed()

@@ -200,11 +200,11 @@ def _program_tile(block_expert_ptr, N_OUT, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _tile_tokens(sorted_ids_ptr, pid_m, num_entries, BLOCK_M: gl.constexpr, TOP_K: gl.constexpr,
+def _tile_tokens(sorted_ids_ptr, row0, num_entries, BLOCK_M: gl.constexpr, TOP_K: gl.constexpr,
                  GEMM1: gl.constexpr, LAYOUT: gl.constexpr):
-    """Rows (int64) of the B operand for tile pid_m: gemm1 the tokens of its routed entries (padding
-    reads token 0), gemm2 the tile's own padded rows of the activation."""
-    offs = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=LAYOUT)
+    """Rows (int64) of the B operand for the BLOCK_M padded rows from row0 on: gemm1 the tokens of their
+    routed entries (padding reads token 0), gemm2 the padded rows of the activation themselves."""
+    offs = row0 + gl.arange(0, BLOCK_M, layout=LAYOUT)
     if GEMM1:
         ids = gl.load(sorted_ids_ptr + offs)
         rows = gl.where(ids < num_entries, ids // TOP_K, 0).to(gl.int64)
@@ -283,7 +283,7 @@ def w4a16_swap_kernel(
     if expert >= 0:
         e64 = expert.to(gl.int64)
         # token rows of this tile, in the layout of the X3 row axis
-        xrow = _tile_tokens(sorted_ids_ptr, pid_m, num_entries, BLOCK_M, TOP_K, GEMM1,
+        xrow = _tile_tokens(sorted_ids_ptr, pid_m * BLOCK_M, num_entries, BLOCK_M, TOP_K, GEMM1,
                             gl.SliceLayout(1, gl.SliceLayout(2, X3)))
         t3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
         q3 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
@@ -345,8 +345,8 @@ def w4a16_swap_kernel(
                 acc_g, acc_u = _step(acc_g, acc_u, d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush,
                                      W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
 
-        _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
-                  N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
+        _epilogue(acc_g, acc_u, e64, pid_m * BLOCK_M, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr,
+                  num_entries, N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
                   GEMM1, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA)
 
 
@@ -365,14 +365,14 @@ def permute_k(x):
 
 
 @gluon.jit
-def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
+def _epilogue(acc_g, acc_u, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
               N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
               GEMM1: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
               HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               MMA: gl.constexpr, K_PERM: gl.constexpr = False):
-    # epilogue in the accumulator layout: rows n (weight rows), columns p (tile rows)
+    # epilogue in the accumulator layout: rows n (weight rows), columns p (the BLOCK_M padded rows from row0)
     n_acc = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    offs_p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    offs_p = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     if W_FMT == 2:
         # the packed conversion leaves 2^-7 in the weights
         acc_g = acc_g * (gl.load(wg_ptr + e64 * stride_wge) * 128.0)
@@ -398,14 +398,15 @@ def _epilogue(acc_g, acc_u, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_pt
 
 
 # --------------------------------------------------------------------------- prefill: wgmma
-# Tiles of 64 or 128 routed rows run warpgroup MMAs (wgmma), swap-AB as above: the weights are the A
+# Tiles of 64, 128 or 256 routed rows run warpgroup MMAs (wgmma), swap-AB as above: the weights are the A
 # operand, dequantized into registers (wgmma reads A from registers), the routed rows the B operand.
 # One cp.async ring (STAGES K steps deep) brings the gathered token rows and the weight bytes into
 # shared memory; the scales come as one word per row and K step from global memory. A program's MMA
 # tile has 16 * num_warps * 2^i weight rows; gated (gemm1): its first half are gate rows, its second
 # half the up rows of the same outputs, joined in the epilogue through shared memory (one
 # accumulator). Each K step's wgmmas are issued before the next step's weights are read from the ring
-# and dequantized.
+# and dequantized. With SPLIT_M an expert's last tile, when it holds at most half a tile of real rows,
+# runs a half-height copy of the tile code (`_wgmma_tile`'s TILE_M).
 #
 # K order: the decode kernel's. Each thread reads its 8 contiguous weight bytes of a row (one 8-byte
 # shared load), which hold A's k positions 8c + 2t + b for logical K 8t + 2c + b; the hardware reads
@@ -489,86 +490,113 @@ def _tile_rows(pid_n, N_OUT, R: gl.constexpr, BLOCK_N: gl.constexpr, GATED: gl.c
 @gluon.jit(do_not_specialize=["num_entries", "max_blocks"])
 def w4a16_wgmma_kernel(
     x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr,
+    block_rows_ptr,  # [max_blocks] int32 real rows of each tile (SPLIT_M)
     num_entries, max_blocks, N_OUT, K,
     stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_om,
     alpha, beta, limit,
     GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
     HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BLOCK_M: gl.constexpr,  # routed rows per tile: 64 or 128 (the wgmma's N)
+    BLOCK_M: gl.constexpr,  # routed rows per tile: 64, 128 or 256 (the wgmma's N)
     BLOCK_N: gl.constexpr,  # outputs per program (MMA tile rows R: BLOCK_N, gated 2 * BLOCK_N; 16 * num_warps * 2^i)
     STAGES: gl.constexpr,  # K steps in flight (cp.async ring: tokens, weights); >= 3
+    SPLIT_M: gl.constexpr = False,  # an expert's tail tile with <= BLOCK_M / 2 real rows runs BLOCK_M / 2 of them
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
 ):
-    """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows; x's K
-    in the order of `permute_k` for gemm1 (gemm2 reads the act gemm1 wrote in it)."""
+    """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 / 256 routed rows; x's
+    K in the order of `permute_k` for gemm1 (gemm2 reads the act gemm1 wrote in it)."""
+    pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
+    if expert >= 0:
+        e64 = expert.to(gl.int64)
+        # SPLIT_M: an expert's last tile with <= BLOCK_M / 2 real rows runs them only: its padding costs at
+        # most BLOCK_M / 2 rows of MMA work (the weights are read and dequantized once per tile either way)
+        half = False
+        if SPLIT_M:  # (a constexpr branch: without SPLIT_M no half-tile code is generated)
+            half = gl.load(block_rows_ptr + pid_m) <= BLOCK_M // 2
+            if half:
+                _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e64,
+                            pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn,
+                            stride_wse, stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1,
+                            TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, STAGES, WORDS)
+        if not half:
+            _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e64,
+                        pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
+                        stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
+                        ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, WORDS)
+
+
+@gluon.jit
+def _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e64, row0, pid_n,
+                num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge,
+                stride_be, stride_om, alpha, beta, limit,
+                GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr,
+                ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, TILE_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WORDS: gl.constexpr):
+    """The padded rows [row0, row0 + TILE_M) x program pid_n's outputs, of expert e64."""
     num_warps: gl.constexpr = gl.num_warps()
     R: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # MMA tile rows (gated: BLOCK_N gate rows, then up rows)
     gl.static_assert(R % (16 * num_warps) == 0)
     gl.static_assert(STAGES >= 3)
-    MMA: gl.constexpr = _wgmma_layout(num_warps, BLOCK_M)
+    MMA: gl.constexpr = _wgmma_layout(num_warps, TILE_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WN: gl.constexpr = _w3_layout(R, num_warps)  # [R, 4, 8] weight bytes of a K step, 8 contiguous per thread
     S2: gl.constexpr = gl.SliceLayout(2, WN)  # [R, 4 (t)] scales
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])  # [BM, 32] token halves
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])  # [TILE_M, 32] token halves
     XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     WC: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [num_warps, 1], [1, 0])  # [R, 32] weight bytes
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
-    pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
-    if expert >= 0:
-        e64 = expert.to(gl.int64)
-        xrow = _tile_tokens(sorted_ids_ptr, pid_m, num_entries, BLOCK_M, TOP_K, GEMM1, gl.SliceLayout(1, XL))
-        cols = gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
-        x_ptrs = x_ptr + xrow[:, None] * stride_xm + cols[None, :]
+    xrow = _tile_tokens(sorted_ids_ptr, row0, num_entries, TILE_M, TOP_K, GEMM1, gl.SliceLayout(1, XL))
+    cols = gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
+    x_ptrs = x_ptr + xrow[:, None] * stride_xm + cols[None, :]
 
-        wrow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, WC))
-        wcols = gl.arange(0, 32, layout=gl.SliceLayout(0, WC))
-        w_ptrs = w_ptr + e64 * stride_we + wrow[:, None] * stride_wn + wcols[None, :]
-        # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row
-        srow3 = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
-        ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
-        s_rows = ws_ptr + e64 * stride_wse + srow3[:, None] * stride_wsn + (ts * 0)[None, :]
-        WTYPE: gl.constexpr = gl.int32 if W_FMT == 2 else gl.int16
-        GROUP_BITS: gl.constexpr = 8 if W_FMT == 2 else 0  # nvfp4: t's low-half group is byte t // 2
-        sr_ptrs = (s_rows.to(gl.pointer_type(WTYPE), bitcast=True),
-                   ((ts // 2) * GROUP_BITS)[None, :] + (srow3 * 0).to(gl.int32)[:, None])
+    wrow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, WC))
+    wcols = gl.arange(0, 32, layout=gl.SliceLayout(0, WC))
+    w_ptrs = w_ptr + e64 * stride_we + wrow[:, None] * stride_wn + wcols[None, :]
+    # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row
+    srow3 = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
+    ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
+    s_rows = ws_ptr + e64 * stride_wse + srow3[:, None] * stride_wsn + (ts * 0)[None, :]
+    WTYPE: gl.constexpr = gl.int32 if W_FMT == 2 else gl.int16
+    GROUP_BITS: gl.constexpr = 8 if W_FMT == 2 else 0  # nvfp4: t's low-half group is byte t // 2
+    sr_ptrs = (s_rows.to(gl.pointer_type(WTYPE), bitcast=True),
+               ((ts // 2) * GROUP_BITS)[None, :] + (srow3 * 0).to(gl.int32)[:, None])
 
-        x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
-        x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
-        w_s = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 32], PLAIN)
-        ring = (x_lo, x_hi, w_s)
-        ptrs = (x_ptrs, cols, w_ptrs, wcols)
+    x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_M, 32], XS)
+    x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_M, 32], XS)
+    w_s = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 32], PLAIN)
+    ring = (x_lo, x_hi, w_s)
+    ptrs = (x_ptrs, cols, w_ptrs, wcols)
 
-        num_k = K // 64
-        for i in gl.static_range(STAGES - 1):
-            _ring_copy(ring, ptrs, i, num_k, STAGES)
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        acc = gl.zeros([R, BLOCK_M], gl.float32, MMA)
-        a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, A_L, WORDS)
-        # two K steps per iteration: the operands of the step in flight and of the next one live in
-        # different registers without a copy at the loop's end
-        for kk in range(0, num_k - 1, 2):
-            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, A_L,
-                                          WORDS)
-            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                          A_L, WORDS)
-        if num_k % 2:
-            acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                          A_L, WORDS)
-        async_copy.wait_group(0)
+    num_k = K // 64
+    for i in gl.static_range(STAGES - 1):
+        _ring_copy(ring, ptrs, i, num_k, STAGES)
+    async_copy.wait_group(STAGES - 2)
+    gl.thread_barrier()
+    acc = gl.zeros([R, TILE_M], gl.float32, MMA)
+    a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, A_L, WORDS)
+    # two K steps per iteration: the operands of the step in flight and of the next one live in
+    # different registers without a copy at the loop's end
+    for kk in range(0, num_k - 1, 2):
+        acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, A_L,
+                                      WORDS)
+        acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
+                                      A_L, WORDS)
+    if num_k % 2:
+        acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
+                                      A_L, WORDS)
+    async_copy.wait_group(0)
 
-        if GATED:
-            _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
-                            alpha, beta, limit, W_FMT, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, R, num_warps)
-        else:
-            _epilogue(acc, acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
-                      N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
-                      GEMM1, W_FMT, False, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA, True)
+    if GATED:
+        _gated_epilogue(acc, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
+                        alpha, beta, limit, W_FMT, ACT, HAS_LIMIT, HAS_BIAS, TILE_M, BLOCK_N, R, num_warps)
+    else:
+        _epilogue(acc, acc, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
+                  N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
+                  GEMM1, W_FMT, False, ACT, HAS_LIMIT, HAS_BIAS, TILE_M, BLOCK_N, MMA, True)
 
 
 @gluon.jit
-def _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
+def _gated_epilogue(acc, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
                     alpha, beta, limit, W_FMT: gl.constexpr, ACT: gl.constexpr, HAS_LIMIT: gl.constexpr,
                     HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, R: gl.constexpr,
                     num_warps: gl.constexpr):
@@ -583,7 +611,7 @@ def _gated_epilogue(acc, e64, pid_m, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, strid
     g = buf.slice(0, BLOCK_N, dim=0).load(EL)
     u = buf.slice(BLOCK_N, BLOCK_N, dim=0).load(EL)
     n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, EL))
-    p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, EL))
+    p = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, EL))
     if W_FMT == 2:
         # the packed conversion leaves 2^-7 in the weights
         g = g * (gl.load(wg_ptr + e64 * stride_wge) * 128.0)

@@ -71,7 +71,7 @@ class GemmConfig:
 class TritonConfig:
     """block_m is shared by both GEMMs (they share the padded routing). split_m: an expert's tail
     tile with <= block_m/2 real rows runs a block_m/2-row copy of the tile code (less MMA work on
-    padding; needs block_m >= 32). wgmma (W4A16, block_m 64 / 128): the GEMMs run the Gluon wgmma
+    padding; needs block_m >= 32). wgmma (W4A16, block_m 64 / 128 / 256): the GEMMs run the Gluon wgmma
     kernel (`gluon_w4a16.w4a16_wgmma_kernel`: block_n outputs per program, num_warps, num_stages K
     steps in flight) where `TritonExperts.uses_gluon_w4a16` says it can; elsewhere the Triton kernels
     with these tiles (a forced preset) or WGMMA_FALLBACK's (auto)."""
@@ -149,6 +149,11 @@ _FP4_PRESETS = {
     # than the decode kernel's K order, were removed after 2026-12-02: docs/hopper-experts.md)
     "wgmma_w4r128_kp": _cfg("wgmma_w4r128_kp", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
     "wgmma_w4r128_kp_m64": _cfg("wgmma_w4r128_kp_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
+    # 256-row tiles over two warpgroups (8 warps, one CTA per SM): each warpgroup dequantizes 64 weight
+    # rows per K step for 256 routed rows (the 128-row tiles: 128 for 128), so a weight byte is
+    # converted half as often; an expert's tail tile with <= 128 rows runs a 128-row copy of the code
+    "wgmma_w8m256_kp": _cfg("wgmma_w8m256_kp", 256, (64, 64, 8, 3), (128, 64, 8, 3), split=True, wgmma=True),
+    "wgmma_w8m256_kp_s4": _cfg("wgmma_w8m256_kp_s4", 256, (64, 64, 8, 4), (128, 64, 8, 4), split=True, wgmma=True),
 }
 
 # The tuned table: preset by mean rows per local expert (upper bounds, inclusive; None = any).
@@ -207,7 +212,7 @@ GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None:
 # 1.40 / 1.41 ms against 1.60 with the defaults, whose second K step's loads ptxas schedules after the
 # first step's MMAs; nvfp4 keeps the defaults (1.46 / 1.47 ms; 1.48 / 1.49 with these).
 GLUON_W4A16_WORDS_TILES: Dict[str, Tuple[int, int, int]] = {"mxfp4_w4a16": (4, 128, 8)}
-GLUON_WGMMA_BLOCK_MS = (64, 128)  # routed rows per tile of the Gluon wgmma kernel (presets with wgmma=True)
+GLUON_WGMMA_BLOCK_MS = (64, 128, 256)  # routed rows per tile of the Gluon wgmma kernel (presets with wgmma=True)
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
 FP4_SCALE_PREFETCH = True
@@ -815,7 +820,7 @@ class TritonExperts(Experts):
             n1, n2 = self._wgmma_block_n(True, cfg), self._wgmma_block_n(False, cfg)
             # nvfp4 scale rows 16-byte aligned (the kernel reads 4-byte words; only such shapes ran)
             scales_align = self.mode != "nvfp4_w4a16" or ((H // 16) % 16 == 0 and (I // 16) % 16 == 0)
-            return (cfg.block_m in GLUON_WGMMA_BLOCK_MS and not cfg.split_m and scales_align
+            return (cfg.block_m in GLUON_WGMMA_BLOCK_MS and scales_align
                     and I % n1 == 0 and H % n2 == 0 and H % 64 == 0 and I % 64 == 0)
         return (
             self.w4a16_decode == "gluon"
@@ -867,8 +872,9 @@ class TritonExperts(Experts):
 
                 xp = permute_k(x)
                 args = (xp,) + args[1:13] + (xp.stride(0),) + args[14:]
+            args = args[:9] + (blocks.block_rows,) + args[9:]
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,
-                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, num_warps=g.num_warps))
+                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, SPLIT_M=cfg.split_m, num_warps=g.num_warps))
             return
         unroll, BN, warps = self._gluon_decode_tiles(conv)
         while (k // 64) % unroll:

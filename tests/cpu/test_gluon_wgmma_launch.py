@@ -1,0 +1,59 @@
+"""Argument assembly of the Gluon wgmma W4A16 launches, with the launches RECORDED instead of run (a
+recording stand-in: this proves what the backend passes, not what the kernel computes; the kernel
+runs in tests/gpu/test_hopper_experts.py::test_w4a16_gluon_wgmma). Every runtime parameter of
+`w4a16_wgmma_kernel` gets one argument, in order: a missing or extra one would shift every later
+argument (the kernel would read the tile rows as strides)."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _aot():
+    spec = importlib.util.spec_from_file_location("aot_sm90", os.path.join(ROOT, "benchmarks", "aot_sm90.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("preset", ["wgmma_w4r128_kp", "wgmma_w8m256_kp"])
+def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
+    from epmoe.config import MoEConfig
+    from epmoe.experts import gluon_w4a16 as G
+    from epmoe.experts import triton_experts as TE
+
+    monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(TE, "_gluon_available", lambda: True)
+    aot = _aot()
+    cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=512, intermediate_size=256)  # nvfp4: K / 16 % 16 == 0
+    tiles = TE.presets_for(mode)[preset]
+    launches = [l for l in aot.record_launches(cfg, mode, num_tokens=80, num_experts=2, preset=preset)
+                if l.kernel == "w4a16_wgmma_kernel"]  # fmt: skip
+    assert [dict(l.kwargs)["GEMM1"] for l in launches] == [True, False]
+    fn = G.w4a16_wgmma_kernel
+    runtime = [p.name for p in fn.params if not p.is_constexpr]
+    constexpr = {p.name for p in fn.params if p.is_constexpr}
+    for launch in launches:
+        kw = dict(launch.kwargs)
+        assert len(launch.args) == len(runtime), (len(launch.args), runtime)
+        assert set(kw) - {"num_warps"} <= constexpr
+        args = dict(zip(runtime, launch.args))
+        assert kw["BLOCK_M"] == tiles.block_m and kw["SPLIT_M"] == tiles.split_m
+        assert kw["num_warps"] == (tiles.gemm1 if kw["GEMM1"] else tiles.gemm2).num_warps
+        max_blocks = args["max_blocks"]
+        assert args["block_rows_ptr"].dtype == torch.int32 and args["block_rows_ptr"].shape == (max_blocks,)
+        assert args["block_expert_ptr"].shape == (max_blocks,)
+        assert args["sorted_ids_ptr"].shape == (max_blocks * tiles.block_m,)
+        n_out, k = (256, 512) if kw["GEMM1"] else (512, 256)
+        assert (args["N_OUT"], args["K"]) == (n_out, k)
+        assert args["stride_xm"] == args["x_ptr"].stride(0) == k
+        assert args["stride_om"] == args["out_ptr"].stride(0) == n_out

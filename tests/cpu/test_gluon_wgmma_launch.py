@@ -24,8 +24,7 @@ def _aot():
     return mod
 
 
-@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("preset", ["wgmma_w4r128_kp", "wgmma_w8m256_kp"])
+@pytest.mark.parametrize("mode,preset", [("nvfp4_w4a16", "wgmma_w4r128_kp"), ("mxfp4_w4a16", "wgmma_w8m256_kp")])
 def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
     from epmoe.config import MoEConfig
     from epmoe.experts import gluon_w4a16 as G

@@ -211,7 +211,7 @@ def _worker(rank: int, world: int, args, init_file: str, runs: List[Run], out_fi
         with open(out_file, "w") as f:
             json.dump(gathered, f)
     dist.barrier()
-    # Leave without the interpreter's teardown: twice (once in CI, once in ~650 runs on a loaded 2-core
+    # Leave without the interpreter's teardown: twice (once in CI, once in ~800 runs on a loaded 2-core
     # machine) a CPU rank aborted after its work ("terminate called without an active exception",
     # SIGABRT), the signature of a C++ thread unwound while the interpreter finalizes. The dispatchers
     # and buffers go first, the group is destroyed, then the process ends with os._exit (the results

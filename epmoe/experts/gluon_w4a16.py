@@ -457,22 +457,36 @@ def _ring_operands(ring, sr_ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.con
 
 @gluon.jit
 def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
-                R: gl.constexpr, WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False):
+                R: gl.constexpr, WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False,
+                PENDING: gl.constexpr = False):
     """K step kk: its wgmmas (operands a_lo / a_hi) run while step kk + 1's operands are dequantized
-    from the ring. -> step kk + 1's operands."""
-    # steps <= kk + 1 have landed (for every thread), and every warpgroup is done with the wgmmas of
-    # step kk - 1 and with the weights of step kk: stage kk - 1 takes the copies of kk + STAGES - 1
-    async_copy.wait_group(STAGES - 3)
-    fence_async_shared()
-    gl.thread_barrier()
-    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES)
+    from the ring. -> step kk + 1's operands. Without PENDING the step ends waiting for its wgmmas;
+    with PENDING (the order of CUTLASS's mainloops) it leaves them in flight and waits, after issuing
+    them, for step kk - 1's only."""
+    if not PENDING:
+        _ring_refill(ring, ptrs, kk, num_k, STAGES)
     x_lo, x_hi, w_s = ring
     s = kk % STAGES
     acc = warpgroup_mma(a_lo, x_lo.index(s).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(a_hi, x_hi.index(s).permute((1, 0)), acc, is_async=True)
+    if PENDING:
+        acc, a_lo, a_hi = warpgroup_mma_wait(2, deps=[acc, a_lo, a_hi])  # two groups: step kk's
+        _ring_refill(ring, ptrs, kk, num_k, STAGES)
     n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, A_L, WORDS)
-    acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
+    if not PENDING:
+        acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
     return acc, n_lo, n_hi
+
+
+@gluon.jit
+def _ring_refill(ring, ptrs, kk, num_k, STAGES: gl.constexpr):
+    """In K step kk, once this warpgroup is done with step kk - 1's wgmmas: steps <= kk + 1 have landed
+    (for every thread) and every warpgroup is done with step kk - 1 and with the weights of step kk
+    (the barrier), so step kk - 1's stage takes the copies of step kk + STAGES - 1."""
+    async_copy.wait_group(STAGES - 3)
+    fence_async_shared()
+    gl.thread_barrier()
+    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES)
 
 
 @gluon.jit
@@ -501,6 +515,7 @@ def w4a16_wgmma_kernel(
     STAGES: gl.constexpr,  # K steps in flight (cp.async ring: tokens, weights); >= 3
     SPLIT_M: gl.constexpr = False,  # an expert's tail tile with <= BLOCK_M / 2 real rows runs BLOCK_M / 2 of them
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
+    PENDING: gl.constexpr = False,  # each K step's wgmmas stay in flight while the next step's operands are made
 ):
     """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 / 256 routed rows; x's
     K in the order of `permute_k` for gemm1 (gemm2 reads the act gemm1 wrote in it)."""
@@ -516,12 +531,12 @@ def w4a16_wgmma_kernel(
                 _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e64,
                             pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn,
                             stride_wse, stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1,
-                            TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, STAGES, WORDS)
+                            TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, STAGES, WORDS, PENDING)
         if not half:
             _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e64,
                         pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
                         stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
-                        ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, WORDS)
+                        ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, WORDS, PENDING)
 
 
 @gluon.jit
@@ -530,7 +545,7 @@ def _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted
                 stride_be, stride_om, alpha, beta, limit,
                 GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr,
                 ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, TILE_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WORDS: gl.constexpr):
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WORDS: gl.constexpr, PENDING: gl.constexpr):
     """The padded rows [row0, row0 + TILE_M) x program pid_n's outputs, of expert e64."""
     num_warps: gl.constexpr = gl.num_warps()
     R: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # MMA tile rows (gated: BLOCK_N gate rows, then up rows)
@@ -571,6 +586,8 @@ def _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted
     for i in gl.static_range(STAGES - 1):
         _ring_copy(ring, ptrs, i, num_k, STAGES)
     async_copy.wait_group(STAGES - 2)
+    if PENDING:  # step 0's wgmmas read the ring before any step's fence
+        fence_async_shared()
     gl.thread_barrier()
     acc = gl.zeros([R, TILE_M], gl.float32, MMA)
     a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, A_L, WORDS)
@@ -578,12 +595,14 @@ def _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted
     # different registers without a copy at the loop's end
     for kk in range(0, num_k - 1, 2):
         acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, A_L,
-                                      WORDS)
+                                      WORDS, PENDING)
         acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                      A_L, WORDS)
+                                      A_L, WORDS, PENDING)
     if num_k % 2:
         acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                      A_L, WORDS)
+                                      A_L, WORDS, PENDING)
+    if PENDING:
+        acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
     if GATED:

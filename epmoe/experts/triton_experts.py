@@ -74,7 +74,8 @@ class TritonConfig:
     padding; needs block_m >= 32). wgmma (W4A16, block_m 64 / 128 / 256): the GEMMs run the Gluon wgmma
     kernel (`gluon_w4a16.w4a16_wgmma_kernel`: block_n outputs per program, num_warps, num_stages K
     steps in flight) where `TritonExperts.uses_gluon_w4a16` says it can; elsewhere the Triton kernels
-    with these tiles (a forced preset) or WGMMA_FALLBACK's (auto)."""
+    with these tiles (a forced preset) or WGMMA_FALLBACK's (auto). wgmma_pending: that kernel keeps each
+    K step's wgmmas in flight while it dequantizes the next step's weights (its PENDING)."""
 
     name: str
     block_m: int
@@ -82,18 +83,19 @@ class TritonConfig:
     gemm2: GemmConfig
     split_m: bool = False
     wgmma: bool = False
+    wgmma_pending: bool = False
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
         return (
-            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''} "
+            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/pending' if self.wgmma_pending else ''} "
             f"g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},s{g1.num_stages},G{g1.group_m}) "
             f"g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages},G{g2.group_m})"
         )
 
 
-def _cfg(name, bm, g1, g2, split=False, wgmma=False) -> TritonConfig:
-    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma)
+def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending)
 
 
 # Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
@@ -154,6 +156,12 @@ _FP4_PRESETS = {
     # converted half as often; an expert's tail tile with <= 128 rows runs a 128-row copy of the code
     "wgmma_w8m256_kp": _cfg("wgmma_w8m256_kp", 256, (64, 64, 8, 3), (128, 64, 8, 3), split=True, wgmma=True),
     "wgmma_w8m256_kp_s4": _cfg("wgmma_w8m256_kp_s4", 256, (64, 64, 8, 4), (128, 64, 8, 4), split=True, wgmma=True),
+    # each K step's wgmmas stay in flight while the next step's weights are dequantized (ptxas then gives
+    # the two steps of an iteration different operand registers: no wait before either conversion)
+    "wgmma_w4r128_kp_pend": _cfg("wgmma_w4r128_kp_pend", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,
+                                 pending=True),
+    "wgmma_w8m256_kp_pend": _cfg("wgmma_w8m256_kp_pend", 256, (64, 64, 8, 3), (128, 64, 8, 3), split=True,
+                                 wgmma=True, pending=True),
 }
 
 # The tuned table: preset by mean rows per local expert (upper bounds, inclusive; None = any).
@@ -874,7 +882,8 @@ class TritonExperts(Experts):
                 args = (xp,) + args[1:13] + (xp.stride(0),) + args[14:]
             args = args[:9] + (blocks.block_rows,) + args[9:]
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,
-                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, SPLIT_M=cfg.split_m, num_warps=g.num_warps))
+                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, SPLIT_M=cfg.split_m,
+                              PENDING=cfg.wgmma_pending, num_warps=g.num_warps))
             return
         unroll, BN, warps = self._gluon_decode_tiles(conv)
         while (k // 64) % unroll:

@@ -4,6 +4,12 @@ instructions in the SASS (HGMMA / QGMMA = Hopper wgmma; HMMA = mma.sync).
 
     python benchmarks/aot_sm90.py                 # all modes x presets, DeepSeek-V3 and GPT-OSS shapes
     python benchmarks/aot_sm90.py --quick         # one variant per weight format
+    python benchmarks/aot_sm90.py --cases ds --modes nvfp4_w4a16 --presets wgmma_w4r128_kp,wgmma_w4r128_kp_pend
+
+Columns: registers, spill instructions, shared memory, wgmma / mma.sync instructions, and the main
+loop (the longest loop with a matrix instruction): its instructions per iteration and its full
+wgmma waits (`WARPGROUP.DEPBAR.LE gsb0, 0x0`; 0 where each step's wgmmas stay in flight while the
+next step's operands are made).
 
 The launches are recorded from a real `TritonExperts.forward` on CPU tensors (launch intercepted), so
 the compiled signatures, constexprs and specializations are the ones the device will see. Costs no
@@ -165,19 +171,43 @@ def analyze(compiled) -> dict:
         hmma=len(re.findall(r"\bHMMA\b", sass)),
         ldl_stl=len(re.findall(r"\b(LDL|STL)\b", sass)),
         loop_ldl_stl=loop_spills(sass),
+        **mma_loop(sass),
     )
+
+
+def _instructions(sass: str):
+    return [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def _loops(ins):
+    """[(first, last) address] of every loop: a backward branch and its target."""
+    out = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            out.append((int(m.group(1), 16), addr))
+    return out
 
 
 def loop_spills(sass: str) -> int:
     """LDL / STL instructions inside loops of the SASS (between a backward branch's target and the
     branch): the spills that cost in every iteration, unlike a few values kept across a loop."""
-    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    inside = set()
-    for addr, text in ins:
-        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            inside.update(a for a, _ in ins if int(m.group(1), 16) <= a <= addr)
+    ins = _instructions(sass)
+    inside = {a for lo, hi in _loops(ins) for a, _ in ins if lo <= a <= hi}
     return sum(1 for a, t in ins if a in inside and re.search(r"\b(LDL|STL)\b", t))
+
+
+def mma_loop(sass: str) -> dict:
+    """The main loop (the longest loop with a matrix instruction): its instructions per iteration, and
+    its full wgmma waits (`WARPGROUP.DEPBAR.LE gsb0, 0x0`: every wgmma issued so far must finish,
+    e.g. before registers they read are written)."""
+    ins = _instructions(sass)
+    best = []
+    for lo, hi in _loops(ins):
+        body = [t for a, t in ins if lo <= a <= hi]
+        if any(re.search(r"\b(HGMMA|QGMMA|HMMA)\b", t) for t in body) and len(body) > len(best):
+            best = body
+    return dict(mma_loop=len(best), mma_loop_full_waits=sum(1 for t in best if re.search(r"DEPBAR\.LE gsb0, 0x0\b", t)))
 
 
 CASES = {
@@ -202,30 +232,42 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one variant per weight format")
     ap.add_argument("--modes", default=",".join(TE.SUPPORTED_MODES))
+    ap.add_argument("--cases", default=",".join(CASES), help="shapes: " + ", ".join(CASES))
+    ap.add_argument("--presets", default="", help="only these tile presets (default: every preset of each mode)")
     args = ap.parse_args(argv)
+    bad = [c for c in args.cases.split(",") if c not in CASES]
+    if bad:
+        ap.error(f"unknown cases {bad}; use {', '.join(CASES)}")
     import triton
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", 90, 32)
     modes = args.modes.split(",")
     jobs = []
+    only = [p for p in args.presets.split(",") if p]
     for case, cfg in CASES.items():
+        if case not in args.cases.split(","):
+            continue
         for mode in modes:
             if mode in ("nvfp4_w4a16", "mxfp4_w4a16") and (cfg.hidden_size % 64 or cfg.intermediate_size % 64):
                 continue
             presets = ["decode"] if args.quick else list(TE.presets_for(mode))
+            if only:
+                presets = [p for p in presets if p in only]
             if args.quick and case != "ds":
                 continue
             for preset in presets:
                 jobs.append((case, mode, preset))
-            if mode == "bf16":
+            if mode == "bf16" and not only:
                 jobs.append((case, mode, "grouped_mm"))
     seen = {}
     failures = 0
     print(f"triton {triton.__version__}, target sm90")
-    print(f"{'case':7} {'mode':12} {'preset':13} {'kernel':22} {'regs':>4} {'spill':>5} {'smem':>6} {'wgmma':>5} {'mma':>4} {'s':>5}")
-    for routing_cfg in ROUTING_CASES.values():
-        jobs.append((routing_cfg, "routing", "-"))
+    print(f"{'case':7} {'mode':12} {'preset':13} {'kernel':22} {'regs':>4} {'spill':>5} {'smem':>6} {'wgmma':>5} {'mma':>4} "
+          f"{'loop':>5} {'waits':>5} {'s':>5}")
+    if not only:
+        for routing_cfg in ROUTING_CASES.values():
+            jobs.append((routing_cfg, "routing", "-"))
     for case, mode, preset in jobs:
         if mode == "routing":
             launches, case = record_routing_launches(case, num_tokens=64), case.routing[:7]
@@ -247,7 +289,8 @@ def main(argv=None) -> int:
                 print(
                     f"{case:7} {mode:12} {preset:13} {launch.kernel:22} {info['regs']:4d} "
                     f"{info['local'] + info['ldl_stl']:5d} {info['smem']:6d} "
-                    f"{info['hgmma'] + info['qgmma']:5d} {info['hmma']:4d} {time.time() - t0:5.1f}"
+                    f"{info['hgmma'] + info['qgmma']:5d} {info['hmma']:4d} {info['mma_loop']:5d} "
+                    f"{info['mma_loop_full_waits']:5d} {time.time() - t0:5.1f}"
                 )
             except Exception as e:  # report and continue: the point is to see every failure
                 failures += 1

@@ -136,3 +136,32 @@ def test_sm90_compile_alignment_kernels_both_paths():
         src, opts = aot.to_source(launch)
         info = aot.analyze(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
         assert info["local"] == 0 and info["ldl_stl"] == 0, f"register spills: {launch.kernel}: {info}"
+
+
+def test_sass_loop_parsers_on_a_written_listing():
+    """benchmarks/aot_sm90.py's SASS readers on a listing written here (no compiler involved): the main
+    loop is the longest loop with a matrix instruction, its full wgmma waits are the `gsb0, 0x0` ones
+    (not the depth-2 waits), and spill instructions count only inside loops."""
+    spec = importlib.util.spec_from_file_location("aot_sm90", os.path.join(ROOT, "benchmarks", "aot_sm90.py"))
+    aot = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = aot
+    spec.loader.exec_module(aot)
+    lines = [
+        "STL [R1], R2",  # before every loop: not counted
+        "IADD3 R0, R0, 0x1, RZ",  # loop 1 (0x0010 .. 0x0030): no matrix instruction
+        "ISETP.GE.AND P0, PT, R0, 0x8, PT",
+        "@!P0 BRA 0x0010",
+        "HGMMA.64x128x16.F32.BF16 R24, R96, gdesc[UR16], R24, gsb0",  # loop 2 (0x0040 .. 0x00a0)
+        "WARPGROUP.DEPBAR.LE gsb0, 0x2",
+        "LDL R3, [R1]",
+        "HGMMA.64x128x16.F32.BF16 R24, R100, gdesc[UR16], R24, gsb0",
+        "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "LOP3.LUT R5, R4, 0x81c081c0, RZ, 0xc0, !PT",
+        "BRA 0x0040",
+        "LDL R3, [R1]",  # after the loops: not counted
+        "EXIT",
+    ]
+    sass = "\n".join(f"        /*{16 * i:04x}*/                   {t} ;" for i, t in enumerate(lines))
+    assert aot.mma_loop(sass) == {"mma_loop": 7, "mma_loop_full_waits": 1}
+    assert aot.loop_spills(sass) == 1
+    assert aot.mma_loop(sass.replace("HGMMA", "IMAD")) == {"mma_loop": 0, "mma_loop_full_waits": 0}

@@ -830,12 +830,13 @@ class TritonExperts(Experts):
             scales_align = self.mode != "nvfp4_w4a16" or ((H // 16) % 16 == 0 and (I // 16) % 16 == 0)
             return (cfg.block_m in GLUON_WGMMA_BLOCK_MS and scales_align
                     and I % n1 == 0 and H % n2 == 0 and H % 64 == 0 and I % 64 == 0)
+        rows = self._gluon_decode_tiles(conv)[1]
         return (
             self.w4a16_decode == "gluon"
             and cfg.block_m in GLUON_W4A16_BLOCK_MS
             and not cfg.split_m
-            and I % self._gluon_decode_tiles(conv)[1] == 0
-            and H % self._gluon_decode_tiles(conv)[1] == 0
+            and I % rows == 0
+            and H % rows == 0
         )
 
     def _gluon_decode_tiles(self, conv: int) -> Tuple[int, int, int]:
@@ -862,9 +863,13 @@ class TritonExperts(Experts):
         n_out, k = (I, H) if gemm1 else (H, I)
         ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
         conv = self._fp4_kernel_convert
-        args = (
-            x, w, ws, wg, b, out, w_flat if w_flat is not None else out,
-            blocks.sorted_ids, blocks.block_expert,
+        if cfg.wgmma and gemm1:  # the tokens' K in the wgmma kernel's order (gemm1 writes act in it for gemm2)
+            from epmoe.experts.gluon_w4a16 import permute_k
+
+            x = permute_k(x)
+        # the two kernels' arguments: these, the wgmma kernel's block_rows between them, these
+        head = (x, w, ws, wg, b, out, w_flat if w_flat is not None else out, blocks.sorted_ids, blocks.block_expert)
+        tail = (
             num_entries, blocks.max_blocks, n_out, k,
             x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), wg.stride(0), b.stride(0),
             out.stride(0), alpha, beta, limit,
@@ -875,12 +880,7 @@ class TritonExperts(Experts):
         if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
-            if gemm1:  # the tokens' K in the kernel's order (gemm1 writes act in it for gemm2)
-                from epmoe.experts.gluon_w4a16 import permute_k
-
-                xp = permute_k(x)
-                args = (xp,) + args[1:13] + (xp.stride(0),) + args[14:]
-            args = args[:9] + (blocks.block_rows,) + args[9:]
+            args = head + (blocks.block_rows,) + tail
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,
                          dict(consts, BLOCK_N=BN, STAGES=g.num_stages, SPLIT_M=cfg.split_m,
                               PENDING=cfg.wgmma_pending, num_warps=g.num_warps))
@@ -889,7 +889,7 @@ class TritonExperts(Experts):
         while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
-        self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), args,
+        self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), head + tail,
                      dict(consts, BLOCK_N=BN, UNROLL=unroll, num_warps=warps, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:

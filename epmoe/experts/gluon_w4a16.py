@@ -591,8 +591,9 @@ def _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted
     gl.thread_barrier()
     acc = gl.zeros([R, TILE_M], gl.float32, MMA)
     a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, A_L, WORDS)
-    # two K steps per iteration: the operands of the step in flight and of the next one live in
-    # different registers without a copy at the loop's end
+    # two K steps per iteration, so that the operands of the step in flight and of the next one can live
+    # in different registers (sm90 SASS: ptxas does so with PENDING; without it, it copies the
+    # loop-carried operands and waits for the wgmmas before one of the two conversions)
     for kk in range(0, num_k - 1, 2):
         acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, A_L,
                                       WORDS, PENDING)

@@ -401,7 +401,8 @@ def _epilogue(acc_g, acc_u, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr
 # Tiles of 64, 128 or 256 routed rows run warpgroup MMAs (wgmma), swap-AB as above: the weights are the A
 # operand, dequantized into registers (wgmma reads A from registers), the routed rows the B operand.
 # One cp.async ring (STAGES K steps deep) brings the gathered token rows and the weight bytes into
-# shared memory; the scales come as one word per row and K step from global memory. A program's MMA
+# shared memory; the scales come as one word per row and K step from global memory, loaded one K step
+# before the step that uses them. A program's MMA
 # tile has 16 * num_warps * 2^i weight rows; gated (gemm1): its first half are gate rows, its second
 # half the up rows of the same outputs, joined in the epilogue through shared memory (one
 # accumulator). Each K step's wgmmas are issued before the next step's weights are read from the ring
@@ -440,27 +441,34 @@ def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _ring_operands(ring, sr_ptrs, kk, num_k, STAGES: gl.constexpr, W_FMT: gl.constexpr, R: gl.constexpr,
-                   WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False):
-    """The A operands of K step kk: each thread's 8 contiguous weight bytes of a row from the ring stage
-    (WN: `_w3_layout`), its scales from the row's scale word (sr_ptrs: (scale-word pointers [R, 4],
-    bit offsets of the thread's low-half group))."""
-    x_lo, x_hi, w_s = ring
-    s = kk % STAGES
-    w_ptrs, shift = sr_ptrs
-    b3 = w_s.index(s).reshape([R, 4, 8]).load(WN)
-    word = gl.load(w_ptrs + gl.minimum(kk, num_k - 1)).to(gl.int32)
-    s_lo, s_hi = _step_scales(word, shift, 2 if W_FMT == 2 else 1)
-    lo, hi = _dequant3(b3, gl.expand_dims(s_lo, 2), gl.expand_dims(s_hi, 2), W_FMT, WORDS)
-    return _to_a(lo, R, A_L), _to_a(hi, R, A_L)
+def _scale_word(w_ptrs, kk, num_k):
+    """K step kk's scale words [R, 4] (int32; past K: the last step's, unused)."""
+    return gl.load(w_ptrs + gl.minimum(kk, num_k - 1)).to(gl.int32)
 
 
 @gluon.jit
-def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
+def _ring_operands(ring, sr_ptrs, kk, num_k, word, STAGES: gl.constexpr, W_FMT: gl.constexpr, R: gl.constexpr,
+                   WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False):
+    """The A operands of K step kk: each thread's 8 contiguous weight bytes of a row from the ring stage
+    (WN: `_w3_layout`), its scales from the row's scale word `word` (loaded one step ahead; sr_ptrs:
+    (scale-word pointers [R, 4], bit offsets of the thread's low-half group)). -> (operands, step kk + 1's
+    scale words): a scale word used in the step it is loaded in stalls the warp for the whole load."""
+    x_lo, x_hi, w_s = ring
+    s = kk % STAGES
+    w_ptrs, shift = sr_ptrs
+    nxt = _scale_word(w_ptrs, kk + 1, num_k)
+    b3 = w_s.index(s).reshape([R, 4, 8]).load(WN)
+    s_lo, s_hi = _step_scales(word, shift, 2 if W_FMT == 2 else 1)
+    lo, hi = _dequant3(b3, gl.expand_dims(s_lo, 2), gl.expand_dims(s_hi, 2), W_FMT, WORDS)
+    return _to_a(lo, R, A_L), _to_a(hi, R, A_L), nxt
+
+
+@gluon.jit
+def _wgmma_step(acc, a_lo, a_hi, word, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
                 R: gl.constexpr, WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False,
                 PENDING: gl.constexpr = False):
     """K step kk: its wgmmas (operands a_lo / a_hi) run while step kk + 1's operands are dequantized
-    from the ring. -> step kk + 1's operands. Without PENDING the step ends waiting for its wgmmas;
+    from the ring (word: step kk + 1's scale words). -> step kk + 1's operands and step kk + 2's scale words. Without PENDING the step ends waiting for its wgmmas;
     with PENDING (the order of CUTLASS's mainloops) it leaves them in flight and waits, after issuing
     them, for step kk - 1's only."""
     if not PENDING:
@@ -472,10 +480,10 @@ def _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.cons
     if PENDING:
         acc, a_lo, a_hi = warpgroup_mma_wait(2, deps=[acc, a_lo, a_hi])  # two groups: step kk's
         _ring_refill(ring, ptrs, kk, num_k, STAGES)
-    n_lo, n_hi = _ring_operands(ring, sr_ptrs, kk + 1, num_k, STAGES, W_FMT, R, WN, A_L, WORDS)
+    n_lo, n_hi, word = _ring_operands(ring, sr_ptrs, kk + 1, num_k, word, STAGES, W_FMT, R, WN, A_L, WORDS)
     if not PENDING:
         acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
-    return acc, n_lo, n_hi
+    return acc, n_lo, n_hi, word
 
 
 @gluon.jit
@@ -590,18 +598,20 @@ def _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted
         fence_async_shared()
     gl.thread_barrier()
     acc = gl.zeros([R, TILE_M], gl.float32, MMA)
-    a_lo, a_hi = _ring_operands(ring, sr_ptrs, 0, num_k, STAGES, W_FMT, R, WN, A_L, WORDS)
+    s_ptrs, _ = sr_ptrs
+    a_lo, a_hi, word = _ring_operands(ring, sr_ptrs, 0, num_k, _scale_word(s_ptrs, 0, num_k), STAGES, W_FMT, R, WN,
+                                      A_L, WORDS)
     # two K steps per iteration, so that the operands of the step in flight and of the next one can live
     # in different registers (sm90 SASS: ptxas does so with PENDING; without it, it copies the
     # loop-carried operands and waits for the wgmmas before one of the two conversions)
     for kk in range(0, num_k - 1, 2):
-        acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN, A_L,
-                                      WORDS, PENDING)
-        acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                      A_L, WORDS, PENDING)
+        acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT,
+                                            R, WN, A_L, WORDS, PENDING)
+        acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES,
+                                            W_FMT, R, WN, A_L, WORDS, PENDING)
     if num_k % 2:
-        acc, a_lo, a_hi = _wgmma_step(acc, a_lo, a_hi, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT, R, WN,
-                                      A_L, WORDS, PENDING)
+        acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES,
+                                            W_FMT, R, WN, A_L, WORDS, PENDING)
     if PENDING:
         acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)

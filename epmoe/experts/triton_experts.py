@@ -169,12 +169,13 @@ _FP4_PRESETS = {
 AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     "bf16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "prefill")),
     "fp8_block": ((16, "decode"), (40, "small"), (None, "medium")),
-    # W4A16 at T=4096 (H200, 2026-12-02, one run): the Gluon wgmma kernel in the decode kernel's K order
-    # "wgmma_w4r128_kp" 9.27 / 8.79 ms, natural K order "wgmma_w4r128" 9.56 / 9.54, the Triton kernels
-    # "prefill_n128" 10.9 / 10.4 (2026-12-01) (nvfp4 / mxfp4); where the Gluon kernel cannot run
-    # (Triton interpreter, shapes it does not tile), WGMMA_FALLBACK instead
-    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp")),
-    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp")),
+    # W4A16 at T=4096 (H200, 2026-12-02): the Gluon wgmma kernel in the decode kernel's K order with its
+    # wgmmas left in flight across the next step's conversion, "wgmma_w4r128_kp_pend", 8.63-8.68 / 8.17 ms
+    # against "wgmma_w4r128_kp" 8.69-8.77 / 8.37-8.40 (three runs, scale words loaded a K step ahead in
+    # both), the Triton kernels "prefill_n128" 10.9 / 10.4 (2026-12-01) (nvfp4 / mxfp4); where the Gluon
+    # kernel cannot run (Triton interpreter, shapes it does not tile), WGMMA_FALLBACK instead
+    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend")),
+    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend")),
 }
 WGMMA_FALLBACK = "prefill_n128"  # the auto preset for W4A16 prefill tiles the Gluon wgmma kernel cannot run
 # Layout of w13 in bf16 mode (gated activations): "interleaved" (rows gate j, up j: one wide dot per
@@ -197,11 +198,10 @@ GROUPED_MM_CHOICES = ("auto", "on", "off")
 # words are bit-permuted at load (`kernel_formats.permute_fp4_words`, `_E2M1_BF16_WORDS_ASM`: one
 # shift and mask for 3 of every 4 bf16 pairs); the same bf16 bits, the weights' bytes differ; under
 # the interpreter (or where packed is not possible) it loads plain bytes and runs as packed / legacy.
-# Default "auto": words (H200, 2026-12-02, same runs as asm, decode T = 128 / prefill T = 4096:
-# DeepSeek-V3 shape nvfp4 1.46 vs 1.55 ms / 9.16 vs 9.29, mxfp4 1.40 vs 1.47 ms with
-# GLUON_W4A16_WORDS_TILES / 8.63 vs 8.75; GPT-OSS shape nvfp4 0.84 vs 0.99 ms / 4.87 vs 5.01), except
-# mxfp4 where those tiles' rows do not divide both projections: asm (GPT-OSS shape: 0.85 vs 0.90 ms
-# decode; prefill 3.65 vs 3.57).
+# Default "auto": words for every mode and shape (H200, 2026-12-02, same runs as asm, decode T = 128 /
+# prefill T = 4096: DeepSeek-V3 shape nvfp4 1.46 vs 1.55 ms / 9.16 vs 9.29, mxfp4 1.40 vs 1.47 ms with
+# GLUON_W4A16_WORDS_TILES / 8.63 vs 8.75; GPT-OSS shape nvfp4 0.84 vs 0.99 ms / 4.87 vs 5.01, mxfp4
+# 0.80 vs 0.86 ms with GLUON_W4A16_MAXNREG (0.91 without it) / 3.57 vs 3.65).
 FP4_CONVERT = "auto"
 FP4_CONVERT_CHOICES = ("auto", "asm", "words", "packed", "legacy")
 # W4A16 decode tiles (block_m 8 or 16) with the asm or words conversion: "gluon" runs `epmoe.experts.gluon_w4a16`
@@ -214,7 +214,12 @@ GLUON_W4A16_BLOCK_MS = (8, 16)  # routed rows per tile (the tile preset's block_
 GLUON_W4A16_BLOCK_N = 64  # weight rows per program (16 per warp at GLUON_W4A16_WARPS, 32 with two row groups)
 GLUON_W4A16_WARPS = 4  # warps per program (each owns 16 weight rows per row group)
 GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first); lowered to divide K / 64
-GLUON_W4A16_MAXNREG: Optional[int] = None  # register cap passed to ptxas (None: its own choice)
+# Register cap passed to ptxas (None: its own choice). 128: with the words conversion ptxas then issues
+# the loop's global loads before its first MMA (with its own choice, 96 / 66 registers for mxfp4, it
+# puts some after: the second K step's loads no longer overlap the first step's wait). H200,
+# 2026-12-02, decode T = 128, same runs: GPT-OSS shape mxfp4 words 0.80 ms (0.91 without the cap; asm
+# 0.86); DeepSeek-V3 shape within noise either way (nvfp4 1.47 / 1.47, mxfp4 1.34-1.42 / 1.41).
+GLUON_W4A16_MAXNREG: Optional[int] = 128
 # With the words conversion, per mode: (unroll, block_n, warps) instead of the three above, where block_n
 # divides both projections. mxfp4 (H200, 2026-12-02, decode T = 128, DeepSeek-V3 shape, two runs):
 # 1.40 / 1.41 ms against 1.60 with the defaults, whose second K step's loads ptxas schedules after the
@@ -310,14 +315,10 @@ def _words_tiles(mode: str, hidden_size: int, intermediate_size: int) -> Optiona
 
 
 def resolve_fp4_convert(convert: str, mode: str, hidden_size: int, intermediate_size: int) -> str:
-    """The fp4 conversion a backend runs for `convert` (FP4_CONVERT_CHOICES): "auto" is "words", except
-    for mxfp4 where GLUON_W4A16_WORDS_TILES' rows do not divide both projections ("asm", measured faster
-    there); the others as given."""
-    if convert != "auto":
-        return convert
-    if mode == "mxfp4_w4a16" and _words_tiles(mode, hidden_size, intermediate_size) is None:
-        return "asm"
-    return "words"
+    """The fp4 conversion a backend runs for `convert` (FP4_CONVERT_CHOICES): "auto" is "words" (every
+    mode and shape; `mode` and the sizes are kept for callers that ask per layer), the others as given."""
+    del mode, hidden_size, intermediate_size
+    return "words" if convert == "auto" else convert
 
 
 def _owned(t: torch.Tensor, device, dtype=None) -> torch.Tensor:

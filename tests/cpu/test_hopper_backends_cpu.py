@@ -316,18 +316,19 @@ def test_words_conversion_stores_bit_permuted_words(force_available, monkeypatch
 
 
 def test_auto_fp4_conversion_by_mode_and_shape(force_available, monkeypatch):
-    """triton_fp4_convert=auto (the default) runs words, except mxfp4 where GLUON_W4A16_WORDS_TILES'
-    rows do not divide both projections (GPT-OSS's 2880: asm, measured faster there); a conversion
-    given explicitly stays as given; an unknown one is refused naming the choices."""
+    """triton_fp4_convert=auto (the default) runs words for every mode and shape (GPT-OSS's 2880, which
+    GLUON_W4A16_WORDS_TILES' rows do not divide, included); a conversion given explicitly stays as
+    given; an unknown one is refused naming the choices."""
     from epmoe.experts import triton_experts as TE
 
     assert TE.FP4_CONVERT == "auto"
     assert TE.resolve_fp4_convert("auto", "nvfp4_w4a16", 7168, 2048) == "words"
     assert TE.resolve_fp4_convert("auto", "mxfp4_w4a16", 7168, 2048) == "words"
-    assert TE.resolve_fp4_convert("auto", "mxfp4_w4a16", 2880, 2880) == "asm"
+    assert TE.resolve_fp4_convert("auto", "mxfp4_w4a16", 2880, 2880) == "words"
     assert TE.resolve_fp4_convert("auto", "nvfp4_w4a16", 2880, 2880) == "words"
     assert TE.resolve_fp4_convert("words", "mxfp4_w4a16", 2880, 2880) == "words"
-    assert TritonExperts(_spec("mxfp4_w4a16", hidden_size=192, intermediate_size=128)).fp4_convert == "asm"
+    assert TE.resolve_fp4_convert("asm", "mxfp4_w4a16", 2880, 2880) == "asm"
+    assert TritonExperts(_spec("mxfp4_w4a16", hidden_size=192, intermediate_size=128)).fp4_convert == "words"
     assert TritonExperts(_spec("mxfp4_w4a16", hidden_size=256, intermediate_size=128)).fp4_convert == "words"
     bad = ExpertsSpec(_spec().config, 1, 2, CPU, plan=QuantPlan(expert_mode="nvfp4_w4a16"),
                       options=(("triton_fp4_convert", "fast"),))

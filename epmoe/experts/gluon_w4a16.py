@@ -398,16 +398,14 @@ def _epilogue(acc_g, acc_u, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr
 
 
 # --------------------------------------------------------------------------- prefill: wgmma
-# Tiles of 64, 128 or 256 routed rows run warpgroup MMAs (wgmma), swap-AB as above: the weights are the A
+# Tiles of 64 or 128 routed rows run warpgroup MMAs (wgmma), swap-AB as above: the weights are the A
 # operand, dequantized into registers (wgmma reads A from registers), the routed rows the B operand.
 # One cp.async ring (STAGES K steps deep) brings the gathered token rows and the weight bytes into
 # shared memory; the scales come as one word per row and K step from global memory, loaded one K step
-# before the step that uses them. A program's MMA
-# tile has 16 * num_warps * 2^i weight rows; gated (gemm1): its first half are gate rows, its second
-# half the up rows of the same outputs, joined in the epilogue through shared memory (one
-# accumulator). Each K step's wgmmas are issued before the next step's weights are read from the ring
-# and dequantized. With SPLIT_M an expert's last tile, when it holds at most half a tile of real rows,
-# runs a half-height copy of the tile code (`_wgmma_tile`'s TILE_M).
+# before the step that uses them. A program's MMA tile has 16 * num_warps * 2^i weight rows; gated
+# (gemm1): its first half are gate rows, its second half the up rows of the same outputs, joined in the
+# epilogue through shared memory (one accumulator). Each K step's wgmmas are issued before the next
+# step's weights are read from the ring and dequantized; with PENDING they stay in flight meanwhile.
 #
 # K order: the decode kernel's. Each thread reads its 8 contiguous weight bytes of a row (one 8-byte
 # shared load), which hold A's k positions 8c + 2t + b for logical K 8t + 2c + b; the hardware reads
@@ -416,8 +414,9 @@ def _epilogue(acc_g, acc_u, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr
 # (The natural K order, two-byte shared loads and their byte assembly: 763 instead of 604 loop
 # instructions, 3-8 % slower; removed after 2026-12-02.)
 #
-# H200, T = 4096 (2026-12-02): 9.3 / 8.8 ms nvfp4 / mxfp4 (asm conversion), 9.2 / 8.6 (words), against
-# the Triton kernels' 10.4-10.9; measurements, profile and next steps in docs/hopper-experts.md.
+# H200, T = 4096 (2026-12-02, words conversion, PENDING, the auto preset): 8.5-8.7 / 8.1-8.2 ms nvfp4 /
+# mxfp4, against the Triton kernels' 10.2-10.6; measurements, profiles and next steps in
+# docs/hopper-experts.md.
 
 
 @gluon.constexpr_function
@@ -512,39 +511,25 @@ def _tile_rows(pid_n, N_OUT, R: gl.constexpr, BLOCK_N: gl.constexpr, GATED: gl.c
 @gluon.jit(do_not_specialize=["num_entries", "max_blocks"])
 def w4a16_wgmma_kernel(
     x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr,
-    block_rows_ptr,  # [max_blocks] int32 real rows of each tile (SPLIT_M)
     num_entries, max_blocks, N_OUT, K,
     stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_om,
     alpha, beta, limit,
     GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
     HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-    BLOCK_M: gl.constexpr,  # routed rows per tile: 64, 128 or 256 (the wgmma's N)
+    BLOCK_M: gl.constexpr,  # routed rows per tile: 64 or 128 (the wgmma's N)
     BLOCK_N: gl.constexpr,  # outputs per program (MMA tile rows R: BLOCK_N, gated 2 * BLOCK_N; 16 * num_warps * 2^i)
     STAGES: gl.constexpr,  # K steps in flight (cp.async ring: tokens, weights); >= 3
-    SPLIT_M: gl.constexpr = False,  # an expert's tail tile with <= BLOCK_M / 2 real rows runs BLOCK_M / 2 of them
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
     PENDING: gl.constexpr = False,  # each K step's wgmmas stay in flight while the next step's operands are made
 ):
-    """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 / 256 routed rows; x's
+    """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows; x's
     K in the order of `permute_k` for gemm1 (gemm2 reads the act gemm1 wrote in it)."""
     pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
     if expert >= 0:
-        e64 = expert.to(gl.int64)
-        # SPLIT_M: an expert's last tile with <= BLOCK_M / 2 real rows runs them only: its padding costs at
-        # most BLOCK_M / 2 rows of MMA work (the weights are read and dequantized once per tile either way)
-        half = False
-        if SPLIT_M:  # (a constexpr branch: without SPLIT_M no half-tile code is generated)
-            half = gl.load(block_rows_ptr + pid_m) <= BLOCK_M // 2
-            if half:
-                _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e64,
-                            pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn,
-                            stride_wse, stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1,
-                            TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, STAGES, WORDS, PENDING)
-        if not half:
-            _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e64,
-                        pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
-                        stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
-                        ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, WORDS, PENDING)
+        _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
+                    pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
+                    stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
+                    ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, WORDS, PENDING)
 
 
 @gluon.jit

@@ -151,17 +151,13 @@ _FP4_PRESETS = {
     # than the decode kernel's K order, were removed after 2026-12-02: docs/hopper-experts.md)
     "wgmma_w4r128_kp": _cfg("wgmma_w4r128_kp", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
     "wgmma_w4r128_kp_m64": _cfg("wgmma_w4r128_kp_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
-    # 256-row tiles over two warpgroups (8 warps, one CTA per SM): each warpgroup dequantizes 64 weight
-    # rows per K step for 256 routed rows (the 128-row tiles: 128 for 128), so a weight byte is
-    # converted half as often; an expert's tail tile with <= 128 rows runs a 128-row copy of the code
-    "wgmma_w8m256_kp": _cfg("wgmma_w8m256_kp", 256, (64, 64, 8, 3), (128, 64, 8, 3), split=True, wgmma=True),
-    "wgmma_w8m256_kp_s4": _cfg("wgmma_w8m256_kp_s4", 256, (64, 64, 8, 4), (128, 64, 8, 4), split=True, wgmma=True),
+    # (256-row tiles over two warpgroups, "wgmma_w8m256_kp" / "_s4" / "_pend": each weight value converted
+    # half as often, but one CTA per SM; 9.5-9.6 ms against 8.5-8.6 for the 128-row tiles at T = 4096,
+    # H200 2026-12-02; removed after it: docs/hopper-experts.md)
     # each K step's wgmmas stay in flight while the next step's weights are dequantized (ptxas then gives
     # the two steps of an iteration different operand registers: no wait before either conversion)
     "wgmma_w4r128_kp_pend": _cfg("wgmma_w4r128_kp_pend", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,
                                  pending=True),
-    "wgmma_w8m256_kp_pend": _cfg("wgmma_w8m256_kp_pend", 256, (64, 64, 8, 3), (128, 64, 8, 3), split=True,
-                                 wgmma=True, pending=True),
 }
 
 # The tuned table: preset by mean rows per local expert (upper bounds, inclusive; None = any).
@@ -225,7 +221,7 @@ GLUON_W4A16_MAXNREG: Optional[int] = 128
 # 1.40 / 1.41 ms against 1.60 with the defaults, whose second K step's loads ptxas schedules after the
 # first step's MMAs; nvfp4 keeps the defaults (1.46 / 1.47 ms; 1.48 / 1.49 with these).
 GLUON_W4A16_WORDS_TILES: Dict[str, Tuple[int, int, int]] = {"mxfp4_w4a16": (4, 128, 8)}
-GLUON_WGMMA_BLOCK_MS = (64, 128, 256)  # routed rows per tile of the Gluon wgmma kernel (presets with wgmma=True)
+GLUON_WGMMA_BLOCK_MS = (64, 128)  # routed rows per tile of the Gluon wgmma kernel (presets with wgmma=True)
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
 FP4_SCALE_PREFETCH = True
@@ -829,7 +825,7 @@ class TritonExperts(Experts):
             n1, n2 = self._wgmma_block_n(True, cfg), self._wgmma_block_n(False, cfg)
             # nvfp4 scale rows 16-byte aligned (the kernel reads 4-byte words; only such shapes ran)
             scales_align = self.mode != "nvfp4_w4a16" or ((H // 16) % 16 == 0 and (I // 16) % 16 == 0)
-            return (cfg.block_m in GLUON_WGMMA_BLOCK_MS and scales_align
+            return (cfg.block_m in GLUON_WGMMA_BLOCK_MS and not cfg.split_m and scales_align
                     and I % n1 == 0 and H % n2 == 0 and H % 64 == 0 and I % 64 == 0)
         rows = self._gluon_decode_tiles(conv)[1]
         return (
@@ -868,7 +864,7 @@ class TritonExperts(Experts):
             from epmoe.experts.gluon_w4a16 import permute_k
 
             x = permute_k(x)
-        # the two kernels' arguments: these, the wgmma kernel's block_rows between them, these
+        # the two kernels' arguments (the same for both)
         head = (x, w, ws, wg, b, out, w_flat if w_flat is not None else out, blocks.sorted_ids, blocks.block_expert)
         tail = (
             num_entries, blocks.max_blocks, n_out, k,
@@ -881,10 +877,9 @@ class TritonExperts(Experts):
         if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
-            args = head + (blocks.block_rows,) + tail
-            self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), args,
-                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, SPLIT_M=cfg.split_m,
-                              PENDING=cfg.wgmma_pending, num_warps=g.num_warps))
+            self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), head + tail,
+                         dict(consts, BLOCK_N=BN, STAGES=g.num_stages, PENDING=cfg.wgmma_pending,
+                              num_warps=g.num_warps))
             return
         unroll, BN, warps = self._gluon_decode_tiles(conv)
         while (k // 64) % unroll:

@@ -9,7 +9,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -24,8 +23,8 @@ def _aot():
     return mod
 
 
-@pytest.mark.parametrize("mode,preset", [("nvfp4_w4a16", "wgmma_w4r128_kp"), ("mxfp4_w4a16", "wgmma_w8m256_kp"),
-                                         ("nvfp4_w4a16", "wgmma_w8m256_kp_pend")])
+@pytest.mark.parametrize("mode,preset", [("nvfp4_w4a16", "wgmma_w4r128_kp"), ("mxfp4_w4a16", "wgmma_w4r128_kp_m64"),
+                                         ("nvfp4_w4a16", "wgmma_w4r128_kp_pend")])
 def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
     from epmoe.config import MoEConfig
     from epmoe.experts import gluon_w4a16 as G
@@ -47,11 +46,10 @@ def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
         assert len(launch.args) == len(runtime), (len(launch.args), runtime)
         assert set(kw) - {"num_warps"} <= constexpr
         args = dict(zip(runtime, launch.args))
-        assert kw["BLOCK_M"] == tiles.block_m and kw["SPLIT_M"] == tiles.split_m
+        assert kw["BLOCK_M"] == tiles.block_m
         assert kw["PENDING"] == tiles.wgmma_pending
         assert kw["num_warps"] == (tiles.gemm1 if kw["GEMM1"] else tiles.gemm2).num_warps
         max_blocks = args["max_blocks"]
-        assert args["block_rows_ptr"].dtype == torch.int32 and args["block_rows_ptr"].shape == (max_blocks,)
         assert args["block_expert_ptr"].shape == (max_blocks,)
         assert args["sorted_ids_ptr"].shape == (max_blocks * tiles.block_m,)
         n_out, k = (256, 512) if kw["GEMM1"] else (512, 256)

@@ -116,7 +116,7 @@ def to_source(launch: Launch):
         from epmoe.experts import triton_kernels as module
     fn = getattr(module, launch.kernel)
     kwargs = dict(launch.kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     names = fn.arg_names
     sig, consts, attrs = {}, {}, {}
     for i, (name, value) in enumerate(zip(names, launch.args)):

@@ -244,6 +244,7 @@ def w4a16_swap_kernel(
     topk_w_ptr,  # gemm2: [num_entries] fp32 routing weights
     sorted_ids_ptr,  # [P] int32 entry of each padded row (>= num_entries: padding)
     block_expert_ptr,  # [max_blocks] int32 (-1: unused tile)
+    block_rows_ptr,  # [max_blocks] int32 real rows of each tile (SPLIT_M)
     num_entries,
     max_blocks,
     N_OUT,  # weight rows per projection: gemm1 I, gemm2 H
@@ -270,7 +271,35 @@ def w4a16_swap_kernel(
     BLOCK_N: gl.constexpr,  # weight rows per program (per projection)
     UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64)
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
+    SPLIT_M: gl.constexpr = False,  # a tile with <= BLOCK_M / 2 real rows runs BLOCK_M / 2 of them
 ):
+    pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
+    if expert >= 0:
+        # SPLIT_M: a tile with <= BLOCK_M / 2 real rows (at decode sizes most experts' only tile) loads and
+        # multiplies the token rows of its first half only; the weights are read and converted once either way
+        half = False
+        if SPLIT_M:  # (a constexpr branch: without SPLIT_M no half-tile code is generated)
+            half = gl.load(block_rows_ptr + pid_m) <= BLOCK_M // 2
+            if half:
+                _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
+                           pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
+                           stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT,
+                           GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, UNROLL, WORDS)
+        if not half:
+            _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
+                       pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
+                       stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
+                       ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, UNROLL, WORDS)
+
+
+@gluon.jit
+def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e64, row0, pid_n,
+               num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge,
+               stride_be, stride_om, alpha, beta, limit,
+               GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr,
+               ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, UNROLL: gl.constexpr, WORDS: gl.constexpr):
+    """The padded rows [row0, row0 + BLOCK_M) x program pid_n's BLOCK_N outputs, of expert e64."""
     num_warps: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = _mma_layout(num_warps)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -279,75 +308,72 @@ def w4a16_swap_kernel(
     X3: gl.constexpr = _x3_layout(BLOCK_M, num_warps)
     S2: gl.constexpr = gl.SliceLayout(2, W3)  # [BN, 4] scales per (row, t)
 
-    pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
-    if expert >= 0:
-        e64 = expert.to(gl.int64)
-        # token rows of this tile, in the layout of the X3 row axis
-        xrow = _tile_tokens(sorted_ids_ptr, pid_m * BLOCK_M, num_entries, BLOCK_M, TOP_K, GEMM1,
-                            gl.SliceLayout(1, gl.SliceLayout(2, X3)))
-        t3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
-        q3 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
-        x_ptrs = (x_ptr + xrow[:, None, None] * stride_xm + (t3 * 8)[None, :, None] + q3[None, None, :])
+    # token rows of this tile, in the layout of the X3 row axis
+    xrow = _tile_tokens(sorted_ids_ptr, row0, num_entries, BLOCK_M, TOP_K, GEMM1,
+                        gl.SliceLayout(1, gl.SliceLayout(2, X3)))
+    t3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
+    q3 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
+    x_ptrs = (x_ptr + xrow[:, None, None] * stride_xm + (t3 * 8)[None, :, None] + q3[None, None, :])
 
-        rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, W3)))
-        tw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W3)))
-        qw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
-        w_base = w_ptr + e64 * stride_we
-        g_ptrs = w_base + rows.to(gl.int64)[:, None, None] * stride_wn + (tw * 8)[None, :, None] + qw[None, None, :]
-        u_ptrs = g_ptrs + N_OUT * stride_wn
-        rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
-        ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
-        s_rows = ws_ptr + e64 * stride_wse + rs.to(gl.int64)[:, None] * stride_wsn + (ts * 0)[None, :]
-        # scale words (a K step's groups of a row: nvfp4 4 bytes, mxfp4 2) and the bit offset of
-        # t's low-half group in them: nvfp4 group 4kk + t // 2 (low half), + 2 (high half); mxfp4
-        # 2kk (low), 2kk + 1 (high)
-        PAIR: gl.constexpr = UNROLL >= 2  # one scale load per row for two K steps
-        if W_FMT == 2:
-            HI: gl.constexpr = 2
-            WORD: gl.constexpr = 8 if PAIR else 4  # bytes per scale word
-            s_shift = ((ts // 2) * 8)[None, :] + (rs * 0)[:, None]
-        else:
-            HI: gl.constexpr = 1
-            WORD: gl.constexpr = 4 if PAIR else 2
-            s_shift = (ts * 0)[None, :] + (rs * 0)[:, None]
-        WTYPE: gl.constexpr = gl.int64 if WORD == 8 else (gl.int32 if WORD == 4 else gl.int16)
-        sg_ptrs = s_rows.to(gl.pointer_type(WTYPE), bitcast=True)
-        su_ptrs = sg_ptrs + N_OUT * stride_wsn // WORD
+    rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, W3)))
+    tw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W3)))
+    qw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
+    w_base = w_ptr + e64 * stride_we
+    g_ptrs = w_base + rows.to(gl.int64)[:, None, None] * stride_wn + (tw * 8)[None, :, None] + qw[None, None, :]
+    u_ptrs = g_ptrs + N_OUT * stride_wn
+    rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
+    ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
+    s_rows = ws_ptr + e64 * stride_wse + rs.to(gl.int64)[:, None] * stride_wsn + (ts * 0)[None, :]
+    # scale words (a K step's groups of a row: nvfp4 4 bytes, mxfp4 2) and the bit offset of
+    # t's low-half group in them: nvfp4 group 4kk + t // 2 (low half), + 2 (high half); mxfp4
+    # 2kk (low), 2kk + 1 (high)
+    PAIR: gl.constexpr = UNROLL >= 2  # one scale load per row for two K steps
+    if W_FMT == 2:
+        HI: gl.constexpr = 2
+        WORD: gl.constexpr = 8 if PAIR else 4  # bytes per scale word
+        s_shift = ((ts // 2) * 8)[None, :] + (rs * 0)[:, None]
+    else:
+        HI: gl.constexpr = 1
+        WORD: gl.constexpr = 4 if PAIR else 2
+        s_shift = (ts * 0)[None, :] + (rs * 0)[:, None]
+    WTYPE: gl.constexpr = gl.int64 if WORD == 8 else (gl.int32 if WORD == 4 else gl.int16)
+    sg_ptrs = s_rows.to(gl.pointer_type(WTYPE), bitcast=True)
+    su_ptrs = sg_ptrs + N_OUT * stride_wsn // WORD
 
-        acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-        acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-        num_k = K // 64
-        # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
-        # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
-        for kk in range(0, num_k, UNROLL):
-            ga, gb_ = _scale_words(sg_ptrs, kk, W_FMT, PAIR)
-            ua, ub_ = _scale_words(su_ptrs, kk, W_FMT, PAIR) if GATED else (ga, gb_)
-            a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, kk, ga, ua, s_shift, HI, GATED)
-            if UNROLL >= 2:
-                b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, kk + 1, gb_, ub_, s_shift, HI, GATED)
-            if UNROLL == 4:
-                gc, gd = _scale_words(sg_ptrs, kk + 2, W_FMT, PAIR)
-                uc, ud = _scale_words(su_ptrs, kk + 2, W_FMT, PAIR) if GATED else (gc, gd)
-                c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, kk + 2, gc, uc, s_shift, HI, GATED)
-                d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, kk + 3, gd, ud, s_shift, HI, GATED)
-            acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
+    acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    num_k = K // 64
+    # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
+    # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
+    for kk in range(0, num_k, UNROLL):
+        ga, gb_ = _scale_words(sg_ptrs, kk, W_FMT, PAIR)
+        ua, ub_ = _scale_words(su_ptrs, kk, W_FMT, PAIR) if GATED else (ga, gb_)
+        a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
+            x_ptrs, g_ptrs, u_ptrs, kk, ga, ua, s_shift, HI, GATED)
+        if UNROLL >= 2:
+            b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
+                x_ptrs, g_ptrs, u_ptrs, kk + 1, gb_, ub_, s_shift, HI, GATED)
+        if UNROLL == 4:
+            gc, gd = _scale_words(sg_ptrs, kk + 2, W_FMT, PAIR)
+            uc, ud = _scale_words(su_ptrs, kk + 2, W_FMT, PAIR) if GATED else (gc, gd)
+            c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
+                x_ptrs, g_ptrs, u_ptrs, kk + 2, gc, uc, s_shift, HI, GATED)
+            d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
+                x_ptrs, g_ptrs, u_ptrs, kk + 3, gd, ud, s_shift, HI, GATED)
+        acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
+                             W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
+        if UNROLL >= 2:
+            acc_g, acc_u = _step(acc_g, acc_u, b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush,
                                  W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
-            if UNROLL >= 2:
-                acc_g, acc_u = _step(acc_g, acc_u, b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush,
-                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
-            if UNROLL == 4:
-                acc_g, acc_u = _step(acc_g, acc_u, c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush,
-                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
-                acc_g, acc_u = _step(acc_g, acc_u, d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush,
-                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
+        if UNROLL == 4:
+            acc_g, acc_u = _step(acc_g, acc_u, c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush,
+                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
+            acc_g, acc_u = _step(acc_g, acc_u, d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush,
+                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
 
-        _epilogue(acc_g, acc_u, e64, pid_m * BLOCK_M, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr,
-                  num_entries, N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
-                  GEMM1, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA)
+    _epilogue(acc_g, acc_u, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr,
+              num_entries, N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
+              GEMM1, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA)
 
 
 @gluon.jit

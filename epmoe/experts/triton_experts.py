@@ -139,6 +139,9 @@ _FP4_PRESETS = {
     "decode_w8": _cfg("decode_w8", 16, (128, 64, 8, 4), (128, 64, 8, 4)),
     # 8-row tiles: the Gluon kernels only (tl.dot needs 16 rows)
     "decode_m8": _cfg("decode_m8", 8, (64, 64, 4, 4), (64, 64, 4, 4)),
+    # 16-row tiles whose <= 8 real rows (at T = 128 x top-8 over 128 experts: most experts) run the 8-row
+    # code (the Gluon decode kernel's SPLIT_M): half the token loads and mmas, the weights converted once
+    "decode_split": _cfg("decode_split", 16, (64, 64, 4, 4), (64, 64, 4, 4), split=True),
     "small": _cfg("small", 32, (64, 64, 4, 4), (128, 64, 4, 4)),
     "medium": _cfg("medium", 64, (64, 64, 4, 4), (128, 64, 4, 4)),
     "prefill": _cfg("prefill", 128, (64, 64, 8, 3), (128, 64, 8, 3)),
@@ -831,7 +834,7 @@ class TritonExperts(Experts):
         return (
             self.w4a16_decode == "gluon"
             and cfg.block_m in GLUON_W4A16_BLOCK_MS
-            and not cfg.split_m
+            and (not cfg.split_m or cfg.block_m == 16)
             and I % rows == 0
             and H % rows == 0
         )
@@ -864,7 +867,7 @@ class TritonExperts(Experts):
             from epmoe.experts.gluon_w4a16 import permute_k
 
             x = permute_k(x)
-        # the two kernels' arguments (the same for both)
+        # the two kernels' arguments: these, the decode kernel's block_rows between them, these
         head = (x, w, ws, wg, b, out, w_flat if w_flat is not None else out, blocks.sorted_ids, blocks.block_expert)
         tail = (
             num_entries, blocks.max_blocks, n_out, k,
@@ -885,8 +888,8 @@ class TritonExperts(Experts):
         while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
-        self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), head + tail,
-                     dict(consts, BLOCK_N=BN, UNROLL=unroll, num_warps=warps, **extra))
+        self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), head + (blocks.block_rows,) + tail,
+                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=cfg.split_m, num_warps=warps, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);
@@ -965,8 +968,10 @@ class TritonExperts(Experts):
         if cfg.block_m < 16 and not self.uses_gluon_w4a16(cfg):
             raise ValueError(f"block_m {cfg.block_m} runs on the Gluon W4A16 kernels only (decode, asm conversion), "
                              f"not in mode {self.mode!r} here: {cfg.describe()}")
-        if cfg.split_m and cfg.block_m < 32:
-            raise ValueError(f"split_m needs block_m >= 32 (half tiles of >= 16 rows), got {cfg.describe()}")
+        if cfg.split_m and cfg.block_m < 32 and not self.uses_gluon_w4a16(cfg):
+            raise ValueError(f"tile preset {cfg.name!r} (split_m, block_m {cfg.block_m}) runs on the Gluon W4A16 decode "
+                             f"kernel only (the Triton kernels' half tiles need >= 16 rows), not here (mode {self.mode!r}); "
+                             "use preset 'decode'")
         for g, gate_up in ((cfg.gemm1, True), (cfg.gemm2, False)):
             if self.mode == "fp8_block":
                 if g.block_k != 128 or (gate_up and g.block_n != 128) or (not gate_up and 128 % g.block_n and g.block_n % 128):

@@ -1,14 +1,16 @@
-"""Argument assembly of the Gluon wgmma W4A16 launches, with the launches RECORDED instead of run (a
-recording stand-in: this proves what the backend passes, not what the kernel computes; the kernel
-runs in tests/gpu/test_hopper_experts.py::test_w4a16_gluon_wgmma). Every runtime parameter of
-`w4a16_wgmma_kernel` gets one argument, in order: a missing or extra one would shift every later
-argument (the kernel would read the tile rows as strides)."""
+"""Argument assembly of the Gluon W4A16 launches (wgmma prefill and mma.sync decode kernels), with the
+launches RECORDED instead of run (a recording stand-in: this proves what the backend passes, not what
+the kernels compute; they run in tests/gpu/test_hopper_experts.py::test_w4a16_gluon_wgmma and
+::test_w4a16_gluon_decode*). Every runtime parameter of each kernel gets one argument, in order: a
+missing or extra one would shift every later argument (the kernel would read the tile rows as
+strides)."""
 
 import importlib.util
 import os
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -56,3 +58,39 @@ def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
         assert (args["N_OUT"], args["K"]) == (n_out, k)
         assert args["stride_xm"] == args["x_ptr"].stride(0) == k
         assert args["stride_om"] == args["out_ptr"].stride(0) == n_out
+
+
+@pytest.mark.parametrize("mode,preset", [("nvfp4_w4a16", "decode"), ("mxfp4_w4a16", "decode_split"),
+                                         ("nvfp4_w4a16", "decode_split")])
+def test_decode_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
+    """The same for the Gluon decode kernel (`w4a16_swap_kernel`): its tile rows (block_rows, read by
+    SPLIT_M) sit between the routing tables and the scalars; the register cap is a launch option."""
+    from epmoe.config import MoEConfig
+    from epmoe.experts import gluon_w4a16 as G
+    from epmoe.experts import triton_experts as TE
+
+    monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(TE, "_gluon_available", lambda: True)
+    aot = _aot()
+    cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=512, intermediate_size=256)
+    tiles = TE.presets_for(mode)[preset]
+    launches = [l for l in aot.record_launches(cfg, mode, num_tokens=6, num_experts=2, preset=preset)
+                if l.kernel == "w4a16_swap_kernel"]  # fmt: skip
+    assert [dict(l.kwargs)["GEMM1"] for l in launches] == [True, False]
+    fn = G.w4a16_swap_kernel
+    runtime = [p.name for p in fn.params if not p.is_constexpr]
+    constexpr = {p.name for p in fn.params if p.is_constexpr}
+    for launch in launches:
+        kw = dict(launch.kwargs)
+        assert len(launch.args) == len(runtime), (len(launch.args), runtime)
+        assert set(kw) - {"num_warps", "maxnreg"} <= constexpr
+        assert kw["BLOCK_M"] == tiles.block_m == 16 and kw["SPLIT_M"] == tiles.split_m == (preset == "decode_split")
+        assert kw.get("maxnreg") == TE.GLUON_W4A16_MAXNREG
+        args = dict(zip(runtime, launch.args))
+        max_blocks = args["max_blocks"]
+        assert args["block_rows_ptr"].dtype == torch.int32 and args["block_rows_ptr"].shape == (max_blocks,)
+        assert args["block_expert_ptr"].shape == (max_blocks,)
+        assert args["sorted_ids_ptr"].shape == (max_blocks * tiles.block_m,)
+        n_out, k = (256, 512) if kw["GEMM1"] else (512, 256)
+        assert (args["N_OUT"], args["K"]) == (n_out, k)
+        assert args["stride_om"] == args["out_ptr"].stride(0)

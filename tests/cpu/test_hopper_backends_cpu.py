@@ -375,3 +375,22 @@ def test_tile_plan_follows_the_decode_kernel_choice(force_available, monkeypatch
     assert ex._tile_plan(cfg, 8)[1] is True
     monkeypatch.setattr(TE, "GLUON_W4A16_BLOCK_N", 3 * ex.intermediate_size)  # divides nothing
     assert ex._tile_plan(cfg, 8)[1] is False
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+def test_decode_split_runs_on_the_gluon_decode_kernel_only(force_available, monkeypatch, mode):
+    """Preset decode_split (16-row tiles split to 8 rows) exists only in the Gluon decode kernel: its
+    plan takes that kernel where it can run; where the Triton kernels would run it (their half tiles
+    need >= 16 rows: `triton_w4a16_decode=triton`, or the interpreter) it is refused before any launch,
+    naming the preset and where it runs."""
+    from epmoe.experts import triton_experts as TE
+
+    ex = TritonExperts(_spec(mode))
+    monkeypatch.setattr(TE, "_gluon_available", lambda: True)
+    monkeypatch.setattr(type(ex), "_fp4_kernel_convert", property(lambda self: 3))
+    cfg = presets_for(mode)["decode_split"]
+    assert cfg.split_m and cfg.block_m == 16 and ex.uses_gluon_w4a16(cfg)
+    assert ex._tile_plan(cfg, 8)[1] is True
+    ex.w4a16_decode = "triton"
+    with pytest.raises(ValueError, match="decode_split.*Gluon W4A16 decode kernel only|Gluon W4A16 decode kernel only.*decode_split"):
+        ex._tile_plan(cfg, 8)

@@ -161,6 +161,10 @@ _FP4_PRESETS = {
     # the two steps of an iteration different operand registers: no wait before either conversion)
     "wgmma_w4r128_kp_pend": _cfg("wgmma_w4r128_kp_pend", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,
                                  pending=True),
+    # gemm2 over 64 outputs per program: tiles projections of 64 * n rows (GPT-OSS's 2880 = 45 x 64, where
+    # the 128-output gemm2 cannot run and the Triton kernels take over)
+    "wgmma_w4r128_kp_pend_n64": _cfg("wgmma_w4r128_kp_pend_n64", 128, (64, 64, 4, 4), (64, 64, 4, 4), wgmma=True,
+                                     pending=True),
 }
 
 # The tuned table: preset by mean rows per local expert (upper bounds, inclusive; None = any).
@@ -217,7 +221,8 @@ GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first)
 # the loop's global loads before its first MMA (with its own choice, 96 / 66 registers for mxfp4, it
 # puts some after: the second K step's loads no longer overlap the first step's wait). H200,
 # 2026-12-02, decode T = 128, same runs: GPT-OSS shape mxfp4 words 0.80 ms (0.91 without the cap; asm
-# 0.86); DeepSeek-V3 shape within noise either way (nvfp4 1.47 / 1.47, mxfp4 1.34-1.42 / 1.41).
+# 0.86); DeepSeek-V3 shape mxfp4 1.33-1.35 / 1.40-1.41 in the last two pairs (1.29-1.42 over four),
+# nvfp4 unchanged (1.46-1.47 either way).
 GLUON_W4A16_MAXNREG: Optional[int] = 128
 # With the words conversion, per mode: (unroll, block_n, warps) instead of the three above, where block_n
 # divides both projections. mxfp4 (H200, 2026-12-02, decode T = 128, DeepSeek-V3 shape, two runs):

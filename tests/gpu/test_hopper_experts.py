@@ -493,14 +493,16 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("preset", ["wgmma_w4r128_kp", "wgmma_w4r128_kp_m64", "wgmma_w4r128_kp_pend"])
+@pytest.mark.parametrize("preset", ["wgmma_w4r128_kp", "wgmma_w4r128_kp_m64", "wgmma_w4r128_kp_pend",
+                                    "wgmma_w4r128_kp_pend_n64"])
 def test_w4a16_gluon_wgmma(mode, preset):
     """The Gluon wgmma W4A16 kernel (prefill tiles of 64 / 128 routed rows) against the float64 math and
     the Triton kernels with the same tiles: DeepSeek shape (rows per expert 1-2 tiles, padding and empty
-    tiles), relu2 (not gated) and GPT-OSS (2880 = 45 K steps; 64-row programs only). K is summed in
-    another order than the Triton kernels (the decode kernel's), hence the bound; the pending-wgmma
-    pipeline (the auto preset) gives the output of `wgmma_w4r128_kp` (the same K steps in the same
-    order) bit for bit."""
+    tiles), relu2 (not gated) and GPT-OSS (2880 = 45 K steps, biases, clamped swiglu: gemm2 tiles 64
+    outputs per program only, `_n64`). K is summed in another order than the Triton kernels (the decode
+    kernel's), hence the bound; the pending-wgmma pipeline (the auto preset) and the 64-output gemm2
+    give the output of `wgmma_w4r128_kp` (the same K steps in the same order) bit for bit where that
+    runs."""
     from epmoe.experts import EXPERTS
     from epmoe.experts import triton_experts as TE
 
@@ -531,8 +533,9 @@ def test_w4a16_gluon_wgmma(mode, preset):
         diff = T.relative_error(out, out_t.double())
         print(f"{mode} {preset} N={N}: gluon wgmma vs triton kernels rel diff {diff:.2e}")
         assert diff < 5e-3, f"{mode} {preset}: gluon and triton kernels differ by {diff:.3g}"
-        if cfg_t.block_m >= 128 and preset != "wgmma_w4r128_kp":
-            ex.config_override = TE.presets_for(mode)["wgmma_w4r128_kp"]
+        kp = TE.presets_for(mode)["wgmma_w4r128_kp"]
+        if cfg_t.block_m >= 128 and preset != "wgmma_w4r128_kp" and ex.uses_gluon_w4a16(kp):
+            ex.config_override = kp
             try:
                 out_128 = ex(DispatchedTokens(x, ids, tw))
             finally:

@@ -25,24 +25,29 @@ def _aot():
     return mod
 
 
-@pytest.mark.parametrize("mode,preset", [("nvfp4_w4a16", "wgmma_w4r128_kp"), ("mxfp4_w4a16", "wgmma_w4r128_kp_m64"),
-                                         ("nvfp4_w4a16", "wgmma_w4r128_kp_pend")])
-def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
+def _recorded(kernel, mode, preset, num_tokens, monkeypatch):
+    """(tile preset, the recorded launches of `kernel` (gemm1, gemm2), its runtime parameter names, its
+    constexpr names) for a small DeepSeek-like layer (nvfp4: K / 16 % 16 == 0) with the Gluon kernels on."""
     from epmoe.config import MoEConfig
     from epmoe.experts import gluon_w4a16 as G
     from epmoe.experts import triton_experts as TE
 
     monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(TE, "_gluon_available", lambda: True)
-    aot = _aot()
-    cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=512, intermediate_size=256)  # nvfp4: K / 16 % 16 == 0
-    tiles = TE.presets_for(mode)[preset]
-    launches = [l for l in aot.record_launches(cfg, mode, num_tokens=80, num_experts=2, preset=preset)
-                if l.kernel == "w4a16_wgmma_kernel"]  # fmt: skip
+    cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=512, intermediate_size=256)
+    launches = [l for l in _aot().record_launches(cfg, mode, num_tokens=num_tokens, num_experts=2, preset=preset)
+                if l.kernel == kernel]  # fmt: skip
     assert [dict(l.kwargs)["GEMM1"] for l in launches] == [True, False]
-    fn = G.w4a16_wgmma_kernel
-    runtime = [p.name for p in fn.params if not p.is_constexpr]
-    constexpr = {p.name for p in fn.params if p.is_constexpr}
+    fn = getattr(G, kernel)
+    return (TE.presets_for(mode)[preset], launches, [p.name for p in fn.params if not p.is_constexpr],
+            {p.name for p in fn.params if p.is_constexpr})
+
+
+@pytest.mark.parametrize("mode,preset", [("nvfp4_w4a16", "wgmma_w4r128_kp"), ("mxfp4_w4a16", "wgmma_w4r128_kp_m64"),
+                                         ("nvfp4_w4a16", "wgmma_w4r128_kp_pend"),
+                                         ("mxfp4_w4a16", "wgmma_w4r128_kp_pend_n64")])
+def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
+    tiles, launches, runtime, constexpr = _recorded("w4a16_wgmma_kernel", mode, preset, 80, monkeypatch)
     for launch in launches:
         kw = dict(launch.kwargs)
         assert len(launch.args) == len(runtime), (len(launch.args), runtime)
@@ -65,21 +70,9 @@ def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
 def test_decode_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
     """The same for the Gluon decode kernel (`w4a16_swap_kernel`): its tile rows (block_rows, read by
     SPLIT_M) sit between the routing tables and the scalars; the register cap is a launch option."""
-    from epmoe.config import MoEConfig
-    from epmoe.experts import gluon_w4a16 as G
     from epmoe.experts import triton_experts as TE
 
-    monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
-    monkeypatch.setattr(TE, "_gluon_available", lambda: True)
-    aot = _aot()
-    cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=512, intermediate_size=256)
-    tiles = TE.presets_for(mode)[preset]
-    launches = [l for l in aot.record_launches(cfg, mode, num_tokens=6, num_experts=2, preset=preset)
-                if l.kernel == "w4a16_swap_kernel"]  # fmt: skip
-    assert [dict(l.kwargs)["GEMM1"] for l in launches] == [True, False]
-    fn = G.w4a16_swap_kernel
-    runtime = [p.name for p in fn.params if not p.is_constexpr]
-    constexpr = {p.name for p in fn.params if p.is_constexpr}
+    tiles, launches, runtime, constexpr = _recorded("w4a16_swap_kernel", mode, preset, 6, monkeypatch)
     for launch in launches:
         kw = dict(launch.kwargs)
         assert len(launch.args) == len(runtime), (len(launch.args), runtime)

@@ -71,11 +71,13 @@ class GemmConfig:
 class TritonConfig:
     """block_m is shared by both GEMMs (they share the padded routing). split_m: an expert's tail
     tile with <= block_m/2 real rows runs a block_m/2-row copy of the tile code (less MMA work on
-    padding; needs block_m >= 32). wgmma (W4A16, block_m 64 / 128 / 256): the GEMMs run the Gluon wgmma
-    kernel (`gluon_w4a16.w4a16_wgmma_kernel`: block_n outputs per program, num_warps, num_stages K
-    steps in flight) where `TritonExperts.uses_gluon_w4a16` says it can; elsewhere the Triton kernels
-    with these tiles (a forced preset) or WGMMA_FALLBACK's (auto). wgmma_pending: that kernel keeps each
-    K step's wgmmas in flight while it dequantizes the next step's weights (its PENDING)."""
+    padding; block_m >= 32 in the Triton kernels, 16 in the Gluon decode kernel). wgmma (W4A16, block_m
+    64 / 128): the GEMMs run the Gluon wgmma kernel (`gluon_w4a16.w4a16_wgmma_kernel`: block_n outputs
+    per program, num_warps, num_stages K steps in flight) where `TritonExperts.uses_gluon_w4a16` says it
+    can; elsewhere the Triton kernels with these tiles (a forced preset) or WGMMA_FALLBACK's (auto).
+    wgmma_pending: that kernel keeps each K step's wgmmas in flight while it dequantizes the next step's
+    weights (its PENDING). l2_ahead (the Gluon decode kernel's L2_AHEAD): K steps ahead to which each
+    program prefetches its weight rows into L2; 0 = none."""
 
     name: str
     block_m: int
@@ -84,18 +86,20 @@ class TritonConfig:
     split_m: bool = False
     wgmma: bool = False
     wgmma_pending: bool = False
+    l2_ahead: int = 0
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
         return (
-            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/pending' if self.wgmma_pending else ''} "
+            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/pending' if self.wgmma_pending else ''}"
+            f"{f'/L2 +{self.l2_ahead}' if self.l2_ahead else ''} "
             f"g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},s{g1.num_stages},G{g1.group_m}) "
             f"g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages},G{g2.group_m})"
         )
 
 
-def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False) -> TritonConfig:
-    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending)
+def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False, l2_ahead=0) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending, l2_ahead)
 
 
 # Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
@@ -142,6 +146,11 @@ _FP4_PRESETS = {
     # 16-row tiles whose <= 8 real rows (at T = 128 x top-8 over 128 experts: most experts) run the 8-row
     # code (the Gluon decode kernel's SPLIT_M): half the token loads and mmas, the weights converted once
     "decode_split": _cfg("decode_split", 16, (64, 64, 4, 4), (64, 64, 4, 4), split=True),
+    # the Gluon decode kernel prefetching each weight row into L2 8 / 16 K steps ahead of its loads
+    # (`prefetch.global.L2`, one per row and 128-byte line: bytes in flight without registers)
+    "decode_l2_8": _cfg("decode_l2_8", 16, (64, 64, 4, 4), (64, 64, 4, 4), l2_ahead=8),
+    "decode_l2_16": _cfg("decode_l2_16", 16, (64, 64, 4, 4), (64, 64, 4, 4), l2_ahead=16),
+    "decode_split_l2_16": _cfg("decode_split_l2_16", 16, (64, 64, 4, 4), (64, 64, 4, 4), split=True, l2_ahead=16),
     "small": _cfg("small", 32, (64, 64, 4, 4), (128, 64, 4, 4)),
     "medium": _cfg("medium", 64, (64, 64, 4, 4), (128, 64, 4, 4)),
     "prefill": _cfg("prefill", 128, (64, 64, 8, 3), (128, 64, 8, 3)),
@@ -894,7 +903,8 @@ class TritonExperts(Experts):
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
         self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), head + (blocks.block_rows,) + tail,
-                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=cfg.split_m, num_warps=warps, **extra))
+                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=cfg.split_m, L2_AHEAD=cfg.l2_ahead,
+                          num_warps=warps, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);

@@ -230,8 +230,8 @@ GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first)
 # the loop's global loads before its first MMA (with its own choice, 96 / 66 registers for mxfp4, it
 # puts some after: the second K step's loads no longer overlap the first step's wait). H200,
 # 2026-12-02, decode T = 128, same runs: GPT-OSS shape mxfp4 words 0.80 ms (0.91 without the cap; asm
-# 0.86); DeepSeek-V3 shape mxfp4 1.33-1.35 / 1.40-1.41 in the last two pairs (1.29-1.42 over four),
-# nvfp4 unchanged (1.46-1.47 either way).
+# 0.86); DeepSeek-V3 shape mxfp4 1.33-1.35 / 1.40-1.41 in the last two pairs (1.29-1.42 over five),
+# nvfp4 unchanged (1.40-1.47 either way, four pairs).
 GLUON_W4A16_MAXNREG: Optional[int] = 128
 # With the words conversion, per mode: (unroll, block_n, warps) instead of the three above, where block_n
 # divides both projections. mxfp4 (H200, 2026-12-02, decode T = 128, DeepSeek-V3 shape, two runs):

@@ -77,7 +77,8 @@ class TritonConfig:
     can; elsewhere the Triton kernels with these tiles (a forced preset) or WGMMA_FALLBACK's (auto).
     wgmma_pending: that kernel keeps each K step's wgmmas in flight while it dequantizes the next step's
     weights (its PENDING). l2_ahead (the Gluon decode kernel's L2_AHEAD): K steps ahead to which each
-    program prefetches its weight rows into L2; 0 = none."""
+    program prefetches its weight rows into L2; 0 = none. maxnreg: register cap of the Gluon wgmma
+    kernel (ptxas; None = its own choice)."""
 
     name: str
     block_m: int
@@ -87,19 +88,20 @@ class TritonConfig:
     wgmma: bool = False
     wgmma_pending: bool = False
     l2_ahead: int = 0
+    maxnreg: Optional[int] = None
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
         return (
             f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/pending' if self.wgmma_pending else ''}"
-            f"{f'/L2 +{self.l2_ahead}' if self.l2_ahead else ''} "
+            f"{f'/L2 +{self.l2_ahead}' if self.l2_ahead else ''}{f'/r{self.maxnreg}' if self.maxnreg else ''} "
             f"g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},s{g1.num_stages},G{g1.group_m}) "
             f"g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages},G{g2.group_m})"
         )
 
 
-def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False, l2_ahead=0) -> TritonConfig:
-    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending, l2_ahead)
+def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False, l2_ahead=0, maxnreg=None) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending, l2_ahead, maxnreg)
 
 
 # Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
@@ -170,6 +172,10 @@ _FP4_PRESETS = {
     # the two steps of an iteration different operand registers: no wait before either conversion)
     "wgmma_w4r128_kp_pend": _cfg("wgmma_w4r128_kp_pend", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,
                                  pending=True),
+    # 64-row tiles under a 168-register cap (179-181 without it since the scale words are loaded a step
+    # ahead): three CTAs per SM (48 KB of shared memory each); no spills (with PENDING: spills in a loop)
+    "wgmma_w4r128_kp_m64_r168": _cfg("wgmma_w4r128_kp_m64_r168", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,
+                                     maxnreg=168),
     # gemm2 over 64 outputs per program: tiles projections of 64 * n rows (GPT-OSS's 2880 = 45 x 64, where
     # the 128-output gemm2 cannot run and the Triton kernels take over)
     "wgmma_w4r128_kp_pend_n64": _cfg("wgmma_w4r128_kp_pend_n64", 128, (64, 64, 4, 4), (64, 64, 4, 4), wgmma=True,
@@ -894,9 +900,10 @@ class TritonExperts(Experts):
         if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
+            cap = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), head + tail,
                          dict(consts, BLOCK_N=BN, STAGES=g.num_stages, PENDING=cfg.wgmma_pending,
-                              num_warps=g.num_warps))
+                              num_warps=g.num_warps, **cap))
             return
         unroll, BN, warps = self._gluon_decode_tiles(conv)
         while (k // 64) % unroll:

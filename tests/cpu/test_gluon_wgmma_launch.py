@@ -45,13 +45,13 @@ def _recorded(kernel, mode, preset, num_tokens, monkeypatch):
 
 @pytest.mark.parametrize("mode,preset", [("nvfp4_w4a16", "wgmma_w4r128_kp"), ("mxfp4_w4a16", "wgmma_w4r128_kp_m64"),
                                          ("nvfp4_w4a16", "wgmma_w4r128_kp_pend"),
-                                         ("mxfp4_w4a16", "wgmma_w4r128_kp_pend_n64")])
+                                         ("mxfp4_w4a16", "wgmma_w4r128_kp_pend_n64"), ("nvfp4_w4a16", "wgmma_w4r128_kp_m64_r168")])
 def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
     tiles, launches, runtime, constexpr = _recorded("w4a16_wgmma_kernel", mode, preset, 80, monkeypatch)
     for launch in launches:
         kw = dict(launch.kwargs)
         assert len(launch.args) == len(runtime), (len(launch.args), runtime)
-        assert set(kw) - {"num_warps"} <= constexpr
+        assert set(kw) - {"num_warps", "maxnreg"} <= constexpr and kw.get("maxnreg") == tiles.maxnreg
         args = dict(zip(runtime, launch.args))
         assert kw["BLOCK_M"] == tiles.block_m
         assert kw["PENDING"] == tiles.wgmma_pending

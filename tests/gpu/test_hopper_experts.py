@@ -496,8 +496,8 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("preset", ["wgmma_w4r128_kp", "wgmma_w4r128_kp_m64", "wgmma_w4r128_kp_pend",
-                                    "wgmma_w4r128_kp_pend_n64"])
+@pytest.mark.parametrize("preset", ["wgmma_w4r128_kp", "wgmma_w4r128_kp_m64", "wgmma_w4r128_kp_m64_r168",
+                                    "wgmma_w4r128_kp_pend", "wgmma_w4r128_kp_pend_n64"])
 def test_w4a16_gluon_wgmma(mode, preset):
     """The Gluon wgmma W4A16 kernel (prefill tiles of 64 / 128 routed rows) against the float64 math and
     the Triton kernels with the same tiles: DeepSeek shape (rows per expert 1-2 tiles, padding and empty

@@ -166,8 +166,8 @@ _FP4_PRESETS = {
     "wgmma_w4r128_kp": _cfg("wgmma_w4r128_kp", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
     "wgmma_w4r128_kp_m64": _cfg("wgmma_w4r128_kp_m64", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True),
     # (256-row tiles over two warpgroups, "wgmma_w8m256_kp" / "_s4" / "_pend": each weight value converted
-    # half as often, but one CTA per SM; 9.5-9.6 ms against 8.5-8.6 for the 128-row tiles at T = 4096,
-    # H200 2026-12-02; removed after it: docs/hopper-experts.md)
+    # half as often, but one CTA per SM; no faster than the 128-row tiles at T = 4096, H200 2026-12-02:
+    # 4 stages 8.69 / 8.82 ms against 8.68 / 8.42, the others 9.5-9.9; removed: docs/hopper-experts.md)
     # each K step's wgmmas stay in flight while the next step's weights are dequantized (ptxas then gives
     # the two steps of an iteration different operand registers: no wait before either conversion)
     "wgmma_w4r128_kp_pend": _cfg("wgmma_w4r128_kp_pend", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,

@@ -510,9 +510,9 @@ def _wgmma_step(acc, a_lo, a_hi, word, kk, num_k, ring, ptrs, sr_ptrs, STAGES: g
                 R: gl.constexpr, WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False,
                 PENDING: gl.constexpr = False):
     """K step kk: its wgmmas (operands a_lo / a_hi) run while step kk + 1's operands are dequantized
-    from the ring (word: step kk + 1's scale words). -> step kk + 1's operands and step kk + 2's scale words. Without PENDING the step ends waiting for its wgmmas;
-    with PENDING (the order of CUTLASS's mainloops) it leaves them in flight and waits, after issuing
-    them, for step kk - 1's only."""
+    from the ring (word: step kk + 1's scale words). -> step kk + 1's operands and step kk + 2's scale
+    words. Without PENDING the step ends waiting for its wgmmas; with PENDING (the order of CUTLASS's
+    mainloops) it leaves them in flight and waits, after issuing them, for step kk - 1's only."""
     if not PENDING:
         _ring_refill(ring, ptrs, kk, num_k, STAGES)
     x_lo, x_hi, w_s = ring
@@ -567,90 +567,78 @@ def w4a16_wgmma_kernel(
 ):
     """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows; x's
     K in the order of `permute_k` for gemm1 (gemm2 reads the act gemm1 wrote in it)."""
-    pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
-    if expert >= 0:
-        _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
-                    pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
-                    stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
-                    ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, STAGES, WORDS, PENDING)
-
-
-@gluon.jit
-def _wgmma_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e64, row0, pid_n,
-                num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge,
-                stride_be, stride_om, alpha, beta, limit,
-                GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr,
-                ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, TILE_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WORDS: gl.constexpr, PENDING: gl.constexpr):
-    """The padded rows [row0, row0 + TILE_M) x program pid_n's outputs, of expert e64."""
     num_warps: gl.constexpr = gl.num_warps()
     R: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # MMA tile rows (gated: BLOCK_N gate rows, then up rows)
     gl.static_assert(R % (16 * num_warps) == 0)
     gl.static_assert(STAGES >= 3)
-    MMA: gl.constexpr = _wgmma_layout(num_warps, TILE_M)
+    MMA: gl.constexpr = _wgmma_layout(num_warps, BLOCK_M)
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     WN: gl.constexpr = _w3_layout(R, num_warps)  # [R, 4, 8] weight bytes of a K step, 8 contiguous per thread
     S2: gl.constexpr = gl.SliceLayout(2, WN)  # [R, 4 (t)] scales
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])  # [TILE_M, 32] token halves
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])  # [BLOCK_M, 32] token halves
     XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     WC: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [num_warps, 1], [1, 0])  # [R, 32] weight bytes
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
 
-    xrow = _tile_tokens(sorted_ids_ptr, row0, num_entries, TILE_M, TOP_K, GEMM1, gl.SliceLayout(1, XL))
-    cols = gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
-    x_ptrs = x_ptr + xrow[:, None] * stride_xm + cols[None, :]
+    pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
+    if expert >= 0:
+        e64 = expert.to(gl.int64)
+        row0 = pid_m * BLOCK_M
+        xrow = _tile_tokens(sorted_ids_ptr, row0, num_entries, BLOCK_M, TOP_K, GEMM1, gl.SliceLayout(1, XL))
+        cols = gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
+        x_ptrs = x_ptr + xrow[:, None] * stride_xm + cols[None, :]
 
-    wrow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, WC))
-    wcols = gl.arange(0, 32, layout=gl.SliceLayout(0, WC))
-    w_ptrs = w_ptr + e64 * stride_we + wrow[:, None] * stride_wn + wcols[None, :]
-    # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row
-    srow3 = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
-    ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
-    s_rows = ws_ptr + e64 * stride_wse + srow3[:, None] * stride_wsn + (ts * 0)[None, :]
-    WTYPE: gl.constexpr = gl.int32 if W_FMT == 2 else gl.int16
-    GROUP_BITS: gl.constexpr = 8 if W_FMT == 2 else 0  # nvfp4: t's low-half group is byte t // 2
-    sr_ptrs = (s_rows.to(gl.pointer_type(WTYPE), bitcast=True),
-               ((ts // 2) * GROUP_BITS)[None, :] + (srow3 * 0).to(gl.int32)[:, None])
+        wrow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, WC))
+        wcols = gl.arange(0, 32, layout=gl.SliceLayout(0, WC))
+        w_ptrs = w_ptr + e64 * stride_we + wrow[:, None] * stride_wn + wcols[None, :]
+        # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row
+        srow3 = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
+        ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
+        s_rows = ws_ptr + e64 * stride_wse + srow3[:, None] * stride_wsn + (ts * 0)[None, :]
+        WTYPE: gl.constexpr = gl.int32 if W_FMT == 2 else gl.int16
+        GROUP_BITS: gl.constexpr = 8 if W_FMT == 2 else 0  # nvfp4: t's low-half group is byte t // 2
+        sr_ptrs = (s_rows.to(gl.pointer_type(WTYPE), bitcast=True),
+                   ((ts // 2) * GROUP_BITS)[None, :] + (srow3 * 0).to(gl.int32)[:, None])
 
-    x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_M, 32], XS)
-    x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_M, 32], XS)
-    w_s = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 32], PLAIN)
-    ring = (x_lo, x_hi, w_s)
-    ptrs = (x_ptrs, cols, w_ptrs, wcols)
+        x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
+        x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
+        w_s = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 32], PLAIN)
+        ring = (x_lo, x_hi, w_s)
+        ptrs = (x_ptrs, cols, w_ptrs, wcols)
 
-    num_k = K // 64
-    for i in gl.static_range(STAGES - 1):
-        _ring_copy(ring, ptrs, i, num_k, STAGES)
-    async_copy.wait_group(STAGES - 2)
-    if PENDING:  # step 0's wgmmas read the ring before any step's fence
-        fence_async_shared()
-    gl.thread_barrier()
-    acc = gl.zeros([R, TILE_M], gl.float32, MMA)
-    s_ptrs, _ = sr_ptrs
-    a_lo, a_hi, word = _ring_operands(ring, sr_ptrs, 0, num_k, _scale_word(s_ptrs, 0, num_k), STAGES, W_FMT, R, WN,
-                                      A_L, WORDS)
-    # two K steps per iteration, so that the operands of the step in flight and of the next one can live
-    # in different registers (sm90 SASS: ptxas does so with PENDING; without it, it copies the
-    # loop-carried operands and waits for the wgmmas before one of the two conversions)
-    for kk in range(0, num_k - 1, 2):
-        acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, kk, num_k, ring, ptrs, sr_ptrs, STAGES, W_FMT,
-                                            R, WN, A_L, WORDS, PENDING)
-        acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES,
-                                            W_FMT, R, WN, A_L, WORDS, PENDING)
-    if num_k % 2:
-        acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, num_k - 1, num_k, ring, ptrs, sr_ptrs, STAGES,
-                                            W_FMT, R, WN, A_L, WORDS, PENDING)
-    if PENDING:
-        acc = warpgroup_mma_wait(0, deps=[acc])
-    async_copy.wait_group(0)
+        num_k = K // 64
+        for i in gl.static_range(STAGES - 1):
+            _ring_copy(ring, ptrs, i, num_k, STAGES)
+        async_copy.wait_group(STAGES - 2)
+        if PENDING:  # step 0's wgmmas read the ring before any step's fence
+            fence_async_shared()
+        gl.thread_barrier()
+        acc = gl.zeros([R, BLOCK_M], gl.float32, MMA)
+        s_ptrs, _ = sr_ptrs
+        a_lo, a_hi, word = _ring_operands(ring, sr_ptrs, 0, num_k, _scale_word(s_ptrs, 0, num_k), STAGES, W_FMT, R,
+                                          WN, A_L, WORDS)
+        # two K steps per iteration, so that the operands of the step in flight and of the next one can
+        # live in different registers (sm90 SASS: ptxas does so with PENDING; without it, it copies the
+        # loop-carried operands and waits for the wgmmas before one of the two conversions)
+        for kk in range(0, num_k - 1, 2):
+            acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, kk, num_k, ring, ptrs, sr_ptrs, STAGES,
+                                                W_FMT, R, WN, A_L, WORDS, PENDING)
+            acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES,
+                                                W_FMT, R, WN, A_L, WORDS, PENDING)
+        if num_k % 2:
+            acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, num_k - 1, num_k, ring, ptrs, sr_ptrs,
+                                                STAGES, W_FMT, R, WN, A_L, WORDS, PENDING)
+        if PENDING:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        async_copy.wait_group(0)
 
-    if GATED:
-        _gated_epilogue(acc, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
-                        alpha, beta, limit, W_FMT, ACT, HAS_LIMIT, HAS_BIAS, TILE_M, BLOCK_N, R, num_warps)
-    else:
-        _epilogue(acc, acc, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
-                  N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
-                  GEMM1, W_FMT, False, ACT, HAS_LIMIT, HAS_BIAS, TILE_M, BLOCK_N, MMA, True)
+        if GATED:
+            _gated_epilogue(acc, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride_wge, stride_be, stride_om,
+                            alpha, beta, limit, W_FMT, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, R, num_warps)
+        else:
+            _epilogue(acc, acc, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, num_entries,
+                      N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,
+                      GEMM1, W_FMT, False, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, MMA, True)
 
 
 @gluon.jit

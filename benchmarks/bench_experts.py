@@ -425,7 +425,7 @@ def run_plan(args, plan: List[Run]) -> int:
     current = {}  # (backend, mode) -> experts object (weights resident for its runs only)
     for run in plan:
         TE.GLUON_W4A16_WORDS_TILES = dict(GLUON_WORDS_TILES)  # a "g:" run below replaces them for itself
-        conv = FP4_CONVERT_PRESETS.get(run.preset) or TE.resolve_fp4_convert(args.fp4_convert or FP4_CONVERT, run.mode, H, I)
+        conv = FP4_CONVERT_PRESETS.get(run.preset) or TE.resolve_fp4_convert(args.fp4_convert or FP4_CONVERT)
         key = (run.backend, run.mode, conv == "words")  # the words conversion reads its own weight layout
         if key not in current:
             current.clear()

@@ -333,10 +333,9 @@ def _words_tiles(mode: str, hidden_size: int, intermediate_size: int) -> Optiona
     return tiles
 
 
-def resolve_fp4_convert(convert: str, mode: str, hidden_size: int, intermediate_size: int) -> str:
+def resolve_fp4_convert(convert: str) -> str:
     """The fp4 conversion a backend runs for `convert` (FP4_CONVERT_CHOICES): "auto" is "words" (every
-    mode and shape; `mode` and the sizes are kept for callers that ask per layer), the others as given."""
-    del mode, hidden_size, intermediate_size
+    mode and shape), the others as given."""
     return "words" if convert == "auto" else convert
 
 
@@ -490,7 +489,7 @@ class TritonExperts(Experts):
         conv = spec.option("triton_fp4_convert") or FP4_CONVERT
         if conv not in FP4_CONVERT_CHOICES:
             raise ValueError(f"triton_fp4_convert={conv!r}; use one of {FP4_CONVERT_CHOICES}")
-        self.fp4_convert = resolve_fp4_convert(conv, self.mode, self.hidden_size, self.intermediate_size)
+        self.fp4_convert = resolve_fp4_convert(conv)
         self.w4a16_decode = spec.option("triton_w4a16_decode") or W4A16_DECODE_KERNEL
         if self.w4a16_decode not in W4A16_DECODE_CHOICES:
             raise ValueError(f"triton_w4a16_decode={self.w4a16_decode!r}; use one of {W4A16_DECODE_CHOICES}")

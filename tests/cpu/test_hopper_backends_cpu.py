@@ -322,14 +322,12 @@ def test_auto_fp4_conversion_by_mode_and_shape(force_available, monkeypatch):
     from epmoe.experts import triton_experts as TE
 
     assert TE.FP4_CONVERT == "auto"
-    assert TE.resolve_fp4_convert("auto", "nvfp4_w4a16", 7168, 2048) == "words"
-    assert TE.resolve_fp4_convert("auto", "mxfp4_w4a16", 7168, 2048) == "words"
-    assert TE.resolve_fp4_convert("auto", "mxfp4_w4a16", 2880, 2880) == "words"
-    assert TE.resolve_fp4_convert("auto", "nvfp4_w4a16", 2880, 2880) == "words"
-    assert TE.resolve_fp4_convert("words", "mxfp4_w4a16", 2880, 2880) == "words"
-    assert TE.resolve_fp4_convert("asm", "mxfp4_w4a16", 2880, 2880) == "asm"
-    assert TritonExperts(_spec("mxfp4_w4a16", hidden_size=192, intermediate_size=128)).fp4_convert == "words"
-    assert TritonExperts(_spec("mxfp4_w4a16", hidden_size=256, intermediate_size=128)).fp4_convert == "words"
+    assert TE.resolve_fp4_convert("auto") == "words"
+    assert TE.resolve_fp4_convert("words") == "words"
+    assert TE.resolve_fp4_convert("asm") == "asm"
+    for mode in ("nvfp4_w4a16", "mxfp4_w4a16"):  # DeepSeek-like, GPT-OSS-like (2880 = 22.5 x 128), small shapes
+        for h, i in ((7168, 2048), (2880, 2880), (192, 128), (256, 128)):
+            assert TritonExperts(_spec(mode, hidden_size=h, intermediate_size=i)).fp4_convert == "words", (mode, h, i)
     bad = ExpertsSpec(_spec().config, 1, 2, CPU, plan=QuantPlan(expert_mode="nvfp4_w4a16"),
                       options=(("triton_fp4_convert", "fast"),))
     with pytest.raises(ValueError, match="triton_fp4_convert='fast'.*auto"):

@@ -353,8 +353,8 @@ def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
     default, w = _backend("triton", mode, cfg_kwargs, ep, seed, tk)
     from epmoe.experts import triton_experts as TE
 
-    conv = TE.resolve_fp4_convert("auto", mode, default.hidden_size, default.intermediate_size)
-    assert default.fp4_packed and default.fp4_convert == conv, "auto (words or asm) is the default for bf16 models"
+    conv = TE.resolve_fp4_convert("auto")
+    assert default.fp4_packed and default.fp4_convert == conv, "auto (words) is the default for bf16 models"
     assert default._fp4_kernel_convert == {"words": 3, "asm": 2}[conv]
     from epmoe.experts import EXPERTS
 

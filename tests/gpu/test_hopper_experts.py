@@ -510,8 +510,7 @@ def test_w4a16_gluon_wgmma(mode, preset):
     from epmoe.experts import triton_experts as TE
 
     cfg_t = TE.presets_for(mode)[preset]
-    cases = [(DS, DS_EP, 600), (RELU2, 8, 300), (GPTOSS, GPTOSS_EP, 700)]  # GPT-OSS: 2880 = 45 x 64
-    for cfg_kwargs, ep, N in cases:
+    for cfg_kwargs, ep, N in ((DS, DS_EP, 600), (RELU2, 8, 300), (GPTOSS, GPTOSS_EP, 700)):  # GPT-OSS: 2880 = 45 x 64
         ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
         runs = ex.uses_gluon_w4a16(cfg_t)
         divides = (cfg_kwargs["intermediate_size"] % ex._wgmma_block_n(True, cfg_t) == 0

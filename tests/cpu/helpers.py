@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -56,3 +58,13 @@ def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def load_aot_sm90():
+    """benchmarks/aot_sm90.py as a module (the sm90 compile tool; tests load it by path)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("aot_sm90", os.path.join(root, "benchmarks", "aot_sm90.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod

@@ -6,23 +6,13 @@ missing or extra one would shift every later argument (the kernel would read the
 strides)."""
 
 import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 
+from tests.cpu.helpers import load_aot_sm90
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _aot():
-    spec = importlib.util.spec_from_file_location("aot_sm90", os.path.join(ROOT, "benchmarks", "aot_sm90.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _recorded(kernel, mode, preset, num_tokens, monkeypatch):
@@ -35,7 +25,7 @@ def _recorded(kernel, mode, preset, num_tokens, monkeypatch):
     monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(TE, "_gluon_available", lambda: True)
     cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=512, intermediate_size=256)
-    launches = [l for l in _aot().record_launches(cfg, mode, num_tokens=num_tokens, num_experts=2, preset=preset)
+    launches = [l for l in load_aot_sm90().record_launches(cfg, mode, num_tokens=num_tokens, num_experts=2, preset=preset)
                 if l.kernel == kernel]  # fmt: skip
     assert [dict(l.kwargs)["GEMM1"] for l in launches] == [True, False]
     fn = getattr(G, kernel)

@@ -4,22 +4,12 @@ Full sweep: python benchmarks/aot_sm90.py."""
 
 import importlib.util
 import os
-import sys
 
 import pytest
 
+from tests.cpu.helpers import load_aot_sm90
+
 pytestmark = [pytest.mark.slow]
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load_aot():
-    """benchmarks/aot_sm90.py as a module."""
-    spec = importlib.util.spec_from_file_location("aot_sm90", os.path.join(ROOT, "benchmarks", "aot_sm90.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _aot():
@@ -29,7 +19,7 @@ def _aot():
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("triton has no bundled ptxas")
-    return _load_aot(), triton
+    return load_aot_sm90(), triton
 
 
 @pytest.mark.parametrize(
@@ -147,7 +137,7 @@ def test_sass_loop_parsers_on_a_written_listing():
     """benchmarks/aot_sm90.py's SASS readers on a listing written here (no compiler involved): the main
     loop is the longest loop with a matrix instruction, its full wgmma waits are the `gsb0, 0x0` ones
     (not the depth-2 waits), and spill instructions count only inside loops."""
-    aot = _load_aot()
+    aot = load_aot_sm90()
     lines = [
         "STL [R1], R2",  # before every loop: not counted
         "IADD3 R0, R0, 0x1, RZ",  # loop 1 (0x0010 .. 0x0030): no matrix instruction

@@ -7,12 +7,12 @@ global loads in the streaming kernels (~5 s)."""
 import importlib.util
 import os
 import re
-import sys
 
 import pytest
 
+from tests.cpu.helpers import load_aot_sm90
+
 pytestmark = [pytest.mark.slow]
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # kernel, pointer / int argument types, constexprs, num_warps
 _I = "i32"
@@ -48,10 +48,7 @@ def _setup():
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("triton has no bundled ptxas")
-    spec = importlib.util.spec_from_file_location("aot_sm90", os.path.join(ROOT, "benchmarks", "aot_sm90.py"))
-    aot = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = aot
-    spec.loader.exec_module(aot)
+    aot = load_aot_sm90()
     from epmoe.quant import triton_codec
 
     return triton, aot, triton_codec

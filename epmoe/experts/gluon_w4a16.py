@@ -190,14 +190,6 @@ def _scale_bf16(s, W_FMT: gl.constexpr):
 
 
 @gluon.jit
-def _l2_prefetch(ptrs):
-    """`prefetch.global.L2` of every address in `ptrs` (a hint: it brings the line into L2 and never
-    faults; the int32 result is a dummy that only carries the side effect)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-                                     dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _program_tile(block_expert_ptr, N_OUT, BLOCK_N: gl.constexpr):
     """(routed-row tile, output block, expert of the tile: -1 unused) of this program; programs go
     output block fastest, BLOCK_N outputs each."""
@@ -280,7 +272,6 @@ def w4a16_swap_kernel(
     UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64)
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
     SPLIT_M: gl.constexpr = False,  # a tile with <= BLOCK_M / 2 real rows runs BLOCK_M / 2 of them
-    L2_AHEAD: gl.constexpr = 0,  # K steps ahead to which the weight rows are prefetched into L2 (0: none)
 ):
     pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
     if expert >= 0:
@@ -293,12 +284,12 @@ def w4a16_swap_kernel(
                 _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
                            pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
                            stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT,
-                           GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, UNROLL, WORDS, L2_AHEAD)
+                           GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, UNROLL, WORDS)
         if not half:
             _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
                        pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
                        stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
-                       ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, UNROLL, WORDS, L2_AHEAD)
+                       ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, UNROLL, WORDS)
 
 
 @gluon.jit
@@ -307,7 +298,7 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
                stride_be, stride_om, alpha, beta, limit,
                GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr,
                ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, UNROLL: gl.constexpr, WORDS: gl.constexpr, L2_AHEAD: gl.constexpr):
+               BLOCK_N: gl.constexpr, UNROLL: gl.constexpr, WORDS: gl.constexpr):
     """The padded rows [row0, row0 + BLOCK_M) x program pid_n's BLOCK_N outputs, of expert e64."""
     num_warps: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = _mma_layout(num_warps)
@@ -330,7 +321,6 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
     w_base = w_ptr + e64 * stride_we
     g_ptrs = w_base + rows.to(gl.int64)[:, None, None] * stride_wn + (tw * 8)[None, :, None] + qw[None, None, :]
     u_ptrs = g_ptrs + N_OUT * stride_wn
-    pf_ptrs = w_base + rows.to(gl.int64) * stride_wn  # L2_AHEAD: each row's start (gate rows; up N_OUT rows on)
     rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
     ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
     s_rows = ws_ptr + e64 * stride_wse + rs.to(gl.int64)[:, None] * stride_wsn + (ts * 0)[None, :]
@@ -356,13 +346,6 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
     # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
     # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
     for kk in range(0, num_k, UNROLL):
-        if L2_AHEAD > 0:
-            # every 4 K steps (one 128-byte line of a row: 4 x 32 bytes), the line L2_AHEAD steps on of each row
-            if kk % 4 == 0:
-                off = gl.minimum(kk + L2_AHEAD, num_k - 1) * 32
-                _l2_prefetch(pf_ptrs + off)
-                if GATED:
-                    _l2_prefetch(pf_ptrs + (off + N_OUT * stride_wn))
         ga, gb_ = _scale_words(sg_ptrs, kk, W_FMT, PAIR)
         ua, ub_ = _scale_words(su_ptrs, kk, W_FMT, PAIR) if GATED else (ga, gb_)
         a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(

@@ -76,9 +76,7 @@ class TritonConfig:
     per program, num_warps, num_stages K steps in flight) where `TritonExperts.uses_gluon_w4a16` says it
     can; elsewhere the Triton kernels with these tiles (a forced preset) or WGMMA_FALLBACK's (auto).
     wgmma_pending: that kernel keeps each K step's wgmmas in flight while it dequantizes the next step's
-    weights (its PENDING). l2_ahead (the Gluon decode kernel's L2_AHEAD): K steps ahead to which each
-    program prefetches its weight rows into L2; 0 = none. maxnreg: register cap of the Gluon wgmma
-    kernel (ptxas; None = its own choice)."""
+    weights (its PENDING)."""
 
     name: str
     block_m: int
@@ -87,21 +85,18 @@ class TritonConfig:
     split_m: bool = False
     wgmma: bool = False
     wgmma_pending: bool = False
-    l2_ahead: int = 0
-    maxnreg: Optional[int] = None
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
         return (
-            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/pending' if self.wgmma_pending else ''}"
-            f"{f'/L2 +{self.l2_ahead}' if self.l2_ahead else ''}{f'/r{self.maxnreg}' if self.maxnreg else ''} "
+            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/pending' if self.wgmma_pending else ''} "
             f"g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},s{g1.num_stages},G{g1.group_m}) "
             f"g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages},G{g2.group_m})"
         )
 
 
-def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False, l2_ahead=0, maxnreg=None) -> TritonConfig:
-    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending, l2_ahead, maxnreg)
+def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending)
 
 
 # Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
@@ -148,11 +143,8 @@ _FP4_PRESETS = {
     # 16-row tiles whose <= 8 real rows (at T = 128 x top-8 over 128 experts: most experts) run the 8-row
     # code (the Gluon decode kernel's SPLIT_M): half the token loads and mmas, the weights converted once
     "decode_split": _cfg("decode_split", 16, (64, 64, 4, 4), (64, 64, 4, 4), split=True),
-    # the Gluon decode kernel prefetching each weight row into L2 8 / 16 K steps ahead of its loads
-    # (`prefetch.global.L2`, one per row and 128-byte line: bytes in flight without registers)
-    "decode_l2_8": _cfg("decode_l2_8", 16, (64, 64, 4, 4), (64, 64, 4, 4), l2_ahead=8),
-    "decode_l2_16": _cfg("decode_l2_16", 16, (64, 64, 4, 4), (64, 64, 4, 4), l2_ahead=16),
-    "decode_split_l2_16": _cfg("decode_split_l2_16", 16, (64, 64, 4, 4), (64, 64, 4, 4), split=True, l2_ahead=16),
+    # (an L2 prefetch of the weight rows K steps ahead in the decode kernel, "decode_l2_8" / "_16", was
+    # slower: 1.53 / 1.79 ms against 1.47 nvfp4, H200 2026-12-02; removed: docs/hopper-experts.md)
     "small": _cfg("small", 32, (64, 64, 4, 4), (128, 64, 4, 4)),
     "medium": _cfg("medium", 64, (64, 64, 4, 4), (128, 64, 4, 4)),
     "prefill": _cfg("prefill", 128, (64, 64, 8, 3), (128, 64, 8, 3)),
@@ -172,14 +164,10 @@ _FP4_PRESETS = {
     # the two steps of an iteration different operand registers: no wait before either conversion)
     "wgmma_w4r128_kp_pend": _cfg("wgmma_w4r128_kp_pend", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,
                                  pending=True),
-    # 64-row tiles under a 168-register cap (179-181 without it since the scale words are loaded a step
-    # ahead): three CTAs per SM (48 KB of shared memory each); no spills (with PENDING: spills in a loop)
-    "wgmma_w4r128_kp_m64_r168": _cfg("wgmma_w4r128_kp_m64_r168", 64, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,
-                                     maxnreg=168),
-    # gemm2 over 64 outputs per program: tiles projections of 64 * n rows (GPT-OSS's 2880 = 45 x 64, where
-    # the 128-output gemm2 cannot run and the Triton kernels take over)
-    "wgmma_w4r128_kp_pend_n64": _cfg("wgmma_w4r128_kp_pend_n64", 128, (64, 64, 4, 4), (64, 64, 4, 4), wgmma=True,
-                                     pending=True),
+    # (64-row tiles under a 168-register cap, "wgmma_w4r128_kp_m64_r168", and 64 outputs per gemm2 program,
+    # "wgmma_w4r128_kp_pend_n64" (GPT-OSS's H = 2880 on this kernel), ran correct and no faster than the
+    # auto presets, H200 2026-12-02: 9.40 / 8.94 and 9.62 / 8.94 ms against 8.73 / 8.21 at the DeepSeek-V3
+    # shape; 3.58 against 3.57 ms (Triton kernels) at GPT-OSS's; removed: docs/hopper-experts.md)
 }
 
 # The tuned table: preset by mean rows per local expert (upper bounds, inclusive; None = any).
@@ -191,11 +179,15 @@ AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     # wgmmas left in flight across the next step's conversion, "wgmma_w4r128_kp_pend", 8.63-8.68 / 8.17 ms
     # against "wgmma_w4r128_kp" 8.69-8.77 / 8.37-8.40 (three runs, scale words loaded a K step ahead in
     # both), the Triton kernels "prefill_n128" 10.9 / 10.4 (2026-12-01) (nvfp4 / mxfp4); where the Gluon
-    # kernel cannot run (Triton interpreter, shapes it does not tile), WGMMA_FALLBACK instead
-    "nvfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend")),
-    "mxfp4_w4a16": ((16, "decode"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend")),
+    # kernel cannot run (Triton interpreter, shapes it does not tile), WGMMA_FALLBACK instead.
+    # Decode T = 128 (H200, 2026-12-02, two runs): the Gluon decode kernel's half tiles "decode_split"
+    # 1.456 / 1.462 ms against "decode" 1.468 / 1.472 (nvfp4), 1.352 / 1.351 against 1.351 / 1.354
+    # (mxfp4); GPT-OSS shape mxfp4 0.766 against 0.803; where that kernel cannot run, SPLIT_FALLBACK
+    "nvfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend")),
+    "mxfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend")),
 }
 WGMMA_FALLBACK = "prefill_n128"  # the auto preset for W4A16 prefill tiles the Gluon wgmma kernel cannot run
+SPLIT_FALLBACK = "decode"  # ... and for 16-row half tiles (split_m) the Gluon decode kernel cannot run
 # Layout of w13 in bf16 mode (gated activations): "interleaved" (rows gate j, up j: one wide dot per
 # K step) or "blocked" ([gate; up]: two dots). Quantized modes are always blocked. Fixed at load;
 # spec option `triton_gate_up` overrides.
@@ -829,12 +821,16 @@ class TritonExperts(Experts):
 
     def tile_config(self, num_entries: int) -> TritonConfig:
         """The tile preset of a forward over num_entries routed rows: config_override, else the auto
-        table's (a wgmma preset the Gluon kernel cannot run here gives way to WGMMA_FALLBACK)."""
+        table's (a wgmma preset the Gluon kernel cannot run here gives way to WGMMA_FALLBACK, 16-row half
+        tiles the Gluon decode kernel cannot run to SPLIT_FALLBACK: the Triton kernels' half tiles need
+        >= 32 rows)."""
         if self.config_override is not None:
             return self.config_override
         cfg = pick_config(self.mode, num_entries, self.num_experts)
         if cfg.wgmma and not self.uses_gluon_w4a16(cfg):
             cfg = presets_for(self.mode)[WGMMA_FALLBACK]
+        elif cfg.split_m and cfg.block_m < 32 and not self.uses_gluon_w4a16(cfg):
+            cfg = presets_for(self.mode)[SPLIT_FALLBACK]
         return cfg
 
     def uses_gluon_w4a16(self, cfg: TritonConfig) -> bool:
@@ -899,17 +895,16 @@ class TritonExperts(Experts):
         if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
-            cap = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), head + tail,
                          dict(consts, BLOCK_N=BN, STAGES=g.num_stages, PENDING=cfg.wgmma_pending,
-                              num_warps=g.num_warps, **cap))
+                              num_warps=g.num_warps))
             return
         unroll, BN, warps = self._gluon_decode_tiles(conv)
         while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
         self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), head + (blocks.block_rows,) + tail,
-                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=cfg.split_m, L2_AHEAD=cfg.l2_ahead,
+                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=cfg.split_m,
                           num_warps=warps, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:

@@ -85,9 +85,9 @@ def test_pick_config_by_rows_per_expert():
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 def test_w4a16_prefill_wgmma_preset_falls_back_where_gluon_cannot_run(force_available, monkeypatch, mode):
-    """The auto preset for W4A16 prefill runs the Gluon wgmma kernel; where that cannot run (no Gluon,
-    the Triton interpreter, shapes it does not tile) the forward takes WGMMA_FALLBACK's Triton tiles
-    instead; a forced preset stays as given (its tiles then run on the Triton kernels)."""
+    """The auto presets for W4A16 prefill and decode run the Gluon kernels (wgmma; 16-row half tiles);
+    where those cannot run (no Gluon, the Triton interpreter, shapes they do not tile) the forward takes
+    WGMMA_FALLBACK's / SPLIT_FALLBACK's Triton tiles instead; a forced preset stays as given."""
     from epmoe.experts import triton_experts as TE
 
     ex = TritonExperts(_spec(mode))
@@ -96,9 +96,13 @@ def test_w4a16_prefill_wgmma_preset_falls_back_where_gluon_cannot_run(force_avai
     monkeypatch.setattr(TE, "_gluon_available", lambda: False)
     assert not ex.uses_gluon_w4a16(auto)
     assert ex.tile_config(4096 * 8).name == TE.WGMMA_FALLBACK
-    assert ex.tile_config(1 * 8).name == pick_config(mode, 8, ex.num_experts).name  # decode: unchanged
+    decode = pick_config(mode, 8, ex.num_experts)  # 16-row half tiles: the Gluon decode kernel only
+    assert decode.split_m and decode.block_m == 16 and not ex.uses_gluon_w4a16(decode)
+    assert ex.tile_config(1 * 8).name == TE.SPLIT_FALLBACK
+    assert not presets_for(mode)[TE.SPLIT_FALLBACK].split_m
     monkeypatch.setattr(ex, "uses_gluon_w4a16", lambda cfg: True)
     assert ex.tile_config(4096 * 8) is auto
+    assert ex.tile_config(1 * 8) is decode
     monkeypatch.setattr(ex, "uses_gluon_w4a16", lambda cfg: False)
     ex.config_override = auto
     assert ex.tile_config(4096 * 8) is auto

@@ -75,20 +75,6 @@ def _w3_layout(BN, num_warps):
 
 
 @gluon.constexpr_function
-def _w2_layout(BN, num_warps):
-    """[BN rows, 4 (t), 2 (words)] int32: `_w3_layout` with each thread's 8 bytes as two words."""
-    reps = [16 * num_warps * (1 << i) for i in range(max(0, (BN // (16 * num_warps)).bit_length() - 1))]
-    warp_rows = [16 * (1 << i) for i in range(num_warps.bit_length() - 1)]
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [8, 0, 0]] + [[r, 0, 0] for r in reps],
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[r, 0, 0] for r in warp_rows],
-        block_bases=[],
-        shape=[BN, 4, 2],
-    )
-
-
-@gluon.constexpr_function
 def _x3_layout(BM, num_warps):
     """[BM tokens, 4 (t), 8 (q)] bf16: lane 4g + t holds tokens g (+8) and its t's 8 values; every warp
     holds the same (B is shared by the warps of the M dimension)."""
@@ -159,19 +145,6 @@ def _loads(x_ptrs, g_ptrs, u_ptrs, kk, gw, uw, sh, HI: gl.constexpr, GATED: gl.c
         usl = gsl
         ush = gsh
     return xl, xh, gb, gsl, gsh, ub, usl, ush
-
-
-@gluon.jit
-def _word_bytes(w, BN: gl.constexpr, W3: gl.constexpr):
-    """int32 words [BN, 4, 2] -> their bytes [BN, 4, 8] (little-endian) in the layout W3: each thread's
-    8 bytes are the same registers' bytes (the conversion's pack of 4 takes them back as words)."""
-    b0 = (w & 0xFF).to(gl.uint8)
-    b1 = ((w >> 8) & 0xFF).to(gl.uint8)
-    b2 = ((w >> 16) & 0xFF).to(gl.uint8)
-    b3 = ((w >> 24) & 0xFF).to(gl.uint8)
-    j = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [BN, 4, 2, i, j] = byte 2j + i
-    j = gl.permute(j, [0, 1, 2, 4, 3])
-    return gl.convert_layout(gl.reshape(j, [BN, 4, 8]), W3)
 
 
 @gluon.jit
@@ -299,7 +272,6 @@ def w4a16_swap_kernel(
     UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64)
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
     SPLIT_M: gl.constexpr = False,  # a tile with <= BLOCK_M / 2 real rows runs BLOCK_M / 2 of them
-    PREFETCH: gl.constexpr = False,  # the next iteration's weight and scale words loaded before this one's math
 ):
     pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
     if expert >= 0:
@@ -312,12 +284,12 @@ def w4a16_swap_kernel(
                 _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
                            pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
                            stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT,
-                           GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, UNROLL, WORDS, PREFETCH)
+                           GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, UNROLL, WORDS)
         if not half:
             _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
                        pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
                        stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
-                       ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, UNROLL, WORDS, PREFETCH)
+                       ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, UNROLL, WORDS)
 
 
 @gluon.jit
@@ -326,7 +298,7 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
                stride_be, stride_om, alpha, beta, limit,
                GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr,
                ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, UNROLL: gl.constexpr, WORDS: gl.constexpr, PREFETCH: gl.constexpr):
+               BLOCK_N: gl.constexpr, UNROLL: gl.constexpr, WORDS: gl.constexpr):
     """The padded rows [row0, row0 + BLOCK_M) x program pid_n's BLOCK_N outputs, of expert e64."""
     num_warps: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = _mma_layout(num_warps)
@@ -371,90 +343,33 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
     acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     num_k = K // 64
-    if PREFETCH:
-        # the next iteration's weight words and scale words are loaded before this iteration's math (a
-        # loop-carried register prefetch: two iterations' weight bytes in flight per warp); the weights
-        # are carried as int32 words (bytes would each take a register across the loop)
-        W2: gl.constexpr = _w2_layout(BLOCK_N, num_warps)
-        rows2 = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, W2)))
-        tw2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W2)))
-        qw2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, W2)))
-        g_row = w_base + rows2.to(gl.int64)[:, None, None] * stride_wn + (tw2 * 8)[None, :, None]
-        g32 = g_row.to(gl.pointer_type(gl.int32), bitcast=True) + qw2[None, None, :]
-        u32 = g32 + N_OUT * (stride_wn // 4)
-        na_g = gl.load(g32)
-        na_u = gl.load(u32) if GATED else na_g
-        nb_g = na_g
-        nb_u = na_u
-        if UNROLL == 2:
-            nb_g = gl.load(g32 + 8)
-            nb_u = gl.load(u32 + 8) if GATED else nb_g
-        nsga, nsgb = _scale_words(sg_ptrs, 0, W_FMT, PAIR)
-        nsua, nsub = _scale_words(su_ptrs, 0, W_FMT, PAIR) if GATED else (nsga, nsgb)
-        for kk in range(0, num_k, UNROLL):
-            a_g = na_g
-            a_u = na_u
-            b_g = nb_g
-            b_u = nb_u
-            sga = nsga
-            sgb = nsgb
-            sua = nsua
-            sub = nsub
-            kn = gl.minimum(kk + UNROLL, num_k - UNROLL)  # the last iteration reads its own words again
-            na_g = gl.load(g32 + kn * 8)
-            if GATED:
-                na_u = gl.load(u32 + kn * 8)
-            if UNROLL == 2:
-                nb_g = gl.load(g32 + (kn * 8 + 8))
-                if GATED:
-                    nb_u = gl.load(u32 + (kn * 8 + 8))
-            nsga, nsgb = _scale_words(sg_ptrs, kn, W_FMT, PAIR)
-            if GATED:
-                nsua, nsub = _scale_words(su_ptrs, kn, W_FMT, PAIR)
-            xl = gl.load(x_ptrs + kk * 64)
-            xh = gl.load(x_ptrs + (kk * 64 + 32))
-            if UNROLL == 2:
-                xl2 = gl.load(x_ptrs + (kk * 64 + 64))
-                xh2 = gl.load(x_ptrs + (kk * 64 + 96))
-            gsl, gsh = _step_scales(sga, s_shift, HI)
-            usl, ush = _step_scales(sua, s_shift, HI) if GATED else (gsl, gsh)
-            acc_g, acc_u = _step(acc_g, acc_u, xl, xh, _word_bytes(a_g, BLOCK_N, W3), gsl, gsh,
-                                 _word_bytes(a_u, BLOCK_N, W3), usl, ush, W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L,
-                                 WORDS)
-            if UNROLL == 2:
-                gsl, gsh = _step_scales(sgb, s_shift, HI)
-                usl, ush = _step_scales(sub, s_shift, HI) if GATED else (gsl, gsh)
-                acc_g, acc_u = _step(acc_g, acc_u, xl2, xh2, _word_bytes(b_g, BLOCK_N, W3), gsl, gsh,
-                                     _word_bytes(b_u, BLOCK_N, W3), usl, ush, W_FMT, GATED, BLOCK_M, BLOCK_N, A_L,
-                                     B_L, WORDS)
-    else:
-        # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
-        # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
-        for kk in range(0, num_k, UNROLL):
-            ga, gb_ = _scale_words(sg_ptrs, kk, W_FMT, PAIR)
-            ua, ub_ = _scale_words(su_ptrs, kk, W_FMT, PAIR) if GATED else (ga, gb_)
-            a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, kk, ga, ua, s_shift, HI, GATED)
-            if UNROLL >= 2:
-                b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, kk + 1, gb_, ub_, s_shift, HI, GATED)
-            if UNROLL == 4:
-                gc, gd = _scale_words(sg_ptrs, kk + 2, W_FMT, PAIR)
-                uc, ud = _scale_words(su_ptrs, kk + 2, W_FMT, PAIR) if GATED else (gc, gd)
-                c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, kk + 2, gc, uc, s_shift, HI, GATED)
-                d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
-                    x_ptrs, g_ptrs, u_ptrs, kk + 3, gd, ud, s_shift, HI, GATED)
-            acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
+    # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
+    # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
+    for kk in range(0, num_k, UNROLL):
+        ga, gb_ = _scale_words(sg_ptrs, kk, W_FMT, PAIR)
+        ua, ub_ = _scale_words(su_ptrs, kk, W_FMT, PAIR) if GATED else (ga, gb_)
+        a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
+            x_ptrs, g_ptrs, u_ptrs, kk, ga, ua, s_shift, HI, GATED)
+        if UNROLL >= 2:
+            b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
+                x_ptrs, g_ptrs, u_ptrs, kk + 1, gb_, ub_, s_shift, HI, GATED)
+        if UNROLL == 4:
+            gc, gd = _scale_words(sg_ptrs, kk + 2, W_FMT, PAIR)
+            uc, ud = _scale_words(su_ptrs, kk + 2, W_FMT, PAIR) if GATED else (gc, gd)
+            c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
+                x_ptrs, g_ptrs, u_ptrs, kk + 2, gc, uc, s_shift, HI, GATED)
+            d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
+                x_ptrs, g_ptrs, u_ptrs, kk + 3, gd, ud, s_shift, HI, GATED)
+        acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
+                             W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
+        if UNROLL >= 2:
+            acc_g, acc_u = _step(acc_g, acc_u, b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush,
                                  W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
-            if UNROLL >= 2:
-                acc_g, acc_u = _step(acc_g, acc_u, b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush,
-                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
-            if UNROLL == 4:
-                acc_g, acc_u = _step(acc_g, acc_u, c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush,
-                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
-                acc_g, acc_u = _step(acc_g, acc_u, d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush,
-                                     W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
+        if UNROLL == 4:
+            acc_g, acc_u = _step(acc_g, acc_u, c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush,
+                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
+            acc_g, acc_u = _step(acc_g, acc_u, d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush,
+                                 W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
 
     _epilogue(acc_g, acc_u, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr,
               num_entries, N_OUT, stride_wge, stride_be, stride_om, alpha, beta, limit,

@@ -76,8 +76,7 @@ class TritonConfig:
     per program, num_warps, num_stages K steps in flight) where `TritonExperts.uses_gluon_w4a16` says it
     can; elsewhere the Triton kernels with these tiles (a forced preset) or WGMMA_FALLBACK's (auto).
     wgmma_pending: that kernel keeps each K step's wgmmas in flight while it dequantizes the next step's
-    weights (its PENDING). prefetch (the Gluon decode kernel's PREFETCH): the next iteration's weight
-    and scale words are loaded before this iteration's math."""
+    weights (its PENDING)."""
 
     name: str
     block_m: int
@@ -86,19 +85,18 @@ class TritonConfig:
     split_m: bool = False
     wgmma: bool = False
     wgmma_pending: bool = False
-    prefetch: bool = False
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
         return (
-            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/pending' if self.wgmma_pending else ''}{'/prefetch' if self.prefetch else ''} "
+            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/pending' if self.wgmma_pending else ''} "
             f"g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},s{g1.num_stages},G{g1.group_m}) "
             f"g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages},G{g2.group_m})"
         )
 
 
-def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False, prefetch=False) -> TritonConfig:
-    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending, prefetch)
+def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending)
 
 
 # Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
@@ -145,11 +143,10 @@ _FP4_PRESETS = {
     # 16-row tiles whose <= 8 real rows (at T = 128 x top-8 over 128 experts: most experts) run the 8-row
     # code (the Gluon decode kernel's SPLIT_M): half the token loads and mmas, the weights converted once
     "decode_split": _cfg("decode_split", 16, (64, 64, 4, 4), (64, 64, 4, 4), split=True),
-    # the same, the next iteration's weight and scale words loaded before this iteration's math (PREFETCH;
-    # at most 2 K steps per iteration)
-    "decode_split_pf": _cfg("decode_split_pf", 16, (64, 64, 4, 4), (64, 64, 4, 4), split=True, prefetch=True),
     # (an L2 prefetch of the weight rows K steps ahead in the decode kernel, "decode_l2_8" / "_16", was
-    # slower: 1.53 / 1.79 ms against 1.47 nvfp4, H200 2026-12-02; removed: docs/hopper-experts.md)
+    # slower: 1.53 / 1.79 ms against 1.47 nvfp4; the next iteration's weight and scale words loaded
+    # before this one's math, "decode_split_pf" (commit 1aaf983), no faster: 1.44-1.46 / 1.41-1.43 ms
+    # against 1.41 / 1.29; H200 2026-12-02; removed: docs/hopper-experts.md)
     "small": _cfg("small", 32, (64, 64, 4, 4), (128, 64, 4, 4)),
     "medium": _cfg("medium", 64, (64, 64, 4, 4), (128, 64, 4, 4)),
     "prefill": _cfg("prefill", 128, (64, 64, 8, 3), (128, 64, 8, 3)),
@@ -905,13 +902,11 @@ class TritonExperts(Experts):
                               num_warps=g.num_warps))
             return
         unroll, BN, warps = self._gluon_decode_tiles(conv)
-        if cfg.prefetch:
-            unroll = min(unroll, 2)
         while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
         self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), head + (blocks.block_rows,) + tail,
-                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=cfg.split_m, PREFETCH=cfg.prefetch,
+                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=cfg.split_m,
                           num_warps=warps, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:

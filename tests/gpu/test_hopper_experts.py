@@ -443,20 +443,17 @@ def test_w4a16_gluon_decode(mode, shape, N):
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("preset", ["decode_split", "decode_split_pf"])
 @pytest.mark.parametrize("shape,N", [("ds", 1), ("ds", 60), ("gptoss", 40), ("relu2", 30)])
-def test_w4a16_gluon_decode_split(mode, preset, shape, N):
-    """Presets `decode_split` (16-row tiles whose <= 8 real rows run the kernel's 8-row code, SPLIT_M)
-    and `decode_split_pf` (the same with the next iteration's weight and scale words loaded ahead,
-    PREFETCH) against the float64 math, and bit for bit against `decode` (each routed row is an mma
-    column, computed alike whether its tile runs 8 or 16 rows; the prefetch moves loads, not math).
-    N = 1: every tile half; DeepSeek N = 60 (~11 rows per local expert), GPT-OSS N = 40 (~7.5; 45 K
-    steps: an odd count, one step per iteration) and relu2 (not gated) N = 30 (~2.8): both kinds."""
+def test_w4a16_gluon_decode_split(mode, shape, N):
+    """Preset `decode_split` (16-row tiles whose <= 8 real rows run the kernel's 8-row code, SPLIT_M)
+    against the float64 math, and bit for bit against `decode` (each routed row is an mma column,
+    computed alike whether its tile runs 8 or 16 rows). N = 1: every tile half; DeepSeek N = 60 (~11
+    rows per local expert), GPT-OSS N = 40 (~7.5) and relu2 (not gated) N = 30 (~2.8): both kinds."""
     from epmoe.experts import triton_experts as TE
 
     cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
     ex, _ = _backend("triton", mode, cfg_kwargs, ep, _seed())
-    ex.config_override = TE.presets_for(mode)[preset]
+    ex.config_override = TE.presets_for(mode)["decode_split"]
     try:
         assert ex.uses_gluon_w4a16(ex.config_override)
         _, x, ids, tw, out = _run_case("triton", mode, cfg_kwargs, ep, N)
@@ -465,7 +462,7 @@ def test_w4a16_gluon_decode_split(mode, preset, shape, N):
     finally:
         ex.config_override = None
     diff = (out.double() - out_full.double()).abs().max().item()
-    assert torch.equal(out, out_full), f"{mode} {shape} N={N}: {preset} differs from decode (max {diff:.3g})"
+    assert torch.equal(out, out_full), f"{mode} {shape} N={N}: decode_split differs from decode (max {diff:.3g})"
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])

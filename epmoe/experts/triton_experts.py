@@ -182,9 +182,10 @@ AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     # against "wgmma_w4r128_kp" 8.69-8.77 / 8.37-8.40 (three runs, scale words loaded a K step ahead in
     # both), the Triton kernels "prefill_n128" 10.9 / 10.4 (2026-12-01) (nvfp4 / mxfp4); where the Gluon
     # kernel cannot run (Triton interpreter, shapes it does not tile), WGMMA_FALLBACK instead.
-    # Decode T = 128 (H200, 2026-12-02, two runs): the Gluon decode kernel's half tiles "decode_split"
-    # 1.456 / 1.462 ms against "decode" 1.468 / 1.472 (nvfp4), 1.352 / 1.351 against 1.351 / 1.354
-    # (mxfp4); GPT-OSS shape mxfp4 0.766 against 0.803; where that kernel cannot run, SPLIT_FALLBACK
+    # Decode T = 128 (H200, 2026-12-02, 8 same-run pairs in alternating order): the Gluon decode kernel's
+    # half tiles "decode_split" median 1.45 ms against "decode" 1.48 (nvfp4), 1.34 against 1.36 (mxfp4),
+    # faster in every pair; GPT-OSS shape 0.80-0.83 / 0.76-0.78 against 0.88 / 0.80-0.81 ms; where that
+    # kernel cannot run, SPLIT_FALLBACK
     "nvfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend")),
     "mxfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend")),
 }

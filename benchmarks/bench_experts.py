@@ -55,7 +55,9 @@ SWEEP = {
 # default, FP4_CONVERT; legacy and packed run the Triton kernels; words loads its own bit-permuted
 # copy of the weights); "triton_w4a16" = W4A16 decode tiles on the Triton kernels instead of the Gluon ones
 # (triton_w4a16_decode=triton); "noprefetch_fp4" = FP4_SCALE_PREFETCH off; "torch_epilogue" =
-# grouped_mm with grouped_mm_epilogue=torch.
+# grouped_mm with grouped_mm_epilogue=torch. "tiled:<preset>" (W4A16 decode only, an experiment) = the
+# Gluon decode kernel on fp4 weights in row tiles (`experts_testing.use_tiled_decode_weights`, its own
+# copy of the weights) with that preset (e.g. "tiled:auto", "tiled:g:2:128:decode_split").
 FP4_CONVERT_PRESETS = {"legacy_fp4": "legacy", "packed_fp4": "packed", "asm_fp4": "asm", "words_fp4": "words"}
 QUICK_SWEEP = {
     ("triton", "bf16", "prefill"): ["auto", "prefill"],  # the grouped_mm path and the Triton GEMMs
@@ -128,7 +130,8 @@ def build_plan(args) -> List[Run]:
                     from epmoe.experts.triton_experts import presets_for
 
                     known = set(presets_for(mode)) | {"auto"} | set(FP4_CONVERT_PRESETS)
-                    presets = [p for p in args.presets.split(",") if p in known or p.startswith("g:")]
+                    presets = [p for p in args.presets.split(",")
+                               if p in known or p.startswith("g:") or (p.startswith("tiled:") and phase == "decode")]
                 for p in presets:
                     plan.append(Run(backend, mode, phase, T, p))
     return plan
@@ -426,7 +429,8 @@ def run_plan(args, plan: List[Run]) -> int:
     for run in plan:
         TE.GLUON_W4A16_WORDS_TILES = dict(GLUON_WORDS_TILES)  # a "g:" run below replaces them for itself
         conv = FP4_CONVERT_PRESETS.get(run.preset) or TE.resolve_fp4_convert(args.fp4_convert or FP4_CONVERT)
-        key = (run.backend, run.mode, conv == "words")  # the words conversion reads its own weight layout
+        tiled = run.preset.startswith("tiled:")  # W4A16 decode on weights in row tiles (its own copy)
+        key = (run.backend, run.mode, conv == "words", tiled)  # the words conversion reads its own weight layout
         if key not in current:
             current.clear()
             torch.cuda.empty_cache()
@@ -442,12 +446,14 @@ def run_plan(args, plan: List[Run]) -> int:
                     continue
                 ex = cls(spec)
                 ex.load_weights(weights)
+                if tiled:
+                    T.use_tiled_decode_weights(ex)
             current[key] = ex
         ex = current[key]
         entries = run.num_tokens * K
         preset_used = ""
         if run.backend == "triton":
-            preset = run.preset
+            preset = run.preset.split(":", 1)[1] if tiled else run.preset
             TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS = GLUON_DEFAULTS
             if preset.startswith("g:"):  # Gluon W4A16: g:<unroll>:<maxnreg or 0>:<tile preset>[:<block_n>[:<warps>]]
                 _, unroll, maxnreg, preset, *more = preset.split(":")

@@ -128,11 +128,12 @@ def _step_scales(w, sh, HI: gl.constexpr):
 
 
 @gluon.jit
-def _loads(x_ptrs, g_ptrs, u_ptrs, kk, gw, uw, sh, HI: gl.constexpr, GATED: gl.constexpr):
+def _loads(x_ptrs, g_ptrs, u_ptrs, kk, gw, uw, sh, HI: gl.constexpr, GATED: gl.constexpr, WSTEP: gl.constexpr = 32):
     """Everything K step kk reads: token halves [BM, 4, 8], weight bytes [BN, 4, 8] and, from the
-    step's scale words gw / uw (`_scale_words`), the scales [BN, 4] (low / high half) of gate (and up)."""
+    step's scale words gw / uw (`_scale_words`), the scales [BN, 4] (low / high half) of gate (and up).
+    WSTEP: bytes from one K step of a weight row to the next (32; 256 in row tiles)."""
     xo = kk * 64
-    wo = kk * 32
+    wo = kk * WSTEP
     xl = gl.load(x_ptrs + xo)
     xh = gl.load(x_ptrs + (xo + 32))
     gb = gl.load(g_ptrs + wo)
@@ -272,6 +273,7 @@ def w4a16_swap_kernel(
     UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64)
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
     SPLIT_M: gl.constexpr = False,  # a tile with <= BLOCK_M / 2 real rows runs BLOCK_M / 2 of them
+    TILED: gl.constexpr = False,  # weights in row tiles (`kernel_formats.tile_fp4_rows`; an experiment)
 ):
     pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
     if expert >= 0:
@@ -284,12 +286,12 @@ def w4a16_swap_kernel(
                 _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
                            pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
                            stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT,
-                           GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, UNROLL, WORDS)
+                           GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, UNROLL, WORDS, TILED)
         if not half:
             _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
                        pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
                        stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
-                       ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, UNROLL, WORDS)
+                       ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, UNROLL, WORDS, TILED)
 
 
 @gluon.jit
@@ -298,7 +300,7 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
                stride_be, stride_om, alpha, beta, limit,
                GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr,
                ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, UNROLL: gl.constexpr, WORDS: gl.constexpr):
+               BLOCK_N: gl.constexpr, UNROLL: gl.constexpr, WORDS: gl.constexpr, TILED: gl.constexpr):
     """The padded rows [row0, row0 + BLOCK_M) x program pid_n's BLOCK_N outputs, of expert e64."""
     num_warps: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = _mma_layout(num_warps)
@@ -319,8 +321,14 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
     tw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W3)))
     qw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
     w_base = w_ptr + e64 * stride_we
-    g_ptrs = w_base + rows.to(gl.int64)[:, None, None] * stride_wn + (tw * 8)[None, :, None] + qw[None, None, :]
-    u_ptrs = g_ptrs + N_OUT * stride_wn
+    if TILED:  # row tiles: the 8 rows of a warp load and one K step are 256 contiguous bytes
+        WSTEP: gl.constexpr = 256
+        w_row = (rows // 8).to(gl.int64) * (8 * stride_wn) + (rows % 8) * 32
+    else:
+        WSTEP: gl.constexpr = 32
+        w_row = rows.to(gl.int64) * stride_wn
+    g_ptrs = w_base + w_row[:, None, None] + (tw * 8)[None, :, None] + qw[None, None, :]
+    u_ptrs = g_ptrs + N_OUT * stride_wn  # (N_OUT % 8 == 0: whole tiles)
     rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
     ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
     s_rows = ws_ptr + e64 * stride_wse + rs.to(gl.int64)[:, None] * stride_wsn + (ts * 0)[None, :]
@@ -349,17 +357,17 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
         ga, gb_ = _scale_words(sg_ptrs, kk, W_FMT, PAIR)
         ua, ub_ = _scale_words(su_ptrs, kk, W_FMT, PAIR) if GATED else (ga, gb_)
         a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
-            x_ptrs, g_ptrs, u_ptrs, kk, ga, ua, s_shift, HI, GATED)
+            x_ptrs, g_ptrs, u_ptrs, kk, ga, ua, s_shift, HI, GATED, WSTEP)
         if UNROLL >= 2:
             b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, kk + 1, gb_, ub_, s_shift, HI, GATED)
+                x_ptrs, g_ptrs, u_ptrs, kk + 1, gb_, ub_, s_shift, HI, GATED, WSTEP)
         if UNROLL == 4:
             gc, gd = _scale_words(sg_ptrs, kk + 2, W_FMT, PAIR)
             uc, ud = _scale_words(su_ptrs, kk + 2, W_FMT, PAIR) if GATED else (gc, gd)
             c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, kk + 2, gc, uc, s_shift, HI, GATED)
+                x_ptrs, g_ptrs, u_ptrs, kk + 2, gc, uc, s_shift, HI, GATED, WSTEP)
             d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, kk + 3, gd, ud, s_shift, HI, GATED)
+                x_ptrs, g_ptrs, u_ptrs, kk + 3, gd, ud, s_shift, HI, GATED, WSTEP)
         acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
                              W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
         if UNROLL >= 2:

@@ -20,6 +20,9 @@ with no register shuffles. K must be a multiple of 64.
 Word bit permutation (`permute_fp4_words`, the triton backend's fp4 conversion "words", on the GPU):
 the k64-interleaved bytes with the 32 bits of every aligned 4-byte word permuted so that the one-shift
 PTX conversion gives the bf16 values the per-byte one gives on the plain word.
+Row tiles (`tile_fp4_rows`; an experiment of the Gluon decode kernel's TILED, not a layout any
+forward uses yet): for every expert, group of 8 rows and 64-element K step, the 8 x 32 bytes
+contiguous, so one warp load of the decode kernel (8 rows x 32 bytes) covers two whole 128-byte lines.
 
 fp8_block with dimensions that are not multiples of 128 (e.g. GPT-OSS H = 2880): the last block
 row/column is partial; quantization here pads it (`quantize_fp8_block`), with the same scale
@@ -151,6 +154,27 @@ def permute_fp4_words(kpacked: torch.Tensor, chunk_words: int = 1 << 22, inplace
             acc |= ((w >> src_bit) & 1) << dst
         out[lo:lo + chunk_words] = acc  # (inplace: this chunk is read before it is written)
     return out.view(torch.uint8).reshape(kpacked.shape)
+
+
+FP4_TILE_ROWS = 8  # rows per tile of `tile_fp4_rows` (the 8 rows of one mma.sync A-fragment load)
+
+
+def tile_fp4_rows(kpacked: torch.Tensor) -> torch.Tensor:
+    """fp4 kernel packing [E, R, K/2] uint8 (R % 8 == 0, K % 64 == 0) -> the same bytes, same shape,
+    reordered [E, R/8, 8, K/64, 32] -> [E, R/8, K/64, 8, 32]: byte b of K step s of row r sits at
+    (r // 8) * 8 * K/2 + s * 256 + (r % 8) * 32 + b of its expert. Inverse `untile_fp4_rows`."""
+    E, R, KB = kpacked.shape
+    if R % FP4_TILE_ROWS or KB % 32:
+        raise ValueError(f"fp4 row tiles need rows % {FP4_TILE_ROWS} == 0 and K/2 % 32 == 0, got [{E}, {R}, {KB}]")
+    t = kpacked.reshape(E, R // FP4_TILE_ROWS, FP4_TILE_ROWS, KB // 32, 32).permute(0, 1, 3, 2, 4)
+    return t.contiguous().reshape(E, R, KB)
+
+
+def untile_fp4_rows(tiled: torch.Tensor) -> torch.Tensor:
+    """Inverse of `tile_fp4_rows`."""
+    E, R, KB = tiled.shape
+    t = tiled.reshape(E, R // FP4_TILE_ROWS, KB // 32, FP4_TILE_ROWS, 32).permute(0, 1, 3, 2, 4)
+    return t.contiguous().reshape(E, R, KB)
 
 
 def unpermute_fp4_words(words: torch.Tensor) -> torch.Tensor:

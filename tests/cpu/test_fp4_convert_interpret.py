@@ -150,3 +150,28 @@ def test_permute_fp4_words_rejects_rows_of_partial_words():
 
     with pytest.raises(ValueError, match="K/2 % 4 == 0"):
         kf.permute_fp4_words(torch.zeros(2, 6, dtype=torch.uint8))
+
+
+def test_tile_fp4_rows_places_each_byte_where_the_tiled_decode_kernel_reads_it():
+    """`tile_fp4_rows` (the Gluon decode kernel's TILED experiment): byte b of K step s of row r at
+    (r // 8) * 8 * K/2 + s * 256 + (r % 8) * 32 + b of its expert (the kernel's address arithmetic),
+    the up rows of w13 a whole number of tiles on (I % 8 == 0); untile is the inverse; shapes that do
+    not tile are refused with the sizes named."""
+    import torch
+
+    from epmoe.experts import kernel_formats as kf
+
+    E, R, KB = 3, 48, 96  # K = 192: three 64-element steps of 32 bytes
+    w = torch.randint(0, 256, (E, R, KB), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    t = kf.tile_fp4_rows(w)
+    assert t.shape == w.shape and torch.equal(kf.untile_fp4_rows(t), w)
+    flat = t.reshape(E, -1)
+    r, s, b = torch.meshgrid(torch.arange(R), torch.arange(KB // 32), torch.arange(32), indexing="ij")
+    addr = (r // 8) * 8 * KB + s * 256 + (r % 8) * 32 + b
+    for e in range(E):
+        assert torch.equal(flat[e][addr], w[e][r, s * 32 + b])
+    half = R // 2  # gate rows, then up rows: row half + j is j's address + half * K/2
+    assert torch.equal(addr[half:], addr[:half] + half * KB)
+    for shape in ((1, 12, 64), (1, 16, 48)):
+        with pytest.raises(ValueError, match="rows % 8 == 0 and K/2 % 32 == 0"):
+            kf.tile_fp4_rows(torch.zeros(shape, dtype=torch.uint8))

@@ -76,3 +76,40 @@ def test_decode_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
         n_out, k = (256, 512) if kw["GEMM1"] else (512, 256)
         assert (args["N_OUT"], args["K"]) == (n_out, k)
         assert args["stride_om"] == args["out_ptr"].stride(0)
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+def test_row_tiles_helper_tiles_the_weights_and_marks_decode_launches_only(mode, monkeypatch):
+    """`experts_testing.use_tiled_decode_weights` (the decode kernel's TILED experiment; recorded, not
+    run): w13 / w2 become `tile_fp4_rows` of what was loaded, decode launches carry TILED=True (a
+    constexpr of the kernel), and a prefill forward, whose kernels do not read row tiles, is refused."""
+    from epmoe.config import MoEConfig
+    from epmoe.core.availability import Availability
+    from epmoe.dispatch.base import DispatchedTokens
+    from epmoe.experts import gluon_w4a16 as G
+    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.base import ExpertsSpec
+    from epmoe.quant.plan import QuantPlan
+    from tests import experts_testing as T
+
+    monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(TE, "_gluon_available", lambda: True)
+    monkeypatch.setattr(TE.TritonExperts, "availability", classmethod(lambda cls, spec: Availability.yes("test")))
+    cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=512, intermediate_size=256)
+    ex = TE.TritonExperts(ExpertsSpec(cfg, 0, 4, torch.device("cpu"), plan=QuantPlan(expert_mode=mode)))
+    launches = []
+    ex._launch = lambda name, grid, args, kwargs: launches.append((name, dict(kwargs)))
+    ex.load_weights(T.random_expert_weights(cfg, 2, seed=0))
+    plain = {n: ex._params[n].clone() for n in ("w13", "w2")}
+    T.use_tiled_decode_weights(ex)
+    for n, w in plain.items():
+        assert torch.equal(ex._params[n], kf.tile_fp4_rows(w)), n
+    ids, w = T.random_local_routing(3, 8, 2, seed=1)  # 12 rows per local expert: decode tiles
+    ex(DispatchedTokens(torch.randn(3, 512).bfloat16(), ids, w))
+    decode = [kw for name, kw in launches if name == "w4a16_swap_kernel"]
+    assert len(decode) == 2 and all(kw["TILED"] is True for kw in decode)
+    assert {p.name for p in G.w4a16_swap_kernel.params if p.is_constexpr} >= {"TILED"}
+    ids, w = T.random_local_routing(512, 8, 2, seed=2)
+    with pytest.raises(RuntimeError, match="cannot read fp4 row tiles"):
+        ex(DispatchedTokens(torch.randn(512, 512).bfloat16(), ids, w))

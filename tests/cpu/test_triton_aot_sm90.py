@@ -160,3 +160,32 @@ def test_sass_loop_parsers_on_a_written_listing():
     assert aot.mma_loop(sass) == {"mma_loop": 7, "mma_loop_full_waits": 1}
     assert aot.loop_spills(sass) == 1
     assert aot.mma_loop(sass.replace("HGMMA", "IMAD")) == {"mma_loop": 0, "mma_loop_full_waits": 0}
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+def test_sm90_compile_decode_row_tiles(mode, monkeypatch):
+    """The Gluon decode kernel's TILED experiment (weights in row tiles) compiles for sm90 without
+    spills in its loop, with the same loads and mma.sync instructions as the plain layout (only the
+    address arithmetic differs)."""
+    aot, triton = _aot()
+    from triton.backends.compiler import GPUTarget
+
+    from epmoe.config import MoEConfig
+    from epmoe.experts import triton_experts as TE
+
+    monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(TE, "_gluon_available", lambda: True)
+    cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=1024, intermediate_size=512)
+    launches = [l for l in aot.record_launches(cfg, mode, num_tokens=16, num_experts=2, preset="decode_split")
+                if l.kernel == "w4a16_swap_kernel"]  # fmt: skip
+    assert len(launches) == 2
+    for launch in launches:
+        infos = []
+        for tiled in (False, True):
+            kw = dict(launch.kwargs, TILED=tiled)
+            src, opts = aot.to_source(aot.Launch(launch.kernel, launch.args, tuple(kw.items())))
+            infos.append(aot.analyze(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)))
+        plain, tiled = infos
+        where = f"{mode} GEMM1={kw['GEMM1']}: plain {plain}, tiled {tiled}"
+        assert tiled["local"] == 0 and tiled["loop_ldl_stl"] == 0 and tiled["stack"] <= 16, where
+        assert tiled["hmma"] == plain["hmma"] > 0 and tiled["smem"] == 0, where

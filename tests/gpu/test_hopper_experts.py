@@ -493,6 +493,28 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("shape,N", [("ds", 1), ("ds", 60), ("gptoss", 40), ("relu2", 30)])
+def test_w4a16_gluon_decode_row_tiles(mode, shape, N):
+    """The decode kernel's TILED experiment (fp4 weights in row tiles, `kernel_formats.tile_fp4_rows`,
+    through `experts_testing.use_tiled_decode_weights`): the auto decode preset's output bit for bit
+    (the same bytes read from other addresses), at the sizes of `test_w4a16_gluon_decode_split`."""
+    from epmoe.experts import EXPERTS
+
+    cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
+    ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
+    _, x, ids, tw, out = _run_case("triton", mode, cfg_kwargs, ep, N)
+    assert ex.uses_gluon_w4a16(ex.tile_config(N * ex.config.top_k))
+    tk = EXPERTS.get("triton")(ExpertsSpec(ex.config, ep - 1, ep, torch.device("cuda"),
+                                           plan=QuantPlan(expert_mode=mode)))  # fmt: skip
+    tk.load_weights(w)
+    T.use_tiled_decode_weights(tk)
+    out_t = tk(DispatchedTokens(x, ids, tw))
+    del tk
+    diff = (out.double() - out_t.double()).abs().max().item()
+    assert torch.equal(out, out_t), f"{mode} {shape} N={N}: row tiles differ from the plain layout (max {diff:.3g})"
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("preset", ["wgmma_w4r128_kp", "wgmma_w4r128_kp_m64", "wgmma_w4r128_kp_pend"])
 def test_w4a16_gluon_wgmma(mode, preset):
     """The Gluon wgmma W4A16 kernel (prefill tiles of 64 / 128 routed rows) against the float64 math and

@@ -58,13 +58,15 @@ class Launch:
     kwargs: tuple
 
 
-def record_launches(config: MoEConfig, mode: str, num_tokens: int, num_experts: int, preset=None, grouped=False):
+def record_launches(config: MoEConfig, mode: str, num_tokens: int, num_experts: int, preset=None, grouped=False,
+                    options: tuple = ()):
     """Run TritonExperts.forward on CPU with the kernel launches recorded instead of run (grouped:
-    the bf16 torch._grouped_mm path with its fused gather / activation / combine kernels)."""
+    the bf16 torch._grouped_mm path with its fused gather / activation / combine kernels; options: the
+    backend's spec options, e.g. (("triton_fp4_layout", "tiles"),))."""
     launches = []
     # A few local experts are enough: strides and shapes per expert are the real ones.
     ep_size = config.num_experts // num_experts
-    spec = ExpertsSpec(config, 0, ep_size, torch.device("cpu"), plan=QuantPlan(expert_mode=mode))
+    spec = ExpertsSpec(config, 0, ep_size, torch.device("cpu"), plan=QuantPlan(expert_mode=mode), options=options)
     saved = TE.TritonExperts.__dict__["availability"]
     TE.TritonExperts.availability = classmethod(lambda cls, spec: Availability.yes("aot"))
     try:

@@ -55,9 +55,8 @@ SWEEP = {
 # default, FP4_CONVERT; legacy and packed run the Triton kernels; words loads its own bit-permuted
 # copy of the weights); "triton_w4a16" = W4A16 decode tiles on the Triton kernels instead of the Gluon ones
 # (triton_w4a16_decode=triton); "noprefetch_fp4" = FP4_SCALE_PREFETCH off; "torch_epilogue" =
-# grouped_mm with grouped_mm_epilogue=torch. "tiled:<preset>" (W4A16 decode only, an experiment) = the
-# Gluon decode kernel on fp4 weights in row tiles (`experts_testing.use_tiled_decode_weights`, its own
-# copy of the weights) with that preset (e.g. "tiled:auto", "tiled:g:2:128:decode_split").
+# grouped_mm with grouped_mm_epilogue=torch. "tiled:<preset>" = that preset with the fp4 weights in row
+# tiles (option triton_fp4_layout=tiles, its own copy of the weights; e.g. "tiled:auto").
 FP4_CONVERT_PRESETS = {"legacy_fp4": "legacy", "packed_fp4": "packed", "asm_fp4": "asm", "words_fp4": "words"}
 QUICK_SWEEP = {
     ("triton", "bf16", "prefill"): ["auto", "prefill"],  # the grouped_mm path and the Triton GEMMs
@@ -131,7 +130,7 @@ def build_plan(args) -> List[Run]:
 
                     known = set(presets_for(mode)) | {"auto"} | set(FP4_CONVERT_PRESETS)
                     presets = [p for p in args.presets.split(",")
-                               if p in known or p.startswith("g:") or (p.startswith("tiled:") and phase == "decode")]
+                               if p in known or p.startswith(("g:", "tiled:"))]
                 for p in presets:
                     plan.append(Run(backend, mode, phase, T, p))
     return plan
@@ -429,7 +428,7 @@ def run_plan(args, plan: List[Run]) -> int:
     for run in plan:
         TE.GLUON_W4A16_WORDS_TILES = dict(GLUON_WORDS_TILES)  # a "g:" run below replaces them for itself
         conv = FP4_CONVERT_PRESETS.get(run.preset) or TE.resolve_fp4_convert(args.fp4_convert or FP4_CONVERT)
-        tiled = run.preset.startswith("tiled:")  # W4A16 decode on weights in row tiles (its own copy)
+        tiled = run.preset.startswith("tiled:")  # fp4 weights in row tiles (its own copy)
         key = (run.backend, run.mode, conv == "words", tiled)  # the words conversion reads its own weight layout
         if key not in current:
             current.clear()
@@ -438,6 +437,8 @@ def run_plan(args, plan: List[Run]) -> int:
                 ex = TorchLoopExperts(cfg, weights.w13(), weights.w2)
             else:
                 opts = (("triton_fp4_convert", conv),) if run.backend == "triton" else ()
+                if tiled:
+                    opts += (("triton_fp4_layout", "tiles"),)
                 spec = ExpertsSpec(cfg, 0, 1, dev, plan=QuantPlan(expert_mode=run.mode), options=opts)
                 cls = EXPERTS.get(run.backend)
                 avail = cls.availability(spec)
@@ -446,8 +447,6 @@ def run_plan(args, plan: List[Run]) -> int:
                     continue
                 ex = cls(spec)
                 ex.load_weights(weights)
-                if tiled:
-                    T.use_tiled_decode_weights(ex)
             current[key] = ex
         ex = current[key]
         entries = run.num_tokens * K

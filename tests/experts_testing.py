@@ -124,25 +124,3 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
         return math.inf
     return float((o - ref).norm() / ref.norm().clamp_min(1e-30))
 
-
-def use_tiled_decode_weights(ex) -> None:
-    """An experiment, not a layout any forward uses: a `triton` experts backend (W4A16, loaded) whose
-    Gluon decode kernel reads its fp4 weights in row tiles (`kernel_formats.tile_fp4_rows`: a warp load
-    covers whole 128-byte lines; the kernel's TILED). Tiles w13 / w2 in place and passes TILED=True to
-    every decode-kernel launch; the other kernels (prefill, the Triton kernels) do not read that layout,
-    so after this `ex` may run decode tiles on the Gluon decode kernel only (`uses_gluon_w4a16`)."""
-    from epmoe.experts import kernel_formats as kf
-
-    p = ex._params
-    for name in ("w13", "w2"):
-        p[name].copy_(kf.tile_fp4_rows(p[name]))
-    launch = ex._launch
-
-    def tiled(kernel_name, grid, args, kwargs):
-        if kernel_name == "w4a16_wgmma_kernel" or kernel_name.startswith("moe_gemm"):
-            raise RuntimeError(f"{kernel_name} cannot read fp4 row tiles (use_tiled_decode_weights: decode tiles only)")
-        if kernel_name == "w4a16_swap_kernel":
-            kwargs = dict(kwargs, TILED=True)
-        launch(kernel_name, grid, args, kwargs)
-
-    ex._launch = tiled

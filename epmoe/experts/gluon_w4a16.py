@@ -459,9 +459,10 @@ def _wgmma_layout(num_warps, BM):
 
 
 @gluon.jit
-def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr):
+def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, TILED: gl.constexpr = False):
     """cp.async everything K step kk reads from the ring into its stage (nothing past K): the token
-    tile (two 32-wide halves) and the weight bytes; one commit group."""
+    tile (two 32-wide halves) and the weight bytes (TILED: row tiles, K steps 256 bytes apart); one
+    commit group."""
     x_lo, x_hi, w_s = ring
     x_ptrs, cols, w_ptrs, wcols = ptrs
     s = kk % STAGES
@@ -469,7 +470,8 @@ def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr):
     async_copy.async_copy_global_to_shared(x_lo.index(s), x_ptrs + kk * 64, mask=ok[None, :])
     async_copy.async_copy_global_to_shared(x_hi.index(s), x_ptrs + (kk * 64 + 32), mask=ok[None, :])
     okw = (wcols * 0 + kk) < num_k
-    async_copy.async_copy_global_to_shared(w_s.index(s), w_ptrs + kk * 32, mask=okw[None, :])
+    WSTEP: gl.constexpr = 256 if TILED else 32
+    async_copy.async_copy_global_to_shared(w_s.index(s), w_ptrs + kk * WSTEP, mask=okw[None, :])
     async_copy.commit_group()
 
 
@@ -499,20 +501,20 @@ def _ring_operands(ring, sr_ptrs, kk, num_k, word, STAGES: gl.constexpr, W_FMT: 
 @gluon.jit
 def _wgmma_step(acc, a_lo, a_hi, word, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
                 R: gl.constexpr, WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False,
-                PENDING: gl.constexpr = False):
+                PENDING: gl.constexpr = False, TILED: gl.constexpr = False):
     """K step kk: its wgmmas (operands a_lo / a_hi) run while step kk + 1's operands are dequantized
     from the ring (word: step kk + 1's scale words). -> step kk + 1's operands and step kk + 2's scale
     words. Without PENDING the step ends waiting for its wgmmas; with PENDING (the order of CUTLASS's
     mainloops) it leaves them in flight and waits, after issuing them, for step kk - 1's only."""
     if not PENDING:
-        _ring_refill(ring, ptrs, kk, num_k, STAGES)
+        _ring_refill(ring, ptrs, kk, num_k, STAGES, TILED)
     x_lo, x_hi, w_s = ring
     s = kk % STAGES
     acc = warpgroup_mma(a_lo, x_lo.index(s).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(a_hi, x_hi.index(s).permute((1, 0)), acc, is_async=True)
     if PENDING:
         acc, a_lo, a_hi = warpgroup_mma_wait(2, deps=[acc, a_lo, a_hi])  # two groups: step kk's
-        _ring_refill(ring, ptrs, kk, num_k, STAGES)
+        _ring_refill(ring, ptrs, kk, num_k, STAGES, TILED)
     n_lo, n_hi, word = _ring_operands(ring, sr_ptrs, kk + 1, num_k, word, STAGES, W_FMT, R, WN, A_L, WORDS)
     if not PENDING:
         acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
@@ -520,14 +522,14 @@ def _wgmma_step(acc, a_lo, a_hi, word, kk, num_k, ring, ptrs, sr_ptrs, STAGES: g
 
 
 @gluon.jit
-def _ring_refill(ring, ptrs, kk, num_k, STAGES: gl.constexpr):
+def _ring_refill(ring, ptrs, kk, num_k, STAGES: gl.constexpr, TILED: gl.constexpr = False):
     """In K step kk, once this warpgroup is done with step kk - 1's wgmmas: steps <= kk + 1 have landed
     (for every thread) and every warpgroup is done with step kk - 1 and with the weights of step kk
     (the barrier), so step kk - 1's stage takes the copies of step kk + STAGES - 1."""
     async_copy.wait_group(STAGES - 3)
     fence_async_shared()
     gl.thread_barrier()
-    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES)
+    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES, TILED)
 
 
 @gluon.jit
@@ -555,6 +557,7 @@ def w4a16_wgmma_kernel(
     STAGES: gl.constexpr,  # K steps in flight (cp.async ring: tokens, weights); >= 3
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
     PENDING: gl.constexpr = False,  # each K step's wgmmas stay in flight while the next step's operands are made
+    TILED: gl.constexpr = False,  # weights in row tiles (`kernel_formats.tile_fp4_rows`)
 ):
     """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows; x's
     K in the order of `permute_k` for gemm1 (gemm2 reads the act gemm1 wrote in it)."""
@@ -581,7 +584,11 @@ def w4a16_wgmma_kernel(
 
         wrow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, WC))
         wcols = gl.arange(0, 32, layout=gl.SliceLayout(0, WC))
-        w_ptrs = w_ptr + e64 * stride_we + wrow[:, None] * stride_wn + wcols[None, :]
+        if TILED:  # row tiles: 8 rows x 32 bytes per K step contiguous
+            w_row = (wrow // 8) * (8 * stride_wn) + (wrow % 8) * 32
+        else:
+            w_row = wrow * stride_wn
+        w_ptrs = w_ptr + e64 * stride_we + w_row[:, None] + wcols[None, :]
         # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row
         srow3 = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
         ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
@@ -599,7 +606,7 @@ def w4a16_wgmma_kernel(
 
         num_k = K // 64
         for i in gl.static_range(STAGES - 1):
-            _ring_copy(ring, ptrs, i, num_k, STAGES)
+            _ring_copy(ring, ptrs, i, num_k, STAGES, TILED)
         async_copy.wait_group(STAGES - 2)
         if PENDING:  # step 0's wgmmas read the ring before any step's fence
             fence_async_shared()
@@ -613,12 +620,12 @@ def w4a16_wgmma_kernel(
         # loop-carried operands and waits for the wgmmas before one of the two conversions)
         for kk in range(0, num_k - 1, 2):
             acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, kk, num_k, ring, ptrs, sr_ptrs, STAGES,
-                                                W_FMT, R, WN, A_L, WORDS, PENDING)
+                                                W_FMT, R, WN, A_L, WORDS, PENDING, TILED)
             acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES,
-                                                W_FMT, R, WN, A_L, WORDS, PENDING)
+                                                W_FMT, R, WN, A_L, WORDS, PENDING, TILED)
         if num_k % 2:
             acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, num_k - 1, num_k, ring, ptrs, sr_ptrs,
-                                                STAGES, W_FMT, R, WN, A_L, WORDS, PENDING)
+                                                STAGES, W_FMT, R, WN, A_L, WORDS, PENDING, TILED)
         if PENDING:
             acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)

@@ -248,6 +248,14 @@ FP4_SCALE_PREFETCH = True
 # launches); the same outputs bit for bit. Spec option `triton_align` overrides (both backends).
 ALIGN = "triton"
 ALIGN_CHOICES = ("triton", "torch")
+# fp4 W4A16 weight bytes: "rows" (each weight row's K bytes contiguous) or "tiles" (for every expert,
+# group of 8 rows and K step of 64, the 8 x 32 bytes contiguous: `kernel_formats.tile_fp4_rows`), which
+# every kernel of this backend reads (their TILED). Tiles: one warp load of the Gluon decode kernel
+# covers two whole 128-byte lines instead of one sector of each of eight (its L2 is bound by tag
+# requests, 1.15 sectors per request: docs/hopper-experts.md). Compiled, checked on CPU (the Triton
+# kernels under the interpreter), not yet run on a GPU: not the default. Spec option `triton_fp4_layout`.
+FP4_LAYOUT = "rows"
+FP4_LAYOUT_CHOICES = ("rows", "tiles")
 
 
 def presets_for(mode: str) -> Dict[str, TritonConfig]:
@@ -373,6 +381,7 @@ class TritonOptions(ExpertsOptions):
     triton_align: Optional[str] = None  # triton | torch: routing alignment kernels
     triton_fp4_convert: Optional[str] = None  # auto | asm | words | packed | legacy: fp4 -> bf16 in the W4A16 loops
     triton_w4a16_decode: Optional[str] = None  # gluon | triton: kernels of W4A16 decode tiles
+    triton_fp4_layout: Optional[str] = None  # rows | tiles: fp4 weight bytes as rows or in row tiles
 
 
 class TritonExperts(Experts):
@@ -488,6 +497,11 @@ class TritonExperts(Experts):
         self.w4a16_decode = spec.option("triton_w4a16_decode") or W4A16_DECODE_KERNEL
         if self.w4a16_decode not in W4A16_DECODE_CHOICES:
             raise ValueError(f"triton_w4a16_decode={self.w4a16_decode!r}; use one of {W4A16_DECODE_CHOICES}")
+        layout = spec.option("triton_fp4_layout") or FP4_LAYOUT
+        if layout not in FP4_LAYOUT_CHOICES:
+            raise ValueError(f"triton_fp4_layout={layout!r}; use one of {FP4_LAYOUT_CHOICES}")
+        # row tiles: fp4 modes only (other modes have no fp4 weights: the option changes nothing there)
+        self.fp4_tiles = layout == "tiles" and self.mode in ("nvfp4_w4a16", "mxfp4_w4a16")
         self._fp4_scales_ok = True  # mxfp4: every scale exponent <= 128 (set at load)
         self._fp4_words = False  # fp4 weights stored bit-permuted per word (convert mode "words"; set at load)
         self.grouped_mm = spec.option("triton_grouped_mm") or "auto"
@@ -628,6 +642,9 @@ class TritonExperts(Experts):
         if words:  # new's fp4 tensors are this call's own contiguous copies: permuted in place
             new["w13"] = kf.permute_fp4_words(new["w13"], inplace=True)
             new["w2"] = kf.permute_fp4_words(new["w2"], inplace=True)
+        if self.fp4_tiles:  # every kernel of this backend reads the tiles (their TILED)
+            new["w13"] = kf.tile_fp4_rows(new["w13"])
+            new["w2"] = kf.tile_fp4_rows(new["w2"])
         expected = self._expected_shapes()
         for name, shape in expected.items():
             if tuple(new[name].shape) != shape:
@@ -762,13 +779,13 @@ class TritonExperts(Experts):
             GATE_UP_IL=self.gate_up_interleaved, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g1.block_n, BLOCK_K=g1.block_k, GROUP_M=g1.group_m,
             EVEN_K=self.hidden_size % g1.block_k == 0, FP4_PACKED=conv, FP4_PREFETCH=FP4_SCALE_PREFETCH,
-            num_warps=g1.num_warps, num_stages=g1.num_stages,
+            TILED=self.fp4_tiles, num_warps=g1.num_warps, num_stages=g1.num_stages,
         )  # fmt: skip
         kw2 = LaunchOptions(
             W_FMT=_W_FMT[self.mode], HAS_BIAS=self.config.has_bias, SPLIT_M=cfg.split_m,
             BLOCK_M=cfg.block_m, BLOCK_N=g2.block_n, BLOCK_K=g2.block_k, GROUP_M=g2.group_m,
             EVEN_K=self.intermediate_size % g2.block_k == 0, FP4_PACKED=conv, FP4_PREFETCH=FP4_SCALE_PREFETCH,
-            num_warps=g2.num_warps, num_stages=g2.num_stages,
+            TILED=self.fp4_tiles, num_warps=g2.num_warps, num_stages=g2.num_stages,
         )  # fmt: skip
         if len(self._tile_plans) >= 64:
             self._tile_plans.clear()
@@ -894,7 +911,7 @@ class TritonExperts(Experts):
         )  # fmt: skip
         consts = dict(GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
                       HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m,
-                      WORDS=conv == 3)
+                      WORDS=conv == 3, TILED=self.fp4_tiles)
         if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)

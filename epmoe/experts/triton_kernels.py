@@ -227,6 +227,17 @@ def _tile_ids(max_blocks, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _fp4_row_offsets(n, stride_wn, TILED: tl.constexpr):
+    """Byte offsets (int64) of K step 0 of fp4 weight rows n within their expert: n * K/2, or in row
+    tiles (`kernel_formats.tile_fp4_rows`: 8 rows x 32 bytes per K step contiguous) (n // 8) * 8 * K/2
+    + (n % 8) * 32, K steps 256 bytes apart."""
+    if TILED:
+        return (n // 8).to(tl.int64) * (8 * stride_wn) + (n % 8) * 32
+    else:
+        return n.to(tl.int64) * stride_wn
+
+
+@triton.jit
 def _gemm1_tile(
     pid_m, pid_n, e64,
     x_ptr, xs_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, outs_ptr, sorted_ids_ptr,
@@ -237,7 +248,7 @@ def _gemm1_tile(
     TOP_K: tl.constexpr, W_FMT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_FP8: tl.constexpr, GATE_UP_IL: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr, TILED: tl.constexpr,
 ):
     """One gemm1 output tile: rows [pid_m*BLOCK_M, +TILE_M) of the padded routing (TILE_M is BLOCK_M,
     or BLOCK_M/2 for a tail tile whose real rows fit in the first half), intermediate columns
@@ -324,8 +335,9 @@ def _gemm1_tile(
         HALF: tl.constexpr = BLOCK_K // 2
         offs_h = tl.arange(0, HALF)
         a_lo_ptrs = x_ptr + tok[:, None] * stride_xm + offs_h[None, :]
-        g_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_h[:, None]
+        g_ptrs = w_base + _fp4_row_offsets(n_c, stride_wn, TILED)[None, :] + offs_h[:, None]
         u_ptrs = g_ptrs + I * stride_wn
+        WSTEP: tl.constexpr = 8 * HALF if TILED else HALF  # bytes from one K step of a row to the next
         sg_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
         su_ptrs = sg_ptrs + I * stride_wsn
         # Scales are read one K step ahead (FP4_PREFETCH): their loads are too small for the
@@ -346,8 +358,8 @@ def _gemm1_tile(
                 acc_u = tl.dot(a_lo, v_lo, acc_u)
                 acc_u = tl.dot(a_hi, v_hi, acc_u)
             a_lo_ptrs += BLOCK_K
-            g_ptrs += HALF
-            u_ptrs += HALF
+            g_ptrs += WSTEP
+            u_ptrs += WSTEP
         if W_FMT == 2:
             # the packed conversion leaves 2^-7 in the weights (see _fp4_dequant_packed)
             gs = 128.0 if FP4_PACKED else 1.0
@@ -423,6 +435,7 @@ def moe_gemm1_kernel(
     EVEN_K: tl.constexpr,
     FP4_PACKED: tl.constexpr,  # fp4 -> bf16: 0 _fp4_dequant, 1 _fp4_dequant_packed, 2 the same with inline PTX, 3 on permuted words
     FP4_PREFETCH: tl.constexpr = True,  # fp4: load the scales one K step ahead
+    TILED: tl.constexpr = False,  # fp4 weights in row tiles (`kernel_formats.tile_fp4_rows`)
 ):
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -441,7 +454,7 @@ def moe_gemm1_kernel(
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
-            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
+            BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH, TILED,
         )  # fmt: skip
     else:
         _gemm1_tile(
@@ -449,7 +462,7 @@ def moe_gemm1_kernel(
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
-            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
+            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH, TILED,
         )  # fmt: skip
 
 
@@ -461,7 +474,7 @@ def _gemm2_tile(
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_ym,
     W_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr, TILED: tl.constexpr,
 ):
     """One gemm2 output tile: padded rows [pid_m*BLOCK_M, +TILE_M), hidden columns [pid_n*BLOCK_N, +BLOCK_N)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, TILE_M)
@@ -507,7 +520,8 @@ def _gemm2_tile(
         HALF: tl.constexpr = BLOCK_K // 2
         offs_h = tl.arange(0, HALF)
         a_lo_ptrs = a_ptr + rows[:, None] * stride_am + offs_h[None, :]
-        b_ptrs = w_base + n_c[None, :].to(tl.int64) * stride_wn + offs_h[:, None]
+        b_ptrs = w_base + _fp4_row_offsets(n_c, stride_wn, TILED)[None, :] + offs_h[:, None]
+        WSTEP: tl.constexpr = 8 * HALF if TILED else HALF
         s_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
         n0, n1, n2, n3 = _fp4_scales(s_ptrs, 0, W_FMT)
         for kk in range(0, num_k):
@@ -518,7 +532,7 @@ def _gemm2_tile(
             acc = tl.dot(a_lo, w_lo, acc)
             acc = tl.dot(a_hi, w_hi, acc)
             a_lo_ptrs += BLOCK_K
-            b_ptrs += HALF
+            b_ptrs += WSTEP
         if W_FMT == 2:
             gs = 128.0 if FP4_PACKED else 1.0
             acc = acc * (tl.load(wg_ptr + e64 * stride_wge) * gs)
@@ -570,6 +584,7 @@ def moe_gemm2_kernel(
     EVEN_K: tl.constexpr,
     FP4_PACKED: tl.constexpr,  # fp4 -> bf16: 0 _fp4_dequant, 1 _fp4_dequant_packed, 2 the same with inline PTX, 3 on permuted words
     FP4_PREFETCH: tl.constexpr = True,  # fp4: load the scales one K step ahead
+    TILED: tl.constexpr = False,  # fp4 weights in row tiles (`kernel_formats.tile_fp4_rows`)
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_ids(max_blocks, num_n, GROUP_M)
@@ -585,14 +600,14 @@ def moe_gemm2_kernel(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_ym,
-            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
+            W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH, TILED,
         )  # fmt: skip
     else:
         _gemm2_tile(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_wge, stride_be, stride_ym,
-            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH,
+            W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH, TILED,
         )  # fmt: skip
 
 

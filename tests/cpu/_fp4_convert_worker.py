@@ -97,8 +97,50 @@ def forward_case(mode: str, seed: int) -> dict:
                 max_diff=float((outs["legacy"].float() - outs["packed"].float()).abs().max()))  # fmt: skip
 
 
+def tiles_case(mode: str, seed: int) -> dict:
+    """triton_fp4_layout=tiles (fp4 weights in row tiles, the kernels' TILED) against rows: the Triton
+    kernels' output bit for bit, with a small forced preset and with the auto presets at decode and
+    prefill sizes (biases, clamped swiglu, invalid slots)."""
+    from epmoe.config import MoEConfig
+    from epmoe.dispatch.base import DispatchedTokens
+    from tests import experts_testing as T
+    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.base import ExpertsSpec
+    from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts
+    from epmoe.quant.plan import QuantPlan
+
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, has_bias=True,
+                    swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)  # fmt: skip
+    w = T.random_expert_weights(cfg, 4, seed=seed)
+    exs = {}
+    for layout in ("rows", "tiles"):
+        spec = ExpertsSpec(cfg, 0, 1, torch.device("cpu"), plan=QuantPlan(expert_mode=mode),
+                           options=(("triton_fp4_layout", layout),))  # fmt: skip
+        exs[layout] = TritonExperts(spec)
+        exs[layout].load_weights(w)
+    rows, tiles = exs["rows"], exs["tiles"]
+    res = dict(tiled=bool(tiles.fp4_tiles and not rows.fp4_tiles),
+               layout_ok=all(torch.equal(tiles.parameters()[n], kf.tile_fp4_rows(rows.parameters()[n]))
+                             for n in ("w13", "w2")))  # fmt: skip
+    tiny = TritonConfig("tiny", 16, GemmConfig(32, 64, 4, 1, 2), GemmConfig(32, 64, 4, 1, 2))
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, n, override in (("tiny", 7, tiny), ("decode", 5, None), ("prefill", 300, None)):
+        x = torch.randn(n, 128, generator=g).bfloat16()
+        ids, tw = T.random_local_routing(n, 2, 4, seed=seed + 2, invalid_frac=0.2)
+        outs = []
+        for ex in (rows, tiles):
+            ex.config_override = override
+            outs.append(ex(DispatchedTokens(x, ids, tw)))
+        res[f"{name}_equal"] = bool(torch.equal(outs[0], outs[1]))
+        res[f"{name}_preset"] = rows.tile_config(n * 2).name
+        res[f"{name}_max_diff"] = float((outs[0].float() - outs[1].float()).abs().max())
+    return res
+
+
 def _run(case: str, seed: int) -> dict:
     kind, what = case.split(":")
+    if kind == "tiles":
+        return tiles_case(what, seed)
     return convert_case(what, seed) if kind == "convert" else forward_case(what, seed)
 
 

@@ -15,12 +15,13 @@ from tests.cpu.interpret import case_result, run_interpret_worker
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 CASES = ["convert:mxfp4", "convert:nvfp4", "forward:mxfp4_w4a16", "forward:nvfp4_w4a16"]
+TILE_CASES = ["tiles:nvfp4_w4a16", "tiles:mxfp4_w4a16"]
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp4_convert_worker.py")
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_interpret_worker(_WORKER, CASES)
+    return run_interpret_worker(_WORKER, CASES + TILE_CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -31,6 +32,17 @@ def test_packed_fp4_conversion_is_bit_exact(results, case):
         assert r["mismatch"] == 0, f"{case} (seed {r['seed']}): {r}"
     else:
         assert r["equal"], f"{case} (seed {r['seed']}): packed vs legacy output differ by {r['max_diff']}"
+
+
+@pytest.mark.parametrize("case", TILE_CASES)
+def test_fp4_row_tiles_give_the_same_output_on_the_triton_kernels(results, case):
+    """Option triton_fp4_layout=tiles: the weights are `tile_fp4_rows` of the rows layout, and the
+    Triton kernels (their TILED address arithmetic, run by the interpreter) give the rows layout's
+    output bit for bit: a forced small preset and the auto presets at decode and prefill sizes."""
+    r = case_result(results, case)
+    assert r["tiled"] and r["layout_ok"], r
+    for name in ("tiny", "decode", "prefill"):
+        assert r[f"{name}_equal"], f"{case} (seed {r['seed']}) {name} ({r[f'{name}_preset']}): differ by {r[f'{name}_max_diff']}"
 
 
 def _run_ptx(asm: str, word: int) -> dict:

@@ -78,11 +78,12 @@ def test_decode_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
         assert args["stride_om"] == args["out_ptr"].stride(0)
 
 
+
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-def test_row_tiles_helper_tiles_the_weights_and_marks_decode_launches_only(mode, monkeypatch):
-    """`experts_testing.use_tiled_decode_weights` (the decode kernel's TILED experiment; recorded, not
-    run): w13 / w2 become `tile_fp4_rows` of what was loaded, decode launches carry TILED=True (a
-    constexpr of the kernel), and a prefill forward, whose kernels do not read row tiles, is refused."""
+def test_fp4_row_tiles_option_tiles_the_weights_and_every_launch_reads_them(mode, monkeypatch):
+    """Option triton_fp4_layout=tiles (recorded, not run): w13 / w2 are `tile_fp4_rows` of the rows
+    layout's, and the decode and prefill launches of the Gluon kernels carry TILED=True (a constexpr of
+    each kernel); a value outside rows / tiles is refused, naming it."""
     from epmoe.config import MoEConfig
     from epmoe.core.availability import Availability
     from epmoe.dispatch.base import DispatchedTokens
@@ -97,19 +98,25 @@ def test_row_tiles_helper_tiles_the_weights_and_marks_decode_launches_only(mode,
     monkeypatch.setattr(TE, "_gluon_available", lambda: True)
     monkeypatch.setattr(TE.TritonExperts, "availability", classmethod(lambda cls, spec: Availability.yes("test")))
     cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=512, intermediate_size=256)
-    ex = TE.TritonExperts(ExpertsSpec(cfg, 0, 4, torch.device("cpu"), plan=QuantPlan(expert_mode=mode)))
+    exs = {}
+    for layout in ("rows", "tiles"):
+        spec = ExpertsSpec(cfg, 0, 4, torch.device("cpu"), plan=QuantPlan(expert_mode=mode),
+                           options=(("triton_fp4_layout", layout),))  # fmt: skip
+        exs[layout] = TE.TritonExperts(spec)
+        exs[layout].load_weights(T.random_expert_weights(cfg, 2, seed=0))
+    rows, tiles = exs["rows"], exs["tiles"]
+    assert tiles.fp4_tiles and not rows.fp4_tiles
+    for n in ("w13", "w2"):
+        assert torch.equal(tiles.parameters()[n], kf.tile_fp4_rows(rows.parameters()[n])), n
     launches = []
-    ex._launch = lambda name, grid, args, kwargs: launches.append((name, dict(kwargs)))
-    ex.load_weights(T.random_expert_weights(cfg, 2, seed=0))
-    plain = {n: ex._params[n].clone() for n in ("w13", "w2")}
-    T.use_tiled_decode_weights(ex)
-    for n, w in plain.items():
-        assert torch.equal(ex._params[n], kf.tile_fp4_rows(w)), n
-    ids, w = T.random_local_routing(3, 8, 2, seed=1)  # 12 rows per local expert: decode tiles
-    ex(DispatchedTokens(torch.randn(3, 512).bfloat16(), ids, w))
-    decode = [kw for name, kw in launches if name == "w4a16_swap_kernel"]
-    assert len(decode) == 2 and all(kw["TILED"] is True for kw in decode)
-    assert {p.name for p in G.w4a16_swap_kernel.params if p.is_constexpr} >= {"TILED"}
-    ids, w = T.random_local_routing(512, 8, 2, seed=2)
-    with pytest.raises(RuntimeError, match="cannot read fp4 row tiles"):
-        ex(DispatchedTokens(torch.randn(512, 512).bfloat16(), ids, w))
+    tiles._launch = lambda name, grid, args, kwargs: launches.append((name, dict(kwargs)))
+    for n_tokens in (3, 512):  # 12 rows per local expert (decode tiles), 2048 (prefill tiles)
+        ids, w = T.random_local_routing(n_tokens, 8, 2, seed=n_tokens)
+        tiles(DispatchedTokens(torch.randn(n_tokens, 512).bfloat16(), ids, w))
+    for kernel in ("w4a16_swap_kernel", "w4a16_wgmma_kernel"):
+        kws = [kw for name, kw in launches if name == kernel]
+        assert len(kws) == 2 and all(kw["TILED"] is True for kw in kws), kernel
+        assert "TILED" in {p.name for p in getattr(G, kernel).params if p.is_constexpr}
+    with pytest.raises(ValueError, match="triton_fp4_layout='columns'"):
+        TE.TritonExperts(ExpertsSpec(cfg, 0, 4, torch.device("cpu"), plan=QuantPlan(expert_mode=mode),
+                                     options=(("triton_fp4_layout", "columns"),)))  # fmt: skip

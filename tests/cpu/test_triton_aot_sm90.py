@@ -163,29 +163,34 @@ def test_sass_loop_parsers_on_a_written_listing():
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-def test_sm90_compile_decode_row_tiles(mode, monkeypatch):
-    """The Gluon decode kernel's TILED experiment (weights in row tiles) compiles for sm90 without
-    spills in its loop, with the same loads and mma.sync instructions as the plain layout (only the
-    address arithmetic differs)."""
+@pytest.mark.parametrize("preset", ["decode_split", "wgmma_w4r128_kp_pend", "prefill_n128"])
+def test_sm90_compile_fp4_row_tiles(mode, preset, monkeypatch):
+    """Option triton_fp4_layout=tiles (fp4 weights in row tiles, every kernel's TILED): the Gluon decode
+    and wgmma kernels and the Triton kernels compile for sm90 without spills in a loop, with the same
+    matrix instructions as the rows layout (only the address arithmetic differs)."""
     aot, triton = _aot()
     from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
 
     from epmoe.config import MoEConfig
     from epmoe.experts import triton_experts as TE
 
+    if preset.startswith("wgmma") and not hasattr(gl, "thread_barrier"):
+        pytest.skip(f"the Gluon wgmma kernel is written for Triton 3.6's Gluon API (this is {triton.__version__})")
     monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(TE, "_gluon_available", lambda: True)
     cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=1024, intermediate_size=512)
-    launches = [l for l in aot.record_launches(cfg, mode, num_tokens=16, num_experts=2, preset="decode_split")
-                if l.kernel == "w4a16_swap_kernel"]  # fmt: skip
-    assert len(launches) == 2
-    for launch in launches:
-        infos = []
-        for tiled in (False, True):
-            kw = dict(launch.kwargs, TILED=tiled)
-            src, opts = aot.to_source(aot.Launch(launch.kernel, launch.args, tuple(kw.items())))
-            infos.append(aot.analyze(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)))
-        plain, tiled = infos
-        where = f"{mode} GEMM1={kw['GEMM1']}: plain {plain}, tiled {tiled}"
+    infos = {}
+    for layout in ("rows", "tiles"):
+        launches = [l for l in aot.record_launches(cfg, mode, num_tokens=16, num_experts=2, preset=preset,
+                                                   options=(("triton_fp4_layout", layout),))
+                    if l.kernel.startswith(("w4a16_", "moe_gemm"))]  # fmt: skip
+        assert len(launches) == 2 and all(dict(l.kwargs)["TILED"] == (layout == "tiles") for l in launches)
+        infos[layout] = []
+        for launch in launches:
+            src, opts = aot.to_source(launch)
+            infos[layout].append((launch.kernel, aot.analyze(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))))
+    for (kernel, plain), (_, tiled) in zip(infos["rows"], infos["tiles"]):
+        where = f"{mode} {preset} {kernel}: rows {plain}, tiles {tiled}"
         assert tiled["local"] == 0 and tiled["loop_ldl_stl"] == 0 and tiled["stack"] <= 16, where
-        assert tiled["hmma"] == plain["hmma"] > 0 and tiled["smem"] == 0, where
+        assert (tiled["hmma"], tiled["hgmma"]) == (plain["hmma"], plain["hgmma"]) != (0, 0), where

@@ -493,25 +493,27 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
-@pytest.mark.parametrize("shape,N", [("ds", 1), ("ds", 60), ("gptoss", 40), ("relu2", 30)])
-def test_w4a16_gluon_decode_row_tiles(mode, shape, N):
-    """The decode kernel's TILED experiment (fp4 weights in row tiles, `kernel_formats.tile_fp4_rows`,
-    through `experts_testing.use_tiled_decode_weights`): the auto decode preset's output bit for bit
-    (the same bytes read from other addresses), at the sizes of `test_w4a16_gluon_decode_split`."""
+@pytest.mark.parametrize("shape,N", [("ds", 1), ("ds", 60), ("ds", 600), ("gptoss", 40), ("gptoss", 700),
+                                     ("relu2", 30), ("relu2", 300)])
+def test_w4a16_fp4_row_tiles(mode, shape, N):
+    """Option triton_fp4_layout=tiles (fp4 weights in row tiles, `kernel_formats.tile_fp4_rows`; every
+    kernel's TILED) against the float64 math, and bit for bit against the rows layout (the same bytes
+    read from other addresses) with the auto presets: decode sizes (the Gluon decode kernel, half tiles
+    and full) and prefill sizes (the Gluon wgmma kernel; GPT-OSS: the Triton kernels)."""
     from epmoe.experts import EXPERTS
 
     cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
-    ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
-    _, x, ids, tw, out = _run_case("triton", mode, cfg_kwargs, ep, N)
-    assert ex.uses_gluon_w4a16(ex.tile_config(N * ex.config.top_k))
-    tk = EXPERTS.get("triton")(ExpertsSpec(ex.config, ep - 1, ep, torch.device("cuda"),
+    tiles = (("triton_fp4_layout", "tiles"),)
+    ex_t, x, ids, tw, out_t = _run_case("triton", mode, cfg_kwargs, ep, N, options=tiles)
+    _, w = _backend("triton", mode, cfg_kwargs, ep, _seed(), tiles)  # cached: the weights _run_case used
+    assert ex_t.fp4_tiles
+    ex = EXPERTS.get("triton")(ExpertsSpec(ex_t.config, ep - 1, ep, torch.device("cuda"),
                                            plan=QuantPlan(expert_mode=mode)))  # fmt: skip
-    tk.load_weights(w)
-    T.use_tiled_decode_weights(tk)
-    out_t = tk(DispatchedTokens(x, ids, tw))
-    del tk
+    ex.load_weights(w)
+    out = ex(DispatchedTokens(x, ids, tw))
+    del ex
     diff = (out.double() - out_t.double()).abs().max().item()
-    assert torch.equal(out, out_t), f"{mode} {shape} N={N}: row tiles differ from the plain layout (max {diff:.3g})"
+    assert torch.equal(out, out_t), f"{mode} {shape} N={N}: row tiles differ from rows (max {diff:.3g})"
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])

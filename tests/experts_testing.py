@@ -123,4 +123,3 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(o).all():
         return math.inf
     return float((o - ref).norm() / ref.norm().clamp_min(1e-30))
-

@@ -273,7 +273,7 @@ def w4a16_swap_kernel(
     UNROLL: gl.constexpr,  # K steps per loop iteration: 1, 2 or 4 (dividing K // 64)
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
     SPLIT_M: gl.constexpr = False,  # a tile with <= BLOCK_M / 2 real rows runs BLOCK_M / 2 of them
-    TILED: gl.constexpr = False,  # weights in row tiles (`kernel_formats.tile_fp4_rows`; an experiment)
+    TILED: gl.constexpr = False,  # weights in row tiles (`kernel_formats.tile_fp4_rows`, option triton_fp4_layout=tiles)
 ):
     pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
     if expert >= 0:

@@ -159,15 +159,22 @@ def permute_fp4_words(kpacked: torch.Tensor, chunk_words: int = 1 << 22, inplace
 FP4_TILE_ROWS = 8  # rows per tile of `tile_fp4_rows` (the 8 rows of one mma.sync A-fragment load)
 
 
-def tile_fp4_rows(kpacked: torch.Tensor) -> torch.Tensor:
+def tile_fp4_rows(kpacked: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """fp4 kernel packing [E, R, K/2] uint8 (R % 8 == 0, K % 64 == 0) -> the same bytes, same shape,
     reordered [E, R/8, 8, K/64, 32] -> [E, R/8, K/64, 8, 32]: byte b of K step s of row r sits at
-    (r // 8) * 8 * K/2 + s * 256 + (r % 8) * 32 + b of its expert. Inverse `untile_fp4_rows`."""
+    (r // 8) * 8 * K/2 + s * 256 + (r % 8) * 32 + b of its expert. Inverse `untile_fp4_rows`. New
+    storage, or with inplace (a contiguous input the caller owns) the input itself, expert by expert
+    (as `permute_fp4_words`: no second copy of the weights at load, one expert's scratch)."""
     E, R, KB = kpacked.shape
     if R % FP4_TILE_ROWS or KB % 32:
         raise ValueError(f"fp4 row tiles need rows % {FP4_TILE_ROWS} == 0 and K/2 % 32 == 0, got [{E}, {R}, {KB}]")
-    t = kpacked.reshape(E, R // FP4_TILE_ROWS, FP4_TILE_ROWS, KB // 32, 32).permute(0, 1, 3, 2, 4)
-    return t.contiguous().reshape(E, R, KB)
+    if inplace and not kpacked.is_contiguous():
+        raise ValueError("tile_fp4_rows(inplace=True) needs a contiguous tensor")
+    out = kpacked if inplace else torch.empty_like(kpacked, memory_format=torch.contiguous_format)
+    for e in range(E):
+        t = kpacked[e].reshape(R // FP4_TILE_ROWS, FP4_TILE_ROWS, KB // 32, 32).permute(0, 2, 1, 3)
+        out[e] = t.reshape(R, KB)  # (a copy: the permuted view is not contiguous; inplace: read before written)
+    return out
 
 
 def untile_fp4_rows(tiled: torch.Tensor) -> torch.Tensor:

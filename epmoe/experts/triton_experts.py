@@ -642,9 +642,9 @@ class TritonExperts(Experts):
         if words:  # new's fp4 tensors are this call's own contiguous copies: permuted in place
             new["w13"] = kf.permute_fp4_words(new["w13"], inplace=True)
             new["w2"] = kf.permute_fp4_words(new["w2"], inplace=True)
-        if self.fp4_tiles:  # every kernel of this backend reads the tiles (their TILED)
-            new["w13"] = kf.tile_fp4_rows(new["w13"])
-            new["w2"] = kf.tile_fp4_rows(new["w2"])
+        if self.fp4_tiles:  # every kernel of this backend reads the tiles (their TILED); in place, as above
+            new["w13"] = kf.tile_fp4_rows(new["w13"], inplace=True)
+            new["w2"] = kf.tile_fp4_rows(new["w2"], inplace=True)
         expected = self._expected_shapes()
         for name, shape in expected.items():
             if tuple(new[name].shape) != shape:

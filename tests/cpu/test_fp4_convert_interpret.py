@@ -165,10 +165,10 @@ def test_permute_fp4_words_rejects_rows_of_partial_words():
 
 
 def test_tile_fp4_rows_places_each_byte_where_the_tiled_decode_kernel_reads_it():
-    """`tile_fp4_rows` (the Gluon decode kernel's TILED experiment): byte b of K step s of row r at
-    (r // 8) * 8 * K/2 + s * 256 + (r % 8) * 32 + b of its expert (the kernel's address arithmetic),
-    the up rows of w13 a whole number of tiles on (I % 8 == 0); untile is the inverse; shapes that do
-    not tile are refused with the sizes named."""
+    """`tile_fp4_rows` (option triton_fp4_layout=tiles): byte b of K step s of row r at
+    (r // 8) * 8 * K/2 + s * 256 + (r % 8) * 32 + b of its expert (the kernels' address arithmetic),
+    the up rows of w13 a whole number of tiles on (I % 8 == 0); in place equals the copy; untile is the
+    inverse; shapes that do not tile and in-place calls on non-contiguous tensors are refused."""
     import torch
 
     from epmoe.experts import kernel_formats as kf
@@ -177,6 +177,11 @@ def test_tile_fp4_rows_places_each_byte_where_the_tiled_decode_kernel_reads_it()
     w = torch.randint(0, 256, (E, R, KB), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     t = kf.tile_fp4_rows(w)
     assert t.shape == w.shape and torch.equal(kf.untile_fp4_rows(t), w)
+    y = w.clone()  # in place (the backend's load path), expert by expert: the same bytes, the caller's storage
+    got = kf.tile_fp4_rows(y, inplace=True)
+    assert got.data_ptr() == y.data_ptr() and torch.equal(y, t)
+    with pytest.raises(ValueError, match="contiguous"):
+        kf.tile_fp4_rows(w.clone().transpose(1, 2).contiguous().transpose(1, 2), inplace=True)
     flat = t.reshape(E, -1)
     r, s, b = torch.meshgrid(torch.arange(R), torch.arange(KB // 32), torch.arange(32), indexing="ij")
     addr = (r // 8) * 8 * KB + s * 256 + (r % 8) * 32 + b

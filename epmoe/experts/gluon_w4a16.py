@@ -191,6 +191,17 @@ def _scale_bf16(s, W_FMT: gl.constexpr):
 
 
 @gluon.jit
+def _fp4_row_offsets(rows, stride_wn, TILED: gl.constexpr):
+    """Byte offsets (int64) of K step 0 of fp4 weight rows within their expert: rows * K/2, or in row
+    tiles (`kernel_formats.tile_fp4_rows`) (rows // 8) * 8 * K/2 + (rows % 8) * 32, K steps 256 bytes
+    apart (the Triton kernels' `triton_kernels._fp4_row_offsets`)."""
+    if TILED:
+        return (rows // 8).to(gl.int64) * (8 * stride_wn) + (rows % 8) * 32
+    else:
+        return rows.to(gl.int64) * stride_wn
+
+
+@gluon.jit
 def _program_tile(block_expert_ptr, N_OUT, BLOCK_N: gl.constexpr):
     """(routed-row tile, output block, expert of the tile: -1 unused) of this program; programs go
     output block fastest, BLOCK_N outputs each."""
@@ -321,13 +332,8 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
     tw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W3)))
     qw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
     w_base = w_ptr + e64 * stride_we
-    if TILED:  # row tiles: the 8 rows of a warp load and one K step are 256 contiguous bytes
-        WSTEP: gl.constexpr = 256
-        w_row = (rows // 8).to(gl.int64) * (8 * stride_wn) + (rows % 8) * 32
-    else:
-        WSTEP: gl.constexpr = 32
-        w_row = rows.to(gl.int64) * stride_wn
-    g_ptrs = w_base + w_row[:, None, None] + (tw * 8)[None, :, None] + qw[None, None, :]
+    WSTEP: gl.constexpr = 256 if TILED else 32  # row tiles: the 8 rows of a warp load and one K step contiguous
+    g_ptrs = w_base + _fp4_row_offsets(rows, stride_wn, TILED)[:, None, None] + (tw * 8)[None, :, None] + qw[None, None, :]
     u_ptrs = g_ptrs + N_OUT * stride_wn  # (N_OUT % 8 == 0: whole tiles)
     rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
     ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
@@ -584,11 +590,7 @@ def w4a16_wgmma_kernel(
 
         wrow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, WC))
         wcols = gl.arange(0, 32, layout=gl.SliceLayout(0, WC))
-        if TILED:  # row tiles: 8 rows x 32 bytes per K step contiguous
-            w_row = (wrow // 8) * (8 * stride_wn) + (wrow % 8) * 32
-        else:
-            w_row = wrow * stride_wn
-        w_ptrs = w_ptr + e64 * stride_we + w_row[:, None] + wcols[None, :]
+        w_ptrs = w_ptr + e64 * stride_we + _fp4_row_offsets(wrow, stride_wn, TILED)[:, None] + wcols[None, :]
         # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row
         srow3 = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
         ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))

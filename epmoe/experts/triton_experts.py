@@ -849,9 +849,14 @@ class TritonExperts(Experts):
         cfg = pick_config(self.mode, num_entries, self.num_experts)
         if cfg.wgmma and not self.uses_gluon_w4a16(cfg):
             cfg = presets_for(self.mode)[WGMMA_FALLBACK]
-        elif cfg.split_m and cfg.block_m < 32 and not self.uses_gluon_w4a16(cfg):
+        elif self._half_tiles_unrunnable(cfg):
             cfg = presets_for(self.mode)[SPLIT_FALLBACK]
         return cfg
+
+    def _half_tiles_unrunnable(self, cfg: TritonConfig) -> bool:
+        """Half tiles (split_m) of < 16 rows, which only the Gluon decode kernel runs, where it cannot
+        (the auto table falls back, a forced preset is refused)."""
+        return cfg.split_m and cfg.block_m < 32 and not self.uses_gluon_w4a16(cfg)
 
     def uses_gluon_w4a16(self, cfg: TritonConfig) -> bool:
         """Do this tile preset's GEMMs run the Gluon W4A16 kernels (`epmoe.experts.gluon_w4a16`)?"""
@@ -1004,7 +1009,7 @@ class TritonExperts(Experts):
         if cfg.block_m < 16 and not self.uses_gluon_w4a16(cfg):
             raise ValueError(f"block_m {cfg.block_m} runs on the Gluon W4A16 kernels only (decode, asm conversion), "
                              f"not in mode {self.mode!r} here: {cfg.describe()}")
-        if cfg.split_m and cfg.block_m < 32 and not self.uses_gluon_w4a16(cfg):
+        if self._half_tiles_unrunnable(cfg):
             raise ValueError(f"tile preset {cfg.name!r} (split_m, block_m {cfg.block_m}) runs on the Gluon W4A16 decode "
                              f"kernel only (the Triton kernels' half tiles need >= 16 rows), not here (mode {self.mode!r}); "
                              "use preset 'decode'")

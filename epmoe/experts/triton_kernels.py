@@ -230,7 +230,7 @@ def _tile_ids(max_blocks, num_n, GROUP_M: tl.constexpr):
 def _fp4_row_offsets(n, stride_wn, TILED: tl.constexpr):
     """Byte offsets (int64) of K step 0 of fp4 weight rows n within their expert: n * K/2, or in row
     tiles (`kernel_formats.tile_fp4_rows`: 8 rows x 32 bytes per K step contiguous) (n // 8) * 8 * K/2
-    + (n % 8) * 32, K steps 256 bytes apart."""
+    + (n % 8) * 32, K steps 256 bytes apart (the Gluon kernels' `gluon_w4a16._fp4_row_offsets`)."""
     if TILED:
         return (n // 8).to(tl.int64) * (8 * stride_wn) + (n % 8) * 32
     else:

@@ -55,8 +55,10 @@ SWEEP = {
 # default, FP4_CONVERT; legacy and packed run the Triton kernels; words loads its own bit-permuted
 # copy of the weights); "triton_w4a16" = W4A16 decode tiles on the Triton kernels instead of the Gluon ones
 # (triton_w4a16_decode=triton); "noprefetch_fp4" = FP4_SCALE_PREFETCH off; "torch_epilogue" =
-# grouped_mm with grouped_mm_epilogue=torch. "tiled:<preset>" = that preset with the fp4 weights in row
-# tiles (option triton_fp4_layout=tiles, its own copy of the weights; e.g. "tiled:auto").
+# grouped_mm with grouped_mm_epilogue=torch. "rows:<preset>" / "tiles:<preset>" = that preset with the fp4
+# weights in that layout (option triton_fp4_layout, its own copy of the weights; e.g. "rows:auto"; without
+# a prefix: the default, FP4_LAYOUT).
+FP4_LAYOUT_PREFIXES = ("rows:", "tiles:")
 FP4_CONVERT_PRESETS = {"legacy_fp4": "legacy", "packed_fp4": "packed", "asm_fp4": "asm", "words_fp4": "words"}
 QUICK_SWEEP = {
     ("triton", "bf16", "prefill"): ["auto", "prefill"],  # the grouped_mm path and the Triton GEMMs
@@ -130,7 +132,7 @@ def build_plan(args) -> List[Run]:
 
                     known = set(presets_for(mode)) | {"auto"} | set(FP4_CONVERT_PRESETS)
                     presets = [p for p in args.presets.split(",")
-                               if p in known or p.startswith(("g:", "tiled:"))]
+                               if p in known or p.startswith(("g:",) + FP4_LAYOUT_PREFIXES)]
                 for p in presets:
                     plan.append(Run(backend, mode, phase, T, p))
     return plan
@@ -428,8 +430,8 @@ def run_plan(args, plan: List[Run]) -> int:
     for run in plan:
         TE.GLUON_W4A16_WORDS_TILES = dict(GLUON_WORDS_TILES)  # a "g:" run below replaces them for itself
         conv = FP4_CONVERT_PRESETS.get(run.preset) or TE.resolve_fp4_convert(args.fp4_convert or FP4_CONVERT)
-        tiled = run.preset.startswith("tiled:")  # fp4 weights in row tiles (its own copy)
-        key = (run.backend, run.mode, conv == "words", tiled)  # the words conversion reads its own weight layout
+        layout = run.preset.split(":", 1)[0] if run.preset.startswith(FP4_LAYOUT_PREFIXES) else None
+        key = (run.backend, run.mode, conv == "words", layout)  # the words conversion reads its own weight layout
         if key not in current:
             current.clear()
             torch.cuda.empty_cache()
@@ -437,8 +439,8 @@ def run_plan(args, plan: List[Run]) -> int:
                 ex = TorchLoopExperts(cfg, weights.w13(), weights.w2)
             else:
                 opts = (("triton_fp4_convert", conv),) if run.backend == "triton" else ()
-                if tiled:
-                    opts += (("triton_fp4_layout", "tiles"),)
+                if layout:
+                    opts += (("triton_fp4_layout", layout),)
                 spec = ExpertsSpec(cfg, 0, 1, dev, plan=QuantPlan(expert_mode=run.mode), options=opts)
                 cls = EXPERTS.get(run.backend)
                 avail = cls.availability(spec)
@@ -452,7 +454,7 @@ def run_plan(args, plan: List[Run]) -> int:
         entries = run.num_tokens * K
         preset_used = ""
         if run.backend == "triton":
-            preset = run.preset.split(":", 1)[1] if tiled else run.preset
+            preset = run.preset.split(":", 1)[1] if layout else run.preset
             TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS = GLUON_DEFAULTS
             if preset.startswith("g:"):  # Gluon W4A16: g:<unroll>:<maxnreg or 0>:<tile preset>[:<block_n>[:<warps>]]
                 _, unroll, maxnreg, preset, *more = preset.split(":")

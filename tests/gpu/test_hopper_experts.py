@@ -496,10 +496,10 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
 @pytest.mark.parametrize("shape,N", [("ds", 1), ("ds", 60), ("ds", 600), ("gptoss", 40), ("gptoss", 700),
                                      ("relu2", 30), ("relu2", 300)])
 def test_w4a16_fp4_row_tiles(mode, shape, N):
-    """Option triton_fp4_layout=tiles (fp4 weights in row tiles, `kernel_formats.tile_fp4_rows`; every
-    kernel's TILED) against the float64 math, and bit for bit against the rows layout (the same bytes
-    read from other addresses) with the auto presets: decode sizes (the Gluon decode kernel, half tiles
-    and full) and prefill sizes (the Gluon wgmma kernel; GPT-OSS: the Triton kernels)."""
+    """Option triton_fp4_layout=tiles (the default: fp4 weights in row tiles, `kernel_formats.tile_fp4_rows`;
+    every kernel's TILED) against the float64 math, and bit for bit against triton_fp4_layout=rows (the
+    same bytes read from other addresses) with the auto presets: decode sizes (the Gluon decode kernel,
+    half tiles and full) and prefill sizes (the Gluon wgmma kernel; GPT-OSS: the Triton kernels)."""
     from epmoe.experts import EXPERTS
 
     cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
@@ -507,8 +507,9 @@ def test_w4a16_fp4_row_tiles(mode, shape, N):
     ex_t, x, ids, tw, out_t = _run_case("triton", mode, cfg_kwargs, ep, N, options=tiles)
     _, w = _backend("triton", mode, cfg_kwargs, ep, _seed(), tiles)  # cached: the weights _run_case used
     assert ex_t.fp4_tiles
-    ex = EXPERTS.get("triton")(ExpertsSpec(ex_t.config, ep - 1, ep, torch.device("cuda"),
-                                           plan=QuantPlan(expert_mode=mode)))  # fmt: skip
+    ex = EXPERTS.get("triton")(ExpertsSpec(ex_t.config, ep - 1, ep, torch.device("cuda"), plan=QuantPlan(expert_mode=mode),
+                                           options=(("triton_fp4_layout", "rows"),)))  # fmt: skip
+    assert not ex.fp4_tiles
     ex.load_weights(w)
     out = ex(DispatchedTokens(x, ids, tw))
     del ex

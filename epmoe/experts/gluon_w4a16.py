@@ -26,13 +26,19 @@ those of the MMA operand; reshape / permute to [rows, 32] then only renames regi
 (`convert_layout(..., assert_trivial=True)` checks it at compile time).
 
 Scales: logical K 8t + 2c + b of the low half is in nvfp4 group 4kk + t // 2 (+ 2 for the high half),
-mxfp4 group 2kk (high half 2kk + 1), so each thread needs one scale per row and half: it takes them by
-shift and mask from the row's scale word of two K steps (nvfp4 8 bytes, mxfp4 4), which every lane of
-the row loads (one load per row and two steps instead of one byte per half and step).
+mxfp4 group 2kk (high half 2kk + 1), so each thread needs one scale per row and half: it takes both
+from the row's scale word of the K step (nvfp4 4 bytes, mxfp4 2; the decode kernel loads two steps'
+words at once), which every lane of the row loads, and turns the pair into two bf16 factors with 2^126
+folded in by a few PTX instructions (`_SCALE_PAIR_ASM`): one byte permute puts the two scale bytes in
+the two 16-bit halves of a word, then mxfp4 one integer multiply-add (bf16 bits (e + 126) << 7 =
+2^(e-1)), nvfp4 the hardware e4m3 -> f16 conversion of the pair, a shift and an or (s * 2^112: the
+2^14 left goes on the global scale). The nvfp4 bit trick needs scales >= +0 with the weights of zero
+scales zero; `kernel_formats.normalize_nvfp4_scales` makes them so at load (exactly: a negative
+scale's weights change sign).
 The e2m1 -> bf16 bits are `triton_kernels._E2M1_BF16_ASM` (value * 2^-126), or with WORDS (convert
 mode "words": weights bit-permuted per 4-byte word at load) `_E2M1_BF16_WORDS_ASM`, the same bits;
-times the bf16 scale with 2^126 folded in (nvfp4: s * 2^119 and 2^7 on the global scale), as the
-packed conversion.
+times the bf16 scale factors above, as the packed conversion (power-of-two factors: the same products,
+the same sums bit for bit).
 """
 
 from triton.experimental import gluon
@@ -42,7 +48,33 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from epmoe.experts.triton_kernels import _E2M1_BF16_ASM, _E2M1_BF16_WORDS_ASM
 
-TWO_119 = gl.constexpr(2.0**119)
+# The bf16 factors of a K step's two scales of a thread's row (low half, high half), with 2^126 folded in:
+# $2 the step's scale word, $3 a byte-permute selector whose low two nibbles pick the two scale bytes
+# (upper two: 4, the zero byte of the second prmt operand). nvfp4: `cvt.rn.f16x2.e4m3x2` is exact (e4m3's
+# subnormals are f16 normals; 3 mantissa bits: the f16 bits' low 7 are zero), and an f16 with exponent
+# field e, mantissa m, shifted right by 3 and or'd with 0x7000 is the bf16 with exponent field e + 224
+# (e <= 31) and mantissa m: s * 2^(224 - 127 + 15) = s * 2^112. Exact for scales > 0; +0 gives 2^97
+# (finite: weights of zero scales must be zero), a sign bit would spill into the exponent: hence
+# `kernel_formats.normalize_nvfp4_scales` at load. The high half's shifted bits leave 0 in the low half's
+# top bits (its f16 mantissa ends in 7 zeros). mxfp4: e8m0 byte e -> (e + 126) << 7 = e * 128 + 0x3F00 per
+# half (e <= 128, checked at load: no carry between halves).
+_SCALE_PAIR_NV_ASM = gl.constexpr("""{
+.reg .b32 p, h;
+.reg .b16 q, u;
+prmt.b32 p, $2, 0, $3;
+mov.b32 {q, u}, p;
+cvt.rn.f16x2.e4m3x2 h, q;
+shr.b32 h, h, 3;
+or.b32 h, h, 0x70007000;
+mov.b32 {$0, $1}, h;
+}""")
+_SCALE_PAIR_MX_ASM = gl.constexpr("""{
+.reg .b32 p;
+prmt.b32 p, $2, 0, $3;
+mad.lo.u32 p, p, 128, 0x3F003F00;
+mov.b32 {$0, $1}, p;
+}""")
+NV_SCALE_EPILOGUE = gl.constexpr(2.0**14)  # nvfp4: the power of two the scale factors leave (s * 2^112 * 2^-126)
 
 
 @gluon.constexpr_function
@@ -119,28 +151,41 @@ def _scale_words(s_ptrs, kk, W_FMT: gl.constexpr, PAIR: gl.constexpr):
 
 
 @gluon.jit
-def _step_scales(w, sh, HI: gl.constexpr):
-    """Raw scales (low half, high half) [BN, 4] from a step's scale word; sh: the bit offset of the
-    thread's low-half group (nvfp4 8 * (t // 2), mxfp4 0), the high half's is HI bytes on."""
-    lo = ((w >> sh) & 0xFF).to(gl.uint8)
-    hi = ((w >> (sh + 8 * HI)) & 0xFF).to(gl.uint8)
+def _step_scales(w, sel, W_FMT: gl.constexpr):
+    """bf16 scale factors (low half, high half) [BN, 4] from a step's scale word (int32); sel: the
+    thread's byte selector (`_scale_selectors`)."""
+    ASM: gl.constexpr = _SCALE_PAIR_NV_ASM if W_FMT == 2 else _SCALE_PAIR_MX_ASM
+    lo, hi = gl.inline_asm_elementwise(ASM, "=h,=h,r,r", [w, sel], dtype=(gl.bfloat16, gl.bfloat16),
+                                       is_pure=True, pack=1)
     return lo, hi
 
 
 @gluon.jit
-def _loads(x_ptrs, g_ptrs, u_ptrs, kk, gw, uw, sh, HI: gl.constexpr, GATED: gl.constexpr, WSTEP: gl.constexpr = 32):
+def _scale_selectors(ts, W_FMT: gl.constexpr):
+    """Byte selectors of `_step_scales` for lanes t = ts: nvfp4 bytes t // 2 and 2 + t // 2 of the step's
+    4, mxfp4 bytes 0 and 1 of its 2."""
+    if W_FMT == 2:
+        return (ts // 2) | ((ts // 2 + 2) << 4) | 0x4400
+    else:
+        return ts * 0 + 0x4140
+
+
+@gluon.jit
+def _loads(x_ptrs, g_ptrs, u_ptrs, kk, gw, uw, sel, W_FMT: gl.constexpr, GATED: gl.constexpr,
+           WSTEP: gl.constexpr = 32):
     """Everything K step kk reads: token halves [BM, 4, 8], weight bytes [BN, 4, 8] and, from the
-    step's scale words gw / uw (`_scale_words`), the scales [BN, 4] (low / high half) of gate (and up).
+    step's scale words gw / uw (`_scale_words`), the scale factors [BN, 4] (low / high half) of gate
+    (and up).
     WSTEP: bytes from one K step of a weight row to the next (32; 256 in row tiles)."""
     xo = kk * 64
     wo = kk * WSTEP
     xl = gl.load(x_ptrs + xo)
     xh = gl.load(x_ptrs + (xo + 32))
     gb = gl.load(g_ptrs + wo)
-    gsl, gsh = _step_scales(gw, sh, HI)
+    gsl, gsh = _step_scales(gw, sel, W_FMT)
     if GATED:
         ub = gl.load(u_ptrs + wo)
-        usl, ush = _step_scales(uw, sh, HI)
+        usl, ush = _step_scales(uw, sel, W_FMT)
     else:
         ub = gb
         usl = gsl
@@ -155,39 +200,26 @@ def _step(acc_g, acc_u, xl, xh, gb, gsl, gsh, ub, usl, ush, W_FMT: gl.constexpr,
     """One K step of 64: both halves of gate (and up) against the token halves."""
     x_lo = _to_b(xl, BLOCK_M, B_L)
     x_hi = _to_b(xh, BLOCK_M, B_L)
-    w_lo, w_hi = _dequant3(gb, gl.expand_dims(gsl, 2), gl.expand_dims(gsh, 2), W_FMT, WORDS)
+    w_lo, w_hi = _dequant3(gb, gl.expand_dims(gsl, 2), gl.expand_dims(gsh, 2), WORDS)
     acc_g = mma_v2(_to_a(w_lo, BLOCK_N, A_L), x_lo, acc_g)
     acc_g = mma_v2(_to_a(w_hi, BLOCK_N, A_L), x_hi, acc_g)
     if GATED:
-        v_lo, v_hi = _dequant3(ub, gl.expand_dims(usl, 2), gl.expand_dims(ush, 2), W_FMT, WORDS)
+        v_lo, v_hi = _dequant3(ub, gl.expand_dims(usl, 2), gl.expand_dims(ush, 2), WORDS)
         acc_u = mma_v2(_to_a(v_lo, BLOCK_N, A_L), x_lo, acc_u)
         acc_u = mma_v2(_to_a(v_hi, BLOCK_N, A_L), x_hi, acc_u)
     return acc_g, acc_u
 
 
 @gluon.jit
-def _dequant3(p3, s_lo, s_hi, W_FMT: gl.constexpr, WORDS: gl.constexpr = False):
-    """bytes [BN, 4, 8] + per (row, t) scales [BN, 4, 1] (raw e4m3 / e8m0) -> bf16 (lo, hi) [BN, 4, 8].
-    WORDS: the bytes are bit-permuted words (convert mode "words"); each conversion call takes 4 of a
-    thread's 8 contiguous bytes, i.e. one aligned word."""
+def _dequant3(p3, f_lo, f_hi, WORDS: gl.constexpr = False):
+    """bytes [BN, 4, 8] + per (row, t) bf16 scale factors [BN, 4, 1] (`_step_scales`) -> bf16 (lo, hi)
+    [BN, 4, 8]. WORDS: the bytes are bit-permuted words (convert mode "words"); each conversion call
+    takes 4 of a thread's 8 contiguous bytes, i.e. one aligned word."""
     ASM: gl.constexpr = _E2M1_BF16_WORDS_ASM if WORDS else _E2M1_BF16_ASM
     lo, hi = gl.inline_asm_elementwise(
         ASM, "=r,=r,=r,=r,r", [p3], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4
     )
-    return lo * _scale_bf16(s_lo, W_FMT), hi * _scale_bf16(s_hi, W_FMT)
-
-
-@gluon.jit
-def _scale_bf16(s, W_FMT: gl.constexpr):
-    """Raw scales (e4m3 / e8m0) -> the bf16 factor of the packed conversion (2^126 folded in; nvfp4:
-    s * 2^119, the 2^7 left goes on the global scale)."""
-    if W_FMT == 2:
-        if s.dtype == gl.uint8:  # raw bytes of the e4m3 scale
-            s = s.to(gl.float8e4nv, bitcast=True)
-        f = (s.to(gl.float32) * TWO_119).to(gl.bfloat16)
-    else:
-        f = ((s.to(gl.uint16) + 126) << 7).to(gl.bfloat16, bitcast=True)
-    return f
+    return lo * f_lo, hi * f_hi
 
 
 @gluon.jit
@@ -338,18 +370,14 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
     rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
     ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
     s_rows = ws_ptr + e64 * stride_wse + rs.to(gl.int64)[:, None] * stride_wsn + (ts * 0)[None, :]
-    # scale words (a K step's groups of a row: nvfp4 4 bytes, mxfp4 2) and the bit offset of
-    # t's low-half group in them: nvfp4 group 4kk + t // 2 (low half), + 2 (high half); mxfp4
-    # 2kk (low), 2kk + 1 (high)
+    # scale words (a K step's groups of a row: nvfp4 4 bytes, mxfp4 2) and the bytes of t's groups in
+    # them: nvfp4 group 4kk + t // 2 (low half), + 2 (high half); mxfp4 2kk (low), 2kk + 1 (high)
     PAIR: gl.constexpr = UNROLL >= 2  # one scale load per row for two K steps
     if W_FMT == 2:
-        HI: gl.constexpr = 2
         WORD: gl.constexpr = 8 if PAIR else 4  # bytes per scale word
-        s_shift = ((ts // 2) * 8)[None, :] + (rs * 0)[:, None]
     else:
-        HI: gl.constexpr = 1
         WORD: gl.constexpr = 4 if PAIR else 2
-        s_shift = (ts * 0)[None, :] + (rs * 0)[:, None]
+    s_sel = _scale_selectors(ts, W_FMT)[None, :] + (rs * 0)[:, None]
     WTYPE: gl.constexpr = gl.int64 if WORD == 8 else (gl.int32 if WORD == 4 else gl.int16)
     sg_ptrs = s_rows.to(gl.pointer_type(WTYPE), bitcast=True)
     su_ptrs = sg_ptrs + N_OUT * stride_wsn // WORD
@@ -363,17 +391,17 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
         ga, gb_ = _scale_words(sg_ptrs, kk, W_FMT, PAIR)
         ua, ub_ = _scale_words(su_ptrs, kk, W_FMT, PAIR) if GATED else (ga, gb_)
         a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
-            x_ptrs, g_ptrs, u_ptrs, kk, ga, ua, s_shift, HI, GATED, WSTEP)
+            x_ptrs, g_ptrs, u_ptrs, kk, ga, ua, s_sel, W_FMT, GATED, WSTEP)
         if UNROLL >= 2:
             b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, kk + 1, gb_, ub_, s_shift, HI, GATED, WSTEP)
+                x_ptrs, g_ptrs, u_ptrs, kk + 1, gb_, ub_, s_sel, W_FMT, GATED, WSTEP)
         if UNROLL == 4:
             gc, gd = _scale_words(sg_ptrs, kk + 2, W_FMT, PAIR)
             uc, ud = _scale_words(su_ptrs, kk + 2, W_FMT, PAIR) if GATED else (gc, gd)
             c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, kk + 2, gc, uc, s_shift, HI, GATED, WSTEP)
+                x_ptrs, g_ptrs, u_ptrs, kk + 2, gc, uc, s_sel, W_FMT, GATED, WSTEP)
             d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
-                x_ptrs, g_ptrs, u_ptrs, kk + 3, gd, ud, s_shift, HI, GATED, WSTEP)
+                x_ptrs, g_ptrs, u_ptrs, kk + 3, gd, ud, s_sel, W_FMT, GATED, WSTEP)
         acc_g, acc_u = _step(acc_g, acc_u, a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush,
                              W_FMT, GATED, BLOCK_M, BLOCK_N, A_L, B_L, WORDS)
         if UNROLL >= 2:
@@ -414,10 +442,10 @@ def _epilogue(acc_g, acc_u, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, topk_w_ptr
     n_acc = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     offs_p = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
     if W_FMT == 2:
-        # the packed conversion leaves 2^-7 in the weights
-        acc_g = acc_g * (gl.load(wg_ptr + e64 * stride_wge) * 128.0)
+        # the scale factors leave 2^-14 in the weights (`_step_scales`)
+        acc_g = acc_g * (gl.load(wg_ptr + e64 * stride_wge) * NV_SCALE_EPILOGUE)
         if GATED:
-            acc_u = acc_u * (gl.load(wg_ptr + e64 * stride_wge + 1) * 128.0)
+            acc_u = acc_u * (gl.load(wg_ptr + e64 * stride_wge + 1) * NV_SCALE_EPILOGUE)
     if HAS_BIAS:
         acc_g += gl.load(b_ptr + e64 * stride_be + n_acc)[:, None]
         if GATED:
@@ -496,11 +524,11 @@ def _ring_operands(ring, sr_ptrs, kk, num_k, word, STAGES: gl.constexpr, W_FMT: 
     scale words): a scale word used in the step it is loaded in stalls the warp for the whole load."""
     x_lo, x_hi, w_s = ring
     s = kk % STAGES
-    w_ptrs, shift = sr_ptrs
+    w_ptrs, sel = sr_ptrs
     nxt = _scale_word(w_ptrs, kk + 1, num_k)
     b3 = w_s.index(s).reshape([R, 4, 8]).load(WN)
-    s_lo, s_hi = _step_scales(word, shift, 2 if W_FMT == 2 else 1)
-    lo, hi = _dequant3(b3, gl.expand_dims(s_lo, 2), gl.expand_dims(s_hi, 2), W_FMT, WORDS)
+    f_lo, f_hi = _step_scales(word, sel, W_FMT)
+    lo, hi = _dequant3(b3, gl.expand_dims(f_lo, 2), gl.expand_dims(f_hi, 2), WORDS)
     return _to_a(lo, R, A_L), _to_a(hi, R, A_L), nxt
 
 
@@ -596,9 +624,8 @@ def w4a16_wgmma_kernel(
         ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
         s_rows = ws_ptr + e64 * stride_wse + srow3[:, None] * stride_wsn + (ts * 0)[None, :]
         WTYPE: gl.constexpr = gl.int32 if W_FMT == 2 else gl.int16
-        GROUP_BITS: gl.constexpr = 8 if W_FMT == 2 else 0  # nvfp4: t's low-half group is byte t // 2
         sr_ptrs = (s_rows.to(gl.pointer_type(WTYPE), bitcast=True),
-                   ((ts // 2) * GROUP_BITS)[None, :] + (srow3 * 0).to(gl.int32)[:, None])
+                   _scale_selectors(ts, W_FMT)[None, :] + (srow3 * 0).to(gl.int32)[:, None])
 
         x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
         x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
@@ -659,9 +686,9 @@ def _gated_epilogue(acc, e64, row0, pid_n, wg_ptr, b_ptr, out_ptr, N_OUT, stride
     n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, EL))
     p = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, EL))
     if W_FMT == 2:
-        # the packed conversion leaves 2^-7 in the weights
-        g = g * (gl.load(wg_ptr + e64 * stride_wge) * 128.0)
-        u = u * (gl.load(wg_ptr + e64 * stride_wge + 1) * 128.0)
+        # the scale factors leave 2^-14 in the weights (`_step_scales`)
+        g = g * (gl.load(wg_ptr + e64 * stride_wge) * NV_SCALE_EPILOGUE)
+        u = u * (gl.load(wg_ptr + e64 * stride_wge + 1) * NV_SCALE_EPILOGUE)
     if HAS_BIAS:
         g += gl.load(b_ptr + e64 * stride_be + n)[:, None]
         u += gl.load(b_ptr + e64 * stride_be + N_OUT + n)[:, None]

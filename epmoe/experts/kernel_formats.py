@@ -177,6 +177,38 @@ def tile_fp4_rows(kpacked: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     return out
 
 
+def normalize_nvfp4_scales(kpacked: torch.Tensor, scales: torch.Tensor) -> None:
+    """In place, the same weights value for value: nvfp4 weights k64-interleaved [E, R, K/2] uint8 and
+    their e4m3 block scales [E, R, K/16], so that every scale is >= +0 and the weights of a zero scale
+    (+0 or -0) are +0: a negative scale's 16 values change sign (s * v = -s * -v), a zero scale's become
+    +0 (0 * v = 0 * 0). The Gluon kernels' scale conversion (`gluon_w4a16._SCALE_PAIR_NV_ASM`) needs it.
+    NaN scales (e4m3 0x7F / 0xFF) are refused. Touches the weights only where a scale is zero or
+    negative."""
+    E, R, KB = kpacked.shape
+    sb = scales.view(torch.uint8)
+    if tuple(sb.shape) != (E, R, KB // 8) or KB % 32:
+        raise ValueError(f"nvfp4 scales {list(sb.shape)} do not match weights {[E, R, KB]} (K/16 per row, K % 64 == 0)")
+    nan = (sb & 0x7F) == 0x7F
+    if bool(nan.any()):
+        e, r, g = (int(i) for i in nan.nonzero()[0])
+        raise ValueError(f"nvfp4 block scale of expert {e} row {r} group {g} is NaN (e4m3 0x{int(sb[e, r, g]):02x}); "
+                         f"the checkpoint's scales are corrupt")
+    zero = (sb & 0x7F) == 0
+    neg = ((sb & 0x80) != 0) & ~zero
+    if not bool(zero.any() or neg.any()):
+        return
+    # K step s, group g = 2n + h of its 4: bytes 16h .. 16h + 15 of the step, nibble n (0 low, 1 high)
+    wv = kpacked.view(E, R, KB // 32, 2, 16)
+    groups = lambda m: m.view(E, R, KB // 32, 2, 2)  # noqa: E731  [.., n, h]
+    for n, (keep, sign) in enumerate(((0xF0, 0x08), (0x0F, 0x80))):
+        z, ng = groups(zero)[:, :, :, n], groups(neg)[:, :, :, n]  # [E, R, S, h]
+        if bool(z.any()):
+            wv &= torch.where(z, keep, 0xFF).to(torch.uint8)[..., None]
+        if bool(ng.any()):
+            wv ^= torch.where(ng, sign, 0).to(torch.uint8)[..., None]
+    sb &= 0x7F
+
+
 def untile_fp4_rows(tiled: torch.Tensor) -> torch.Tensor:
     """Inverse of `tile_fp4_rows`."""
     E, R, KB = tiled.shape

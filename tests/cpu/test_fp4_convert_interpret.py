@@ -192,3 +192,71 @@ def test_tile_fp4_rows_places_each_byte_where_the_tiled_decode_kernel_reads_it()
     for shape in ((1, 12, 64), (1, 16, 48)):
         with pytest.raises(ValueError, match="rows % 8 == 0 and K/2 % 32 == 0"):
             kf.tile_fp4_rows(torch.zeros(shape, dtype=torch.uint8))
+
+
+def test_normalize_nvfp4_scales_keeps_every_weight_value():
+    """`normalize_nvfp4_scales` (nvfp4 loads of the triton backend): on k64-interleaved weights with
+    zero (+0 / -0), negative and positive e4m3 scales, every dequantized weight keeps its value exactly
+    (float64), every scale ends >= +0 (no sign bit), the weights of zero scales are +0 codes, the weights
+    of scales that were positive and nonzero are untouched bytes; NaN scales are refused naming the group."""
+    import torch
+
+    from epmoe.experts import kernel_formats as kf
+    from epmoe.quant import nvfp4
+
+    g = torch.Generator().manual_seed(11)
+    E, R, K = 2, 8, 192
+    packed = torch.randint(0, 256, (E, R, K // 2), dtype=torch.uint8, generator=g)
+    sbytes = torch.randint(0, 0x7F, (E, R, K // 16), dtype=torch.uint8, generator=g)  # finite, >= 0
+    sign = torch.rand(E, R, K // 16, generator=g) < 0.3
+    sbytes[sign] |= 0x80
+    sbytes[0, 0, :4] = torch.tensor([0x00, 0x80, 0x00, 0x80], dtype=torch.uint8)  # +0 / -0 in one K step
+    sbytes[1, 3, 5] = 0x80
+    scales = sbytes.view(torch.float8_e4m3fn)
+    want = nvfp4.dequantize(packed, scales, 1.0, torch.float64)
+    kp = kf.interleave_fp4_k64(packed)
+    s2 = scales.clone()
+    kf.normalize_nvfp4_scales(kp, s2)
+    got = nvfp4.dequantize(kf.deinterleave_fp4_k64(kp), s2, 1.0, torch.float64)
+    assert torch.equal(got, want)
+    sb = s2.view(torch.uint8)
+    assert not bool((sb & 0x80).any())
+    codes = torch.stack([kf.deinterleave_fp4_k64(kp) & 0x0F, kf.deinterleave_fp4_k64(kp) >> 4], -1).reshape(E, R, K // 16, 16)
+    assert bool((codes[sb == 0] == 0).all())
+    untouched = (sbytes & 0x80 == 0) & (sbytes != 0)
+    orig = torch.stack([packed & 0x0F, packed >> 4], -1).reshape(E, R, K // 16, 16)
+    assert torch.equal(codes[untouched], orig[untouched])
+    for nan in (0x7F, 0xFF):
+        bad = sbytes.clone()
+        bad[1, 2, 7] = nan
+        with pytest.raises(ValueError, match="expert 1 row 2 group 7 is NaN"):
+            kf.normalize_nvfp4_scales(kf.interleave_fp4_k64(packed), bad.view(torch.float8_e4m3fn))
+
+
+def test_gluon_scale_pair_bit_trick_gives_the_scale_times_a_power_of_two():
+    """The Gluon kernels' scale conversion (`gluon_w4a16._SCALE_PAIR_NV_ASM` / `_MX_ASM`), emulated on
+    32-bit words for every pair of scale bytes it is given (nvfp4: every e4m3 >= +0 but NaN after
+    `normalize_nvfp4_scales`, mxfp4: every e8m0 exponent <= 128): the f16 pair from the e4m3 pair,
+    shifted right by 3 and or'd with 0x7000 per half, is the bf16 pair s * 2^112 (+0: 2^97, finite);
+    e * 128 + 0x3F00 per half is the bf16 2^(e - 1). Halves do not leak into each other. (The byte
+    permute and the hardware e4m3 -> f16 conversion run only on the GPU: tests/gpu.)"""
+    import torch
+
+    from epmoe.experts.gluon_w4a16 import NV_SCALE_EPILOGUE
+
+    assert NV_SCALE_EPILOGUE == 2.0**14  # s * 2^112 times the weights' value * 2^-126
+    e4 = torch.arange(0, 0x7F, dtype=torch.uint8)  # +0 .. 448, no NaN
+    f16 = e4.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    lo, hi = torch.meshgrid(f16, f16, indexing="ij")
+    r = (((hi << 16) | lo) >> 3) | 0x70007000
+    as_bf16 = lambda h: (h & 0xFFFF).to(torch.int16).view(torch.bfloat16).double()  # noqa: E731
+    s = e4.view(torch.float8_e4m3fn).double()
+    want = torch.where(s == 0, torch.tensor(2.0**97, dtype=torch.float64), s * 2.0**112)
+    assert torch.equal(as_bf16(r), want[:, None].expand(-1, len(s)))
+    assert torch.equal(as_bf16(r >> 16), want[None, :].expand(len(s), -1))
+    e8 = torch.arange(0, 129, dtype=torch.int64)
+    lo, hi = torch.meshgrid(e8, e8, indexing="ij")
+    r = (((hi << 16) | lo) * 128 + 0x3F003F00) & 0xFFFFFFFF
+    want = torch.pow(2.0, e8.double() - 1)
+    assert torch.equal(as_bf16(r), want[:, None].expand(-1, len(e8)))
+    assert torch.equal(as_bf16(r >> 16), want[None, :].expand(len(e8), -1))

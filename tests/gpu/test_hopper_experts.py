@@ -517,6 +517,44 @@ def test_w4a16_fp4_row_tiles(mode, shape, N):
     assert torch.equal(out, out_t), f"{mode} {shape} N={N}: row tiles differ from rows (max {diff:.3g})"
 
 
+@pytest.mark.parametrize("N", [1, 60, 600])
+def test_nvfp4_zero_and_negative_block_scales(N):
+    """An nvfp4 checkpoint whose block scales include +0, -0 and negative e4m3 values (loaded as shipped:
+    quantized weights): the Gluon kernels' scale conversion needs scales >= +0 and zero-scale weights 0,
+    which `kernel_formats.normalize_nvfp4_scales` makes so at load, value for value. Decode sizes (the
+    Gluon decode kernel, half and full tiles) and a prefill size (the Gluon wgmma kernel) against the
+    float64 math on the checkpoint's own dequantized weights; the caller's scale tensors untouched."""
+    from epmoe.experts import EXPERTS
+
+    seed = _seed()
+    cfg = MoEConfig(**DS)
+    spec = ExpertsSpec(cfg, DS_EP - 1, DS_EP, torch.device("cuda"), plan=QuantPlan(expert_mode="nvfp4_w4a16"))
+    w = T.random_expert_weights(cfg, spec.num_local_experts, device="cuda", seed=seed, first_expert=spec.first_local_expert)
+    q = kf.quantize_expert_weights(w, "nvfp4_w4a16")
+    g = torch.Generator(device="cuda").manual_seed(seed + 3)
+    for name in ("w1_scale", "w3_scale", "w2_scale"):
+        sb = getattr(q, name).view(torch.uint8)
+        u = torch.rand(sb.shape, generator=g, device="cuda")
+        sb[u < 0.2] |= 0x80  # negative
+        sb[(u >= 0.2) & (u < 0.25)] = 0x00
+        sb[(u >= 0.25) & (u < 0.3)] = 0x80  # -0
+    before = {n: getattr(q, n).clone() for n in ("w1_scale", "w3_scale", "w2_scale")}
+    ex = EXPERTS.get("triton")(spec)
+    ex.load_weights(q)
+    assert all(torch.equal(getattr(q, n).view(torch.uint8), t.view(torch.uint8)) for n, t in before.items())
+    d = kf.dequantize_expert_weights(q)
+    x = torch.randn(N, cfg.hidden_size, generator=g, device="cuda").bfloat16()
+    ids, tw = T.random_local_routing(N, cfg.top_k, spec.num_local_experts, "cuda", seed + 4, invalid_frac=0.25)
+    _poison_allocator()
+    out = ex(DispatchedTokens(x, ids, tw))
+    cfg_t = ex.tile_config(N * cfg.top_k)
+    assert ex.uses_gluon_w4a16(cfg_t), cfg_t.describe()
+    ref = T.experts_reference(cfg, w, x, ids, tw, w13=d.w13(), w2=d.w2)
+    err = T.relative_error(out, ref)
+    print(f"nvfp4 zero / negative scales N={N} ({cfg_t.name}) seed={seed}: rel err {err:.2e}")
+    assert bool(torch.isfinite(out).all()) and err < BOUND, f"N={N} seed={seed}: relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("preset", ["wgmma_w4r128_kp", "wgmma_w4r128_kp_m64", "wgmma_w4r128_kp_pend"])
 def test_w4a16_gluon_wgmma(mode, preset):

@@ -20,9 +20,12 @@ with no register shuffles. K must be a multiple of 64.
 Word bit permutation (`permute_fp4_words`, the triton backend's fp4 conversion "words", on the GPU):
 the k64-interleaved bytes with the 32 bits of every aligned 4-byte word permuted so that the one-shift
 PTX conversion gives the bf16 values the per-byte one gives on the plain word.
-Row tiles (`tile_fp4_rows`; the triton backend's option triton_fp4_layout=tiles, not the default):
+Row tiles (`tile_fp4_rows`; the triton backend's option triton_fp4_layout=tiles, its default):
 for every expert, group of 8 rows and 64-element K step, the 8 x 32 bytes contiguous, so one warp load
 of the Gluon decode kernel (8 rows x 32 bytes) covers two whole 128-byte lines.
+nvfp4 scale normalization (`normalize_nvfp4_scales`, every nvfp4 load of the triton backend): block
+scales >= +0 and the weights of zero scales +0, the same values (the Gluon kernels' scale conversion
+needs it).
 
 fp8_block with dimensions that are not multiples of 128 (e.g. GPT-OSS H = 2880): the last block
 row/column is partial; quantization here pads it (`quantize_fp8_block`), with the same scale

@@ -180,13 +180,13 @@ def tile_fp4_rows(kpacked: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     return out
 
 
-def normalize_nvfp4_scales(kpacked: torch.Tensor, scales: torch.Tensor) -> None:
+def normalize_nvfp4_scales(kpacked: torch.Tensor, scales: torch.Tensor, name: str = "w13", first_expert: int = 0) -> None:
     """In place, the same weights value for value: nvfp4 weights k64-interleaved [E, R, K/2] uint8 and
     their e4m3 block scales [E, R, K/16], so that every scale is >= +0 and the weights of a zero scale
     (+0 or -0) are +0: a negative scale's 16 values change sign (s * v = -s * -v), a zero scale's become
     +0 (0 * v = 0 * 0). The Gluon kernels' scale conversion (`gluon_w4a16._SCALE_PAIR_NV_ASM`) needs it.
-    NaN scales (e4m3 0x7F / 0xFF) are refused. Touches the weights only where a scale is zero or
-    negative."""
+    NaN scales (e4m3 0x7F / 0xFF) are refused, naming the tensor (`name`), the expert (global index: local
+    + `first_expert`), the row and the K range. Touches the weights only where a scale is zero or negative."""
     E, R, KB = kpacked.shape
     sb = scales.view(torch.uint8)
     if tuple(sb.shape) != (E, R, KB // 8) or KB % 32:
@@ -194,8 +194,8 @@ def normalize_nvfp4_scales(kpacked: torch.Tensor, scales: torch.Tensor) -> None:
     nan = (sb & 0x7F) == 0x7F
     if bool(nan.any()):
         e, r, g = (int(i) for i in nan.nonzero()[0])
-        raise ValueError(f"nvfp4 block scale of expert {e} row {r} group {g} is NaN (e4m3 0x{int(sb[e, r, g]):02x}); "
-                         f"the checkpoint's scales are corrupt")
+        raise ValueError(f"nvfp4 {name} block scale of expert {first_expert + e}, row {r}, K {16 * g}..{16 * g + 15} is "
+                         f"NaN (e4m3 0x{int(sb[e, r, g]):02x}): the checkpoint's scales are corrupt; re-export it")
     zero = (sb & 0x7F) == 0
     neg = ((sb & 0x80) != 0) & ~zero
     if not bool(zero.any() or neg.any()):

@@ -634,8 +634,8 @@ class TritonExperts(Experts):
                 "triton_fp4_convert=legacy"
             )
         if self.mode == "nvfp4_w4a16":  # scales >= +0, zero-scale weights +0 (the Gluon kernels' scale conversion)
-            kf.normalize_nvfp4_scales(new["w13"], new["w13_scale"])
-            kf.normalize_nvfp4_scales(new["w2"], new["w2_scale"])
+            kf.normalize_nvfp4_scales(new["w13"], new["w13_scale"], "w13", weights.first_expert)
+            kf.normalize_nvfp4_scales(new["w2"], new["w2_scale"], "w2", weights.first_expert)
         words = self._kernel_convert_with(scales_ok) == 3  # the layout these bytes get (plain or words)
         if self._params and words != self._fp4_words:
             # captured CUDA graphs read the loaded layout: refuse rather than compute garbage

@@ -229,8 +229,8 @@ def test_normalize_nvfp4_scales_keeps_every_weight_value():
     for nan in (0x7F, 0xFF):
         bad = sbytes.clone()
         bad[1, 2, 7] = nan
-        with pytest.raises(ValueError, match="expert 1 row 2 group 7 is NaN"):
-            kf.normalize_nvfp4_scales(kf.interleave_fp4_k64(packed), bad.view(torch.float8_e4m3fn))
+        with pytest.raises(ValueError, match=r"nvfp4 w2 block scale of expert 9, row 2, K 112..127 is NaN .*re-export"):
+            kf.normalize_nvfp4_scales(kf.interleave_fp4_k64(packed), bad.view(torch.float8_e4m3fn), "w2", 8)
 
 
 def test_gluon_scale_pair_bit_trick_gives_the_scale_times_a_power_of_two():

@@ -396,3 +396,30 @@ def test_decode_split_runs_on_the_gluon_decode_kernel_only(force_available, monk
     ex.w4a16_decode = "triton"
     with pytest.raises(ValueError, match="decode_split.*Gluon W4A16 decode kernel only|Gluon W4A16 decode kernel only.*decode_split"):
         ex._tile_plan(cfg, 8)
+
+
+def test_nvfp4_load_normalizes_scales_and_refuses_nan(force_available):
+    """nvfp4 loads (kernel layout on CPU; the kernels are not run here): negative and zero block scales
+    come out >= +0 (`normalize_nvfp4_scales`; value for value: test_fp4_convert_interpret), the caller's
+    tensors untouched; a NaN scale is refused naming the tensor, the global expert index and the K
+    range, and a backend already loaded keeps its weights."""
+    spec = _spec("nvfp4_w4a16")
+    w = T.random_expert_weights(spec.config, spec.num_local_experts, first_expert=spec.first_local_expert)
+    q = kf.quantize_expert_weights(w, "nvfp4_w4a16")
+    s = q.w2_scale.view(torch.uint8)
+    s[0, 0, 0] |= 0x80
+    s[0, 1, 1] = 0x00
+    s[1, 2, 3] = 0x80
+    before = q.w2_scale.clone()
+    ex = TritonExperts(spec)
+    ex.load_weights(q)
+    assert torch.equal(q.w2_scale.view(torch.uint8), before.view(torch.uint8))
+    got = ex.parameters()["w2_scale"].view(torch.uint8)
+    assert not bool((got & 0x80).any())
+    bad = T.ExpertWeights(**{**q.__dict__, "w1_scale": q.w1_scale.clone()})
+    bad.w1_scale.view(torch.uint8)[1, 5, 2] = 0x7F
+    kept = ex.parameters()["w13"].clone()
+    first = spec.first_local_expert
+    with pytest.raises(ValueError, match=rf"nvfp4 w13 block scale of expert {first + 1}, row 5, K 32..47 is NaN"):
+        ex.load_weights(bad)
+    assert torch.equal(ex.parameters()["w13"], kept)

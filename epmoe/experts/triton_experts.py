@@ -912,7 +912,8 @@ class TritonExperts(Experts):
             from epmoe.experts.gluon_w4a16 import permute_k
 
             x = permute_k(x)
-        # the two kernels' arguments: these, the decode kernel's block_rows between them, these
+        # the two kernels' arguments start with these (then the wgmma kernel's `tail`; the decode kernel's
+        # block_rows and `swap_tail`)
         head = (x, w, ws, wg, b, out, w_flat if w_flat is not None else out, blocks.sorted_ids, blocks.block_expert)
         tail = (
             num_entries, blocks.max_blocks, n_out, k,
@@ -933,9 +934,12 @@ class TritonExperts(Experts):
         while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
-        self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), head + (blocks.block_rows,) + tail,
-                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=cfg.split_m,
-                          num_warps=warps, **extra))
+        # the decode kernel takes the shape as constexprs (by keyword: launches are keyed on them by value)
+        swap_tail = (num_entries, blocks.max_blocks, x.stride(0), w.stride(0), ws.stride(0), wg.stride(0), b.stride(0),
+                     out.stride(0), alpha, beta, limit)  # fmt: skip
+        self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), head + (blocks.block_rows,) + swap_tail,
+                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=cfg.split_m, N_OUT=n_out, K=k,
+                          stride_wn=w.stride(1), stride_wsn=ws.stride(1), num_warps=warps, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);

@@ -73,8 +73,10 @@ def test_decode_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
         assert args["block_rows_ptr"].dtype == torch.int32 and args["block_rows_ptr"].shape == (max_blocks,)
         assert args["block_expert_ptr"].shape == (max_blocks,)
         assert args["sorted_ids_ptr"].shape == (max_blocks * tiles.block_m,)
-        n_out, k = (256, 512) if kw["GEMM1"] else (512, 256)
-        assert (args["N_OUT"], args["K"]) == (n_out, k)
+        n_out, k = (256, 512) if kw["GEMM1"] else (512, 256)  # the shape as constexprs, by keyword
+        group = 16 if mode == "nvfp4_w4a16" else 32
+        assert (kw["N_OUT"], kw["K"], kw["stride_wn"], kw["stride_wsn"]) == (n_out, k, k // 2, k // group), kw
+        assert args["stride_xm"] == args["x_ptr"].stride(0) == k
         assert args["stride_om"] == args["out_ptr"].stride(0)
 
 

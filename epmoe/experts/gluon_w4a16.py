@@ -222,6 +222,12 @@ def _dequant3(p3, f_lo, f_hi, WORDS: gl.constexpr = False):
     return lo * f_lo, hi * f_hi
 
 
+@gluon.constexpr_function
+def _fp4_step_bytes(tiled):
+    """Bytes from one K step of an fp4 weight row to the next: 32, or 256 in row tiles (`_fp4_row_offsets`)."""
+    return 256 if tiled else 32
+
+
 @gluon.jit
 def _fp4_row_offsets(rows, stride_wn, TILED: gl.constexpr):
     """Byte offsets (int64) of K step 0 of fp4 weight rows within their expert: rows * K/2, or in row
@@ -368,7 +374,7 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
     tw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W3)))
     qw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, W3)))
     w_base = w_ptr + e64 * stride_we
-    WSTEP: gl.constexpr = 256 if TILED else 32  # row tiles: the 8 rows of a warp load and one K step contiguous
+    WSTEP: gl.constexpr = _fp4_step_bytes(TILED)  # row tiles: the 8 rows of a warp load and one K step contiguous
     g_ptrs = w_base + _fp4_row_offsets(rows, stride_wn, TILED)[:, None, None] + (tw * 8)[None, :, None] + qw[None, None, :]
     u_ptrs = g_ptrs + N_OUT * stride_wn  # (N_OUT % 8 == 0: whole tiles)
     rs = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
@@ -508,8 +514,7 @@ def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, TILED: gl.constexpr 
     async_copy.async_copy_global_to_shared(x_lo.index(s), x_ptrs + kk * 64, mask=ok[None, :])
     async_copy.async_copy_global_to_shared(x_hi.index(s), x_ptrs + (kk * 64 + 32), mask=ok[None, :])
     okw = (wcols * 0 + kk) < num_k
-    WSTEP: gl.constexpr = 256 if TILED else 32
-    async_copy.async_copy_global_to_shared(w_s.index(s), w_ptrs + kk * WSTEP, mask=okw[None, :])
+    async_copy.async_copy_global_to_shared(w_s.index(s), w_ptrs + kk * _fp4_step_bytes(TILED), mask=okw[None, :])
     async_copy.commit_group()
 
 

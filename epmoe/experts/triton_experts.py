@@ -912,20 +912,19 @@ class TritonExperts(Experts):
             from epmoe.experts.gluon_w4a16 import permute_k
 
             x = permute_k(x)
-        # the two kernels' arguments start with these (then the wgmma kernel's `tail`; the decode kernel's
-        # block_rows and `swap_tail`)
+        # the two kernels' arguments start with these
         head = (x, w, ws, wg, b, out, w_flat if w_flat is not None else out, blocks.sorted_ids, blocks.block_expert)
-        tail = (
-            num_entries, blocks.max_blocks, n_out, k,
-            x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), wg.stride(0), b.stride(0),
-            out.stride(0), alpha, beta, limit,
-        )  # fmt: skip
         consts = dict(GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
                       HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m,
                       WORDS=conv == 3, TILED=self.fp4_tiles)
         if cfg.wgmma:  # prefill tiles (uses_gluon_w4a16 checked block_m and the shapes)
             g = cfg.gemm1 if gemm1 else cfg.gemm2
             BN = self._wgmma_block_n(gemm1, cfg)
+            tail = (
+                num_entries, blocks.max_blocks, n_out, k,
+                x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), wg.stride(0), b.stride(0),
+                out.stride(0), alpha, beta, limit,
+            )  # fmt: skip
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), head + tail,
                          dict(consts, BLOCK_N=BN, STAGES=g.num_stages, PENDING=cfg.wgmma_pending,
                               num_warps=g.num_warps))

@@ -18,8 +18,9 @@ the kernels read 64-element K blocks where byte j (0 <= j < 32) of block b holds
 its low nibble and 64b + 32 + j in its high nibble, so a K tile splits into two contiguous halves
 with no register shuffles. K must be a multiple of 64.
 Word bit permutation (`permute_fp4_words`, the triton backend's fp4 conversion "words", on the GPU):
-the k64-interleaved bytes with the 32 bits of every aligned 4-byte word permuted so that the one-shift
-PTX conversion gives the bf16 values the per-byte one gives on the plain word.
+the k64-interleaved bytes with the 32 bits of every aligned 4-byte word permuted so that the PTX
+conversion of that mode (8 instructions per word) gives the bf16 values the per-byte one gives on the
+plain word.
 Row tiles (`tile_fp4_rows`; the triton backend's option triton_fp4_layout=tiles, its default):
 for every expert, group of 8 rows and 64-element K step, the 8 x 32 bytes contiguous, so one warp load
 of the Gluon decode kernel (8 rows x 32 bytes) covers two whole 128-byte lines.
@@ -120,17 +121,18 @@ def deinterleave_fp4_k64(kpacked: torch.Tensor) -> torch.Tensor:
 # Bit positions of the words of convert mode "words" (`triton_kernels._E2M1_BF16_WORDS_ASM`): output word
 # j of the conversion holds, in its low / high bf16, the nibble of FP4_WORD_NIBBLES[j] (0-3: low nibble
 # of byte 0-3, 4-7: high nibble), whose bits 0..3 land on bf16 bits 6, 7, 8, 15 (+ 16 for the high bf16).
-# FP4_WORD_SOURCE[j][i] is where the permuted word stores nibble bit i of output j's low bf16 (+ 16:
-# high bf16): outputs 0-2 are one left shift by 3j, output 3 gathers bits 10, 11, 13, 14.
+# FP4_WORD_SOURCE[j][i] is where the permuted word stores nibble bit i of output j's low bf16 (+ 16 mod 32:
+# high bf16): output 0 in place, outputs 1 and 2 one rotation (right by 22, 19), output 3 the bits
+# 0, 1, 3, 4 (+ 16) that one multiply by 2^2 + 2^7 + 2^12 spreads (no two copies overlap: no carries).
 FP4_WORD_NIBBLES = ((0, 1), (2, 3), (4, 5), (6, 7))
-FP4_WORD_SOURCE = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
+FP4_WORD_SOURCE = ((6, 7, 8, 15), (28, 29, 30, 5), (25, 26, 27, 2), (4, 0, 1, 3))
 
 
 def _fp4_word_moves():
     """[(bit of the plain word, bit of the permuted word)] of `permute_fp4_words`, 32 pairs: nibble bit i
     of byte j's low / high nibble is plain bit 8j + i / 8j + 4 + i."""
     return [
-        (8 * (nib % 4) + 4 * (nib // 4) + i, src + 16 * half)
+        (8 * (nib % 4) + 4 * (nib // 4) + i, (src + 16 * half) % 32)
         for (nibs, srcs) in zip(FP4_WORD_NIBBLES, FP4_WORD_SOURCE)
         for half, nib in enumerate(nibs)
         for i, src in enumerate(srcs)

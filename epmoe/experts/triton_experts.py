@@ -208,8 +208,8 @@ GROUPED_MM_CHOICES = ("auto", "on", "off")
 # `_fp4_dequant`). Same weights bit for bit. Spec option `triton_fp4_convert` overrides; asm and
 # packed need a bf16 model (and, for mxfp4, scale exponents <= 128, checked at load); asm runs as
 # packed under the Triton interpreter (which cannot run PTX). "words": asm on weights whose 4-byte
-# words are bit-permuted at load (`kernel_formats.permute_fp4_words`, `_E2M1_BF16_WORDS_ASM`: one
-# shift and mask for 3 of every 4 bf16 pairs); the same bf16 bits, the weights' bytes differ; under
+# words are bit-permuted at load (`kernel_formats.permute_fp4_words`, `_E2M1_BF16_WORDS_ASM`: 8 sm90
+# instructions per 4 bytes); the same bf16 bits, the weights' bytes differ; under
 # the interpreter (or where packed is not possible) it loads plain bytes and runs as packed / legacy.
 # Default "auto": words for every mode and shape (H200, 2026-12-02, same runs as asm, decode T = 128 /
 # prefill T = 4096: DeepSeek-V3 shape nvfp4 1.46 vs 1.55 ms / 9.16 vs 9.29, mxfp4 1.40 vs 1.47 ms with

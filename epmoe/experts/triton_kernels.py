@@ -108,11 +108,14 @@ def _e2m1_bf16_asm() -> str:
 _E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm())
 
 # The same 4 output words from a 4-byte word whose 32 bits were permuted at load time
-# (`kernel_formats.permute_fp4_words`, convert mode "words"): the bits of output $j (j = 0, 1, 2) are
-# stored 3j places below where the bf16 pair wants them (mask FP4_WORD_PAIR = 0x81C081C0: sign at 15,
-# exponent|mantissa at 8..6, and the same + 16), so each is one shift and one mask; the 8 bits left
-# (10, 11, 13, 14 and + 16) hold $3, which takes three shifts: 13 PTX instructions per 8 values
-# instead of 20. Every output is the `_E2M1_BF16_ASM` output of the original word, so a kernel's result does not
+# (`kernel_formats.permute_fp4_words`, convert mode "words"), 8 instructions per 8 values: output $0's bits
+# are stored where the bf16 pair wants them (mask FP4_WORD_PAIR = 0x81C081C0: sign at 15, exponent|
+# mantissa at 8..6, and the same + 16): one mask; $1 and $2's 22 and 19 places above (mod 32): one
+# rotation (funnel shift) and one mask each; $3's at bits 0, 1, 3, 4 (+ 16), which one multiply by
+# 2^2 + 2^7 + 2^12 copies to 2, 7 and 12 places higher (the three copies of those 8 bits never share a
+# position: no carries) for the mask to keep the right one of each: mask, multiply, mask. (The previous
+# layout needed 11 sm90 instructions per word: no four shifts of the pair mask tile the 32 bits.)
+# Every output is the `_E2M1_BF16_ASM` output of the original word, so a kernel's result does not
 # change, but the 4 bytes packed into one call must be one aligned word of the weights (each call
 # reads bits of all four bytes).
 FP4_WORD_PAIR = 0x81C081C0
@@ -121,13 +124,11 @@ FP4_WORD_PAIR = 0x81C081C0
 def _e2m1_bf16_words_asm() -> str:
     """The PTX of `_E2M1_BF16_WORDS_ASM` (input: a word permuted by `kernel_formats.permute_fp4_words`)."""
     return "\n".join([
-        "{", ".reg .b32 t, u;",
+        "{", ".reg .b32 t;",
         f"and.b32 $0, $4, {FP4_WORD_PAIR:#x};",
-        "shl.b32 t, $4, 3;", f"and.b32 $1, t, {FP4_WORD_PAIR:#x};",
-        "shl.b32 t, $4, 6;", f"and.b32 $2, t, {FP4_WORD_PAIR:#x};",
-        "shr.b32 t, $4, 4;", "and.b32 t, t, 0x00C000C0;",  # bits 10, 11 -> 6, 7
-        "shr.b32 u, $4, 5;", "and.b32 u, u, 0x01000100;", "or.b32 t, t, u;",  # bit 13 -> 8
-        "shl.b32 u, $4, 1;", "and.b32 u, u, 0x80008000;", "or.b32 $3, t, u;",  # bit 14 -> 15
+        "shf.r.wrap.b32 t, $4, $4, 22;", f"and.b32 $1, t, {FP4_WORD_PAIR:#x};",
+        "shf.r.wrap.b32 t, $4, $4, 19;", f"and.b32 $2, t, {FP4_WORD_PAIR:#x};",
+        "and.b32 t, $4, 0x001B001B;", "mul.lo.u32 t, t, 0x1084;", f"and.b32 $3, t, {FP4_WORD_PAIR:#x};",
         "}",
     ])  # fmt: skip
 

@@ -46,8 +46,8 @@ def test_fp4_row_tiles_give_the_same_output_on_the_triton_kernels(results, case)
 
 
 def _run_ptx(asm: str, word: int) -> dict:
-    """A model of the few PTX b32 instructions `_E2M1_BF16_ASM` uses (prmt default mode, shr, shl,
-    and, or), run on one input word. Checks the text of the asm (operands, constants, selectors);
+    """A model of the few PTX b32 instructions the conversions use (prmt default mode, shr, shl,
+    and, or, shf.r.wrap, mul.lo.u32), run on one input word. Checks the text of the asm (operands, constants, selectors);
     whether the GPU executes it so is checked on the device
     (tests/gpu/test_hopper_experts.py::test_fp4_packed_conversion_equals_legacy)."""
     import re
@@ -77,6 +77,11 @@ def _run_ptx(asm: str, word: int) -> dict:
             regs[d] = v[0] & v[1]
         elif op == "or.b32":
             regs[d] = v[0] | v[1]
+        elif op == "shf.r.wrap.b32":  # funnel shift right of (v[1]:v[0]) by v[2] mod 32: a rotation when v[0] == v[1]
+            n = v[2] & 31
+            regs[d] = ((((v[1] & M) << 32) | (v[0] & M)) >> n) & M
+        elif op == "mul.lo.u32":
+            regs[d] = (v[0] * v[1]) & M
         else:
             raise AssertionError(f"model has no {op}")
     return regs
@@ -108,7 +113,7 @@ def test_asm_conversion_text_builds_the_packed_bits():
 
 
 def test_words_conversion_text_builds_the_same_words_from_permuted_bits():
-    """Convert mode "words": the one-shift PTX (`_E2M1_BF16_WORDS_ASM`) on a word permuted by
+    """Convert mode "words": its PTX (`_E2M1_BF16_WORDS_ASM`: masks, rotations, one multiply) on a word permuted by
     `kernel_formats.permute_fp4_words` gives the 4 output words `_E2M1_BF16_ASM` gives on the original
     word (PTX model, see `_run_ptx`; on the device: tests/gpu/test_hopper_experts.py), for every byte
     value in every lane and random words; the permutation is a bijection of the 32 bits and

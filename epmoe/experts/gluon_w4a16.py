@@ -29,12 +29,12 @@ Scales: logical K 8t + 2c + b of the low half is in nvfp4 group 4kk + t // 2 (+ 
 mxfp4 group 2kk (high half 2kk + 1), so each thread needs one scale per row and half: it takes both
 from the row's scale word of the K step (nvfp4 4 bytes, mxfp4 2; the decode kernel loads two steps'
 words at once), which every lane of the row loads, and turns the pair into two bf16 factors with 2^126
-folded in by a few PTX instructions (`_SCALE_PAIR_ASM`): one byte permute puts the two scale bytes in
-the two 16-bit halves of a word, then mxfp4 one integer multiply-add (bf16 bits (e + 126) << 7 =
-2^(e-1)), nvfp4 the hardware e4m3 -> f16 conversion of the pair, a shift and an or (s * 2^112: the
-2^14 left goes on the global scale). The nvfp4 bit trick needs scales >= +0 with the weights of zero
-scales zero; `kernel_formats.normalize_nvfp4_scales` makes them so at load (exactly: a negative
-scale's weights change sign).
+folded in by two PTX instructions (`_SCALE_PAIR_*_ASM`): one byte permute puts the two scale bytes in
+the two 16-bit halves of a word, then one integer multiply-add: mxfp4 bf16 bits (e + 126) << 7 =
+2^(e-1), nvfp4 code * 16 + (229 << 7) = s * 2^112 (the 2^14 left goes on the global scale). nvfp4
+scales are stored as codes for it (`kernel_formats.encode_nvfp4_scales`: every scale a normal number
+whose exponent and mantissa are the code's bits), after `kernel_formats.normalize_nvfp4_scales` made
+them >= +0 with the weights of zero scales zero (exactly: a negative scale's weights change sign).
 The e2m1 -> bf16 bits are `triton_kernels._E2M1_BF16_ASM` (value * 2^-126), or with WORDS (convert
 mode "words": weights bit-permuted per 4-byte word at load) `_E2M1_BF16_WORDS_ASM`, the same bits;
 times the bf16 scale factors above, as the packed conversion (power-of-two factors: the same products,
@@ -50,23 +50,18 @@ from epmoe.experts.triton_kernels import _E2M1_BF16_ASM, _E2M1_BF16_WORDS_ASM
 
 # The bf16 factors of a K step's two scales of a thread's row (low half, high half), with 2^126 folded in:
 # $2 the step's scale word, $3 a byte-permute selector whose low two nibbles pick the two scale bytes
-# (upper two: 4, the zero byte of the second prmt operand). nvfp4: `cvt.rn.f16x2.e4m3x2` is exact (e4m3's
-# subnormals are f16 normals; 3 mantissa bits: the f16 bits' low 7 are zero), and an f16 with exponent
-# field e, mantissa m, shifted right by 3 and or'd with 0x7000 is the bf16 with exponent field e + 224
-# (e <= 31) and mantissa m: s * 2^(224 - 127 + 15) = s * 2^112. Exact for scales > 0; +0 gives 2^97
-# (finite: weights of zero scales must be zero), a sign bit would spill into the exponent: hence
-# `kernel_formats.normalize_nvfp4_scales` at load. The high half's shifted bits leave 0 in the low half's
-# top bits (its f16 mantissa ends in 7 zeros). mxfp4: e8m0 byte e -> (e + 126) << 7 = e * 128 + 0x3F00 per
-# half (e <= 128, checked at load: no carry between halves).
+# (upper two: 4, the zero byte of the second prmt operand), then one multiply-add per pair. nvfp4: the
+# scales are codes (`kernel_formats.encode_nvfp4_scales`, at load): a scale 2^E * (1 + m/8) > 0 is the
+# byte ((E + 10) << 3) | m, so code * 16 + (229 << 7) is the bf16 with exponent field E + 239 and
+# mantissa m: s * 2^112 (E <= 8: <= 247, finite), e4m3's subnormal scales included; code 0 (a +0 scale)
+# gives 2^102 (finite: the weights of zero scales are +0, `kernel_formats.normalize_nvfp4_scales`).
+# mxfp4: e8m0 byte e -> (e + 126) << 7 = e * 128 + 0x3F00 per half (e <= 128, checked at load). Neither
+# carries between the halves (nvfp4 codes <= 151).
 _SCALE_PAIR_NV_ASM = gl.constexpr("""{
-.reg .b32 p, h;
-.reg .b16 q, u;
+.reg .b32 p;
 prmt.b32 p, $2, 0, $3;
-mov.b32 {q, u}, p;
-cvt.rn.f16x2.e4m3x2 h, q;
-shr.b32 h, h, 3;
-or.b32 h, h, 0x70007000;
-mov.b32 {$0, $1}, h;
+mad.lo.u32 p, p, 16, 0x72807280;
+mov.b32 {$0, $1}, p;
 }""")
 _SCALE_PAIR_MX_ASM = gl.constexpr("""{
 .reg .b32 p;
@@ -162,10 +157,11 @@ def _step_scales(w, sel, W_FMT: gl.constexpr):
 
 @gluon.jit
 def _scale_selectors(ts, W_FMT: gl.constexpr):
-    """Byte selectors of `_step_scales` for lanes t = ts: nvfp4 bytes t // 2 and 2 + t // 2 of the step's
-    4, mxfp4 bytes 0 and 1 of its 2."""
+    """Byte selectors of `_step_scales` for lanes t = ts: the low / high half's scale byte (nvfp4 bytes
+    t // 2 and 2 + t // 2 of the step's 4, mxfp4 bytes 0 and 1 of its 2) into bytes 0 and 2 of the
+    permuted word, zeros (byte 4) into bytes 1 and 3: one scale per 16-bit half."""
     if W_FMT == 2:
-        return (ts // 2) | ((ts // 2 + 2) << 4) | 0x4400
+        return (ts // 2) | ((ts // 2 + 2) << 8) | 0x4040
     else:
         return ts * 0 + 0x4140
 

@@ -35,6 +35,7 @@ formula as `epmoe.quant.fp8_block` (scale = max(amax, 1e-10) / 448).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Optional
 
@@ -212,6 +213,49 @@ def normalize_nvfp4_scales(kpacked: torch.Tensor, scales: torch.Tensor, name: st
         if bool(ng.any()):
             wv ^= torch.where(ng, sign, 0).to(torch.uint8)[..., None]
     sb &= 0x7F
+
+
+# nvfp4 scale codes (`encode_nvfp4_scales`): a normalized e4m3 block scale s > 0 is 2^E * (1 + m/8) with
+# E in -9..8 (e4m3's subnormals m * 2^-9 included, as normals) and m in 0..7; its code is
+# ((E + NV_SCALE_CODE_BIAS) << 3) | m (8..151), and +0 is code 0. Every code > 0 is then a normal float
+# whose bits are the code shifted into the exponent's low bits: fp32 (code << 20) + ((127 - 10) << 23)
+# (`triton_kernels._nv_scale_f32`), a bf16 pair s * 2^112 one multiply-add (`gluon_w4a16._SCALE_PAIR_NV_ASM`).
+NV_SCALE_CODE_BIAS = 10
+
+
+def _nv_scale_code_table() -> torch.Tensor:
+    """[128] uint8: the code of each e4m3 byte without its sign (0x7F, NaN: 0, refused before use)."""
+    vals = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).double().tolist()
+    codes = []
+    for v in vals:
+        if not v or v != v:
+            codes.append(0)
+            continue
+        E = int(math.floor(math.log2(v)))
+        m = (v / 2.0**E - 1) * 8
+        assert m == int(m) and -9 <= E <= 8, (v, E, m)
+        codes.append(((E + NV_SCALE_CODE_BIAS) << 3) | int(m))
+    return torch.tensor(codes, dtype=torch.uint8)
+
+
+def encode_nvfp4_scales(scales: torch.Tensor) -> torch.Tensor:
+    """In place: e4m3 block scales >= +0 (`normalize_nvfp4_scales`) -> their codes (above), the same
+    storage viewed as uint8. The value of each scale is unchanged: `decode_nvfp4_scales` gives it back."""
+    sb = scales.view(torch.uint8)
+    table = _nv_scale_code_table().to(sb.device)
+    sub = sb < 8  # +0 and e4m3's subnormals (rare): looked up; normals: the byte + 24 ((e - 7 + 10) << 3 | m)
+    small = sb[sub]
+    sb += 24
+    if small.numel():
+        sb[sub] = table[small.long()]
+    return sb
+
+
+def decode_nvfp4_scales(codes: torch.Tensor) -> torch.Tensor:
+    """nvfp4 scale codes (`encode_nvfp4_scales`) -> float32 values."""
+    c = codes.view(torch.uint8).to(torch.int32)
+    v = ((c << 20) + ((127 - NV_SCALE_CODE_BIAS) << 23)).view(torch.float32)
+    return torch.where(c == 0, torch.zeros_like(v), v)
 
 
 def untile_fp4_rows(tiled: torch.Tensor) -> torch.Tensor:

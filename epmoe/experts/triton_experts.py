@@ -633,9 +633,11 @@ class TritonExperts(Experts):
                 "fp4 conversion this backend was loaded with cannot represent; construct it with "
                 "triton_fp4_convert=legacy"
             )
-        if self.mode == "nvfp4_w4a16":  # scales >= +0, zero-scale weights +0 (the Gluon kernels' scale conversion)
-            kf.normalize_nvfp4_scales(new["w13"], new["w13_scale"], "w13", weights.first_expert)
-            kf.normalize_nvfp4_scales(new["w2"], new["w2_scale"], "w2", weights.first_expert)
+        if self.mode == "nvfp4_w4a16":  # scales >= +0, zero-scale weights +0, then the scales as codes (uint8):
+            # every kernel's scale conversion reads the codes (`kernel_formats.encode_nvfp4_scales`)
+            for name in ("w13", "w2"):
+                kf.normalize_nvfp4_scales(new[name], new[name + "_scale"], name, weights.first_expert)
+                new[name + "_scale"] = kf.encode_nvfp4_scales(new[name + "_scale"])
         words = self._kernel_convert_with(scales_ok) == 3  # the layout these bytes get (plain or words)
         if self._params and words != self._fp4_words:
             # captured CUDA graphs read the loaded layout: refuse rather than compute garbage

@@ -38,8 +38,15 @@ TWO_119 = tl.constexpr(2.0**119)
 
 
 @triton.jit
+def _nv_scale_f32(code):
+    """nvfp4 scale code (uint8, `kernel_formats.encode_nvfp4_scales`) -> its fp32 value: the code shifted
+    into the exponent's low bits (code 0, a +0 scale, gives 2^-10: its weights are +0 after load)."""
+    return ((code.to(tl.int32) << 20) + (117 << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp4_scales(s_ptrs, kk, W_FMT: tl.constexpr):
-    """The scales of one k64 block for each column: nvfp4 4 e4m3 (groups 4kk .. 4kk+3), mxfp4 2 e8m0
+    """The scales of one k64 block for each column: nvfp4 4 scale codes (groups 4kk .. 4kk+3), mxfp4 2 e8m0
     (2kk, 2kk+1), loaded as one [BN, 4] / [BN, 2] tile (a 4- / 2-byte vector per column, which the
     pipeliner can stage like the weights) instead of one byte load per group."""
     if W_FMT == 2:
@@ -60,7 +67,7 @@ def _fp4_dequant(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT
 
     p:      [HALF, BN] uint8, k64-interleaved: byte j holds K elements 64kk + j (low nibble) and
             64kk + HALF + j (high nibble)
-    s0..s3: [BN] the block's scales per column (`_fp4_scales`: nvfp4 e4m3 groups 0..3 of the block,
+    s0..s3: [BN] the block's scales per column (`_fp4_scales`: nvfp4 scale codes of groups 0..3 of the block,
             mxfp4 e8m0 groups 0, 1 of the block in s0, s1)
     e2m1 -> fp16 bits by shifts alone (sign -> bit 15, exponent|mantissa -> bits 11..9) is exactly
     value * 2^-14, subnormal 0.5 included; the 2^14 is folded into the scale. ~8 ops per value."""
@@ -70,10 +77,10 @@ def _fp4_dequant(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constexpr, OUT
     if W_FMT == 2:
         # nvfp4: groups 4kk .. 4kk+3 cover the block; each half holds two of them.
         first = (tl.arange(0, HALF) < 16)[:, None]
-        s0 = s0.to(tl.float32) * 16384.0
-        s1 = s1.to(tl.float32) * 16384.0
-        s2 = s2.to(tl.float32) * 16384.0
-        s3 = s3.to(tl.float32) * 16384.0
+        s0 = _nv_scale_f32(s0) * 16384.0
+        s1 = _nv_scale_f32(s1) * 16384.0
+        s2 = _nv_scale_f32(s2) * 16384.0
+        s3 = _nv_scale_f32(s3) * 16384.0
         w_lo = lo * tl.where(first, s0[None, :], s1[None, :])
         w_hi = hi * tl.where(first, s2[None, :], s3[None, :])
     else:
@@ -169,10 +176,10 @@ def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constex
         hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     if W_FMT == 2:
         first = (tl.arange(0, HALF) < 16)[:, None]
-        w_lo = lo * tl.where(first, (s0.to(tl.float32) * TWO_119).to(tl.bfloat16)[None, :],
-                             (s1.to(tl.float32) * TWO_119).to(tl.bfloat16)[None, :])
-        w_hi = hi * tl.where(first, (s2.to(tl.float32) * TWO_119).to(tl.bfloat16)[None, :],
-                             (s3.to(tl.float32) * TWO_119).to(tl.bfloat16)[None, :])
+        w_lo = lo * tl.where(first, (_nv_scale_f32(s0) * TWO_119).to(tl.bfloat16)[None, :],
+                             (_nv_scale_f32(s1) * TWO_119).to(tl.bfloat16)[None, :])
+        w_hi = hi * tl.where(first, (_nv_scale_f32(s2) * TWO_119).to(tl.bfloat16)[None, :],
+                             (_nv_scale_f32(s3) * TWO_119).to(tl.bfloat16)[None, :])
     else:
         w_lo = lo * ((s0.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)[None, :]
         w_hi = hi * ((s1.to(tl.uint16) + 126) << 7).to(tl.bfloat16, bitcast=True)[None, :]

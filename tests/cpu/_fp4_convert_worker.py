@@ -13,6 +13,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from tests.cpu.interpret import report_cases  # noqa: E402
+from epmoe.experts import kernel_formats as kf  # noqa: E402
 from epmoe.experts import triton_kernels as K  # noqa: E402
 from tests.triton_interpret import match_gpu_rounding  # noqa: E402
 
@@ -47,9 +48,11 @@ def convert_case(fmt: str, seed: int) -> dict:
     for rep in range(4):
         p = torch.randperm(256, generator=g).repeat(8)[: 32 * BN].reshape(32, BN).to(torch.uint8).contiguous()
         if fmt == "nvfp4":
-            # every finite e4m3 value appears as a scale (incl. subnormals 2^-9.., max 448)
-            allv = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F is NaN
-            s = allv[torch.randint(0, allv.numel(), (BN, 4), generator=g)].view(torch.float8_e4m3fn).contiguous()
+            # every finite e4m3 value > 0 appears as a scale (incl. subnormals 2^-9.., max 448); +0 scales
+            # come with +0 weights after a load (`normalize_nvfp4_scales`), as the load tests check
+            allv = torch.arange(1, 0x7F, dtype=torch.uint8)  # 0x7F is NaN
+            s8 = allv[torch.randint(0, allv.numel(), (BN, 4), generator=g)].view(torch.float8_e4m3fn).contiguous()
+            s = kf.encode_nvfp4_scales(s8.clone())  # the kernels read scale codes (what a load stores)
         else:
             # e8m0 exponents 0..128 (the packed range)
             s = torch.randint(0, 129, (BN, 2), generator=g, dtype=torch.int32).to(torch.uint8).contiguous()
@@ -63,6 +66,13 @@ def convert_case(fmt: str, seed: int) -> dict:
         bad = int((packed.view(torch.int16) != want.view(torch.int16)).sum())
         if fmt == "nvfp4":  # and the exact relation the other way round
             bad += int(((packed.float() * 128).to(torch.bfloat16).view(torch.int16) != legacy.view(torch.int16)).sum())
+        if fmt == "nvfp4":  # absolute: legacy is bf16(value * e4m3 scale) exactly (<= 6 significant bits)
+            vals = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+            pl = p.long()
+            v = torch.cat([vals[pl & 15], vals[pl >> 4]])  # [64, BN]: rows 0..31 low nibbles, 32..63 high
+            grp = torch.cat([torch.arange(32) // 16, 2 + torch.arange(32) // 16])  # k64 block rows -> group
+            sc = s8.double()[:, grp].T  # [64, BN]
+            bad += int(((v * sc).to(torch.bfloat16).view(torch.int16) != legacy.view(torch.int16)).sum())
         res[f"mismatch_{rep}"] = bad
         res["nonzero"] = res.get("nonzero", 0) + int((legacy != 0).sum())
     res["mismatch"] = sum(v for k, v in res.items() if k.startswith("mismatch_"))

@@ -6,6 +6,7 @@ slots) gives the same output bits with either conversion. The interpreter is pat
 arithmetic like the GPU (`tests/triton_interpret.py`: RNE, subnormals kept)."""
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -45,14 +46,15 @@ def test_fp4_row_tiles_give_the_same_output_on_the_triton_kernels(results, case)
         assert r[f"{name}_equal"], f"{case} (seed {r['seed']}) {name} ({r[f'{name}_preset']}): differ by {r[f'{name}_max_diff']}"
 
 
-def _run_ptx(asm: str, word: int) -> dict:
+def _run_ptx(asm: str, word: int, extra: dict = None) -> dict:
     """A model of the few PTX b32 instructions the conversions use (prmt default mode, shr, shl,
-    and, or, shf.r.wrap, mul.lo.u32), run on one input word. Checks the text of the asm (operands, constants, selectors);
+    and, or, shf.r.wrap, mul.lo.u32, mad.lo.u32, mov to 16-bit halves), run on one input word ($4) or,
+    with `extra`, on those registers. Checks the text of the asm (operands, constants, selectors);
     whether the GPU executes it so is checked on the device
     (tests/gpu/test_hopper_experts.py::test_fp4_packed_conversion_equals_legacy)."""
     import re
 
-    regs = {"$4": word}
+    regs = {"$4": word, **(extra or {})}
     M = 0xFFFFFFFF
 
     def val(tok):
@@ -62,6 +64,10 @@ def _run_ptx(asm: str, word: int) -> dict:
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        if line.startswith("mov.b32 {"):  # mov.b32 {lo, hi}, src: the two 16-bit halves
+            lo, hi, src = (a.strip(" {}") for a in line[len("mov.b32 "):].split(","))
+            regs[lo], regs[hi] = val(src) & 0xFFFF, (val(src) >> 16) & 0xFFFF
             continue
         op, args = line.split(None, 1)
         d, *src = [a.strip() for a in args.split(",")]
@@ -82,6 +88,8 @@ def _run_ptx(asm: str, word: int) -> dict:
             regs[d] = ((((v[1] & M) << 32) | (v[0] & M)) >> n) & M
         elif op == "mul.lo.u32":
             regs[d] = (v[0] * v[1]) & M
+        elif op == "mad.lo.u32":
+            regs[d] = (v[0] * v[1] + v[2]) & M
         else:
             raise AssertionError(f"model has no {op}")
     return regs
@@ -265,3 +273,43 @@ def test_gluon_scale_pair_bit_trick_gives_the_scale_times_a_power_of_two():
     want = torch.pow(2.0, e8.double() - 1)
     assert torch.equal(as_bf16(r), want[:, None].expand(-1, len(e8)))
     assert torch.equal(as_bf16(r >> 16), want[None, :].expand(len(e8), -1))
+
+
+def test_gluon_scale_pair_conversion_text():
+    """The Gluon kernels' scale-pair PTX (`gluon_w4a16._SCALE_PAIR_NV_ASM` / `_MX_ASM`, PTX model of
+    `_run_ptx`) with the byte selectors of `_scale_selectors` (mirrored here: lane t's nvfp4 selector
+    (t // 2) | ((t // 2 + 2) << 8) | 0x4040, mxfp4 0x4140): for every nvfp4 scale code of every finite
+    e4m3 scale >= +0 (`kernel_formats.encode_nvfp4_scales`) in every byte of the step's word, the two bf16
+    factors are the low / high half's scale * 2^112 (a +0 scale: any finite factor, its weights are +0);
+    for every e8m0 exponent 0..128, 2^(e - 1)."""
+    import random
+
+    import torch
+
+    from epmoe.experts import gluon_w4a16 as G
+    from epmoe.experts import kernel_formats as kf
+
+    def text(a):
+        return a.value if hasattr(a, "value") else a
+
+    def bf16(bits):
+        return torch.tensor([bits], dtype=torch.int16 if bits < 0x8000 else torch.int32).to(torch.int16).view(
+            torch.bfloat16).double().item()
+
+    e4m3 = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F: NaN, refused at load
+    codes = kf.encode_nvfp4_scales(e4m3.clone()).tolist()
+    values = e4m3.view(torch.float8_e4m3fn).double().tolist()
+    rng = random.Random(2)
+    for _ in range(3000):
+        idx = [rng.randrange(len(codes)) for _ in range(4)]
+        word = sum(codes[i] << (8 * j) for j, i in enumerate(idx))
+        for t in range(4):
+            sel = (t // 2) | ((t // 2 + 2) << 8) | 0x4040
+            r = _run_ptx(text(G._SCALE_PAIR_NV_ASM), 0, {"$2": word, "$3": sel})
+            for out, g in (("$0", t // 2), ("$1", t // 2 + 2)):
+                got, want = bf16(r[out]), values[idx[g]] * 2.0**112
+                assert got == want or (want == 0 and math.isfinite(got)), (hex(word), t, out, got, want)
+    for e in range(129):
+        for e2 in (e, 128 - e, rng.randrange(129)):
+            r = _run_ptx(text(G._SCALE_PAIR_MX_ASM), 0, {"$2": e | (e2 << 8), "$3": 0x4140})
+            assert (bf16(r["$0"]), bf16(r["$1"])) == (2.0 ** (e - 1), 2.0 ** (e2 - 1)), (e, e2)

@@ -400,7 +400,8 @@ def test_decode_split_runs_on_the_gluon_decode_kernel_only(force_available, monk
 
 def test_nvfp4_load_normalizes_scales_and_refuses_nan(force_available):
     """nvfp4 loads (kernel layout on CPU; the kernels are not run here): negative and zero block scales
-    come out >= +0 (`normalize_nvfp4_scales`; value for value: test_fp4_convert_interpret), the caller's
+    come out >= +0 (`normalize_nvfp4_scales`; value for value: test_fp4_convert_interpret) and are stored
+    as scale codes (`encode_nvfp4_scales`) that decode to the scales' magnitudes, the caller's
     tensors untouched; a NaN scale is refused naming the tensor, the global expert index and the K
     range, and a backend already loaded keeps its weights."""
     spec = _spec("nvfp4_w4a16")
@@ -414,8 +415,8 @@ def test_nvfp4_load_normalizes_scales_and_refuses_nan(force_available):
     ex = TritonExperts(spec)
     ex.load_weights(q)
     assert torch.equal(q.w2_scale.view(torch.uint8), before.view(torch.uint8))
-    got = ex.parameters()["w2_scale"].view(torch.uint8)
-    assert not bool((got & 0x80).any())
+    got = kf.decode_nvfp4_scales(ex.parameters()["w2_scale"])  # stored as scale codes
+    assert torch.equal(got, before.float().abs()), "each scale's magnitude, +0 for +-0"
     bad = T.ExpertWeights(**{**q.__dict__, "w1_scale": q.w1_scale.clone()})
     bad.w1_scale.view(torch.uint8)[1, 5, 2] = 0x7F
     kept = ex.parameters()["w13"].clone()

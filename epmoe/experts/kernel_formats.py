@@ -242,6 +242,9 @@ def encode_nvfp4_scales(scales: torch.Tensor) -> torch.Tensor:
     """In place: e4m3 block scales >= +0 (`normalize_nvfp4_scales`) -> their codes (above), the same
     storage viewed as uint8. The value of each scale is unchanged: `decode_nvfp4_scales` gives it back."""
     sb = scales.view(torch.uint8)
+    if sb.numel() and int(sb.max()) >= 0x7F:
+        raise ValueError(f"encode_nvfp4_scales needs e4m3 scales >= +0 and not NaN (byte 0x{int(sb.max()):02x} found); "
+                         "run normalize_nvfp4_scales on them and their weights first")
     table = _nv_scale_code_table().to(sb.device)
     sub = sb < 8  # +0 and e4m3's subnormals (rare): looked up; normals: the byte + 24 ((e - 7 + 10) << 3 | m)
     small = sb[sub]

@@ -95,3 +95,19 @@ def test_quantize_expert_weights_roundtrip(mode, bound, gated):
         kf.quantize_expert_weights(q, mode)
     with pytest.raises(ValueError, match="bf16"):
         kf.quantize_expert_weights(w, "bf16")
+
+
+def test_nvfp4_scale_codes_round_trip_every_e4m3_value():
+    """`encode_nvfp4_scales` (the triton backend's nvfp4 loads): every finite e4m3 scale >= +0, subnormals
+    included, becomes a code whose bits as a float exponent / mantissa give the same value back
+    (`decode_nvfp4_scales`, the Triton kernels' `_nv_scale_f32`), in place; a sign bit or NaN is refused."""
+    b = torch.arange(0, 0x7F, dtype=torch.uint8)
+    want = b.view(torch.float8_e4m3fn).float()
+    t = b.clone()
+    codes = kf.encode_nvfp4_scales(t)
+    assert codes.data_ptr() == t.data_ptr() and codes.dtype == torch.uint8
+    assert torch.equal(kf.decode_nvfp4_scales(codes), want)
+    assert int(codes[0]) == 0 and int(codes[1:].min()) >= 8 and int(codes.max()) <= 151
+    for bad in (0x80 | 0x38, 0x7F, 0xFF):
+        with pytest.raises(ValueError, match="normalize_nvfp4_scales"):
+            kf.encode_nvfp4_scales(torch.tensor([0x38, bad], dtype=torch.uint8))

@@ -111,3 +111,22 @@ def test_nvfp4_scale_codes_round_trip_every_e4m3_value():
     for bad in (0x80 | 0x38, 0x7F, 0xFF):
         with pytest.raises(ValueError, match="normalize_nvfp4_scales"):
             kf.encode_nvfp4_scales(torch.tensor([0x38, bad], dtype=torch.uint8))
+
+
+def test_fp4_word_layout_is_one_the_search_finds():
+    """The shipped bit layout of the fp4 words conversion (`kf.FP4_WORD_SOURCE`: output 0 in place, outputs 1
+    and 2 rotated by 22 and 19, output 3 from the bits a multiply by 0x1084 spreads) is one of the layouts
+    `scripts/fp4_word_layouts.py` derives from the constraints (rotations that tile, a carry-free multiply)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "scripts", "fp4_word_layouts.py")
+    spec = importlib.util.spec_from_file_location("fp4_word_layouts", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rest = frozenset(s + 16 * h for s in kf.FP4_WORD_SOURCE[3] for h in (0, 1))
+    for j, r in ((1, 22), (2, 19)):  # outputs 1 and 2: the rotation's sources, bit for bit
+        assert [(s + 16 * h) % 32 for h in (0, 1) for s in kf.FP4_WORD_SOURCE[j]] == \
+            [(p + r) % 32 for p in mod.T], j
+    found = {(frozenset((r1, r2)), rest_, sum(1 << a for a in shifts)) for r1, r2, rest_, shifts in mod.layouts()}
+    assert (frozenset((22, 19)), rest, 0x1084) in found

@@ -46,6 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from epmoe.experts.kernel_formats import NV_SCALE_CODE_BIAS
 from epmoe.experts.triton_kernels import _E2M1_BF16_ASM, _E2M1_BF16_WORDS_ASM
 
 # The bf16 factors of a K step's two scales of a thread's row (low half, high half), with 2^126 folded in:
@@ -57,18 +58,16 @@ from epmoe.experts.triton_kernels import _E2M1_BF16_ASM, _E2M1_BF16_WORDS_ASM
 # gives 2^102 (finite: the weights of zero scales are +0, `kernel_formats.normalize_nvfp4_scales`).
 # mxfp4: e8m0 byte e -> (e + 126) << 7 = e * 128 + 0x3F00 per half (e <= 128, checked at load). Neither
 # carries between the halves (nvfp4 codes <= 151).
-_SCALE_PAIR_NV_ASM = gl.constexpr("""{
-.reg .b32 p;
-prmt.b32 p, $2, 0, $3;
-mad.lo.u32 p, p, 16, 0x72807280;
-mov.b32 {$0, $1}, p;
-}""")
-_SCALE_PAIR_MX_ASM = gl.constexpr("""{
-.reg .b32 p;
-prmt.b32 p, $2, 0, $3;
-mad.lo.u32 p, p, 128, 0x3F003F00;
-mov.b32 {$0, $1}, p;
-}""")
+def _scale_pair_asm(mul: int, add: int) -> str:
+    """The PTX of a scale pair: permute the two scale bytes into the word's 16-bit halves, then
+    bf16 bits = byte * mul + add per half (`add` given for one half)."""
+    return "\n".join(["{", ".reg .b32 p;", "prmt.b32 p, $2, 0, $3;",
+                      f"mad.lo.u32 p, p, {mul}, 0x{add * 0x10001:08X};", "mov.b32 {$0, $1}, p;", "}"])
+
+
+# nvfp4: code * 16 puts the code's exponent bits at the bf16 exponent's low bits; exponent field E + 239
+_SCALE_PAIR_NV_ASM = gl.constexpr(_scale_pair_asm(16, (239 - NV_SCALE_CODE_BIAS) << 7))
+_SCALE_PAIR_MX_ASM = gl.constexpr(_scale_pair_asm(128, 126 << 7))
 NV_SCALE_EPILOGUE = gl.constexpr(2.0**14)  # nvfp4: the power of two the scale factors leave (s * 2^112 * 2^-126)
 
 

@@ -24,6 +24,8 @@ is bit-identical to the torch codec; plain `/` is div.full.f32 (<= 2 ulp) on NVI
 import triton
 import triton.language as tl
 
+from epmoe.experts.kernel_formats import NV_SCALE_CODE_BIAS
+
 W_DENSE = 0
 W_FP8 = 1
 W_NVFP4 = 2
@@ -35,13 +37,14 @@ ACT_RELU2 = 2  # relu(g)^2 (non-gated)
 
 FP8_MAX = tl.constexpr(448.0)  # globals used inside kernels must be constexpr
 TWO_119 = tl.constexpr(2.0**119)
+NV_SCALE_F32_BITS = tl.constexpr((127 - NV_SCALE_CODE_BIAS) << 23)  # `_nv_scale_f32`: the code's exponent bias undone
 
 
 @triton.jit
 def _nv_scale_f32(code):
     """nvfp4 scale code (uint8, `kernel_formats.encode_nvfp4_scales`) -> its fp32 value: the code shifted
     into the exponent's low bits (code 0, a +0 scale, gives 2^-10: its weights are +0 after load)."""
-    return ((code.to(tl.int32) << 20) + (117 << 23)).to(tl.float32, bitcast=True)
+    return ((code.to(tl.int32) << 20) + NV_SCALE_F32_BITS).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -15,6 +15,7 @@ import triton.language as tl  # noqa: E402
 from tests.cpu.interpret import report_cases  # noqa: E402
 from epmoe.experts import kernel_formats as kf  # noqa: E402
 from epmoe.experts import triton_kernels as K  # noqa: E402
+from epmoe.quant.e2m1 import e2m1_codes_to_float  # noqa: E402
 from tests.triton_interpret import match_gpu_rounding  # noqa: E402
 
 match_gpu_rounding()
@@ -67,9 +68,7 @@ def convert_case(fmt: str, seed: int) -> dict:
         if fmt == "nvfp4":  # and the exact relation the other way round
             bad += int(((packed.float() * 128).to(torch.bfloat16).view(torch.int16) != legacy.view(torch.int16)).sum())
         if fmt == "nvfp4":  # absolute: legacy is bf16(value * e4m3 scale) exactly (<= 6 significant bits)
-            vals = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
-            pl = p.long()
-            v = torch.cat([vals[pl & 15], vals[pl >> 4]])  # [64, BN]: rows 0..31 low nibbles, 32..63 high
+            v = e2m1_codes_to_float(torch.cat([p & 15, p >> 4])).double()  # [64, BN]: low nibbles, then high
             grp = torch.cat([torch.arange(32) // 16, 2 + torch.arange(32) // 16])  # k64 block rows -> group
             sc = s8.double()[:, grp].T  # [64, BN]
             bad += int(((v * sc).to(torch.bfloat16).view(torch.int16) != legacy.view(torch.int16)).sum())

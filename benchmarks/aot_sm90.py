@@ -142,6 +142,10 @@ def to_source(launch: Launch):
     for name, value in kwargs.items():
         sig[name] = "constexpr"
         consts[name] = value
+    for p in fn.params:  # constexprs the launch leaves at their defaults (the JIT fills them in the same way)
+        if p.is_constexpr and p.name not in sig and p.has_default:
+            sig[p.name] = "constexpr"
+            consts[p.name] = p.default
     return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), options
 
 

@@ -260,3 +260,85 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
            dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=False, WITH_INV=False,
                 num_warps=_chunk(nk) // 256))  # fmt: skip
     return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)
+
+
+# --------------------------------------------------------------------------- tail tiles
+# Prefill tiles of many rows (the Gluon W4A16 wgmma kernel's 128) convert each expert's weights once per
+# tile, however few of its rows are real: an expert's last tile with a few rows costs as much as a full
+# one. `split_tail_tiles` hands such tiles (<= tail_rows real rows) to a kernel of small tiles (sub_m rows:
+# the Gluon decode kernel) through a compact table (at most one such tile per expert: its last), and takes
+# them out of the big tiles' list.
+
+@dataclass(frozen=True)
+class TailTiles:
+    """The small tiles of a BlockAlignment, for a second kernel of sub_m-row tiles.
+
+    block_expert:  [max_blocks] int32, the alignment's tiles with the small ones marked unused (-1)
+    tail_expert:   [E * (tail_rows // sub_m)] int32, expert of sub-tile e * nsub + i of expert e's small
+                   tile, -1 where it has no such tile or no real row from i * sub_m on
+    tail_row0:     [same] int32, first padded row of each sub-tile (rows of the alignment's sorted_ids)
+    tail_rows:     [same] int32, real rows of each sub-tile (1..sub_m, 0 unused)
+    """
+
+    tail_rows_max: int
+    sub_m: int
+    block_expert: torch.Tensor
+    tail_expert: torch.Tensor
+    tail_row0: torch.Tensor
+    tail_rows: torch.Tensor
+
+    @property
+    def num_tail_tiles(self) -> int:
+        return self.tail_expert.numel()
+
+
+def _check_tail_args(blocks: BlockAlignment, num_experts: int, tail_rows: int, sub_m: int) -> None:
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    if sub_m <= 0 or tail_rows <= 0 or tail_rows % sub_m:
+        raise ValueError(f"tail_rows ({tail_rows}) must be a positive multiple of sub_m ({sub_m})")
+    if tail_rows >= blocks.block_m:
+        raise ValueError(f"tail_rows ({tail_rows}) must be below the alignment's block_m ({blocks.block_m}): "
+                         "only an expert's last tile may be split off")
+
+
+def split_tail_tiles(blocks: BlockAlignment, num_experts: int, tail_rows: int, sub_m: int) -> TailTiles:
+    """The tiles of `blocks` with 1..tail_rows real rows (each expert's last tile at most), as sub_m-row
+    sub-tiles in a compact table, and `blocks.block_expert` without them (torch ops, no host sync)."""
+    _check_tail_args(blocks, num_experts, tail_rows, sub_m)
+    E, dev, nsub = num_experts, blocks.block_expert.device, tail_rows // sub_m
+    be, rows = blocks.block_expert.long(), blocks.block_rows.long()
+    small = (be >= 0) & (rows <= tail_rows)
+    big = torch.where(small, torch.full_like(be, -1), be).to(torch.int32)
+    slot = torch.where(small, be, torch.full_like(be, E))  # E: a slot for the other tiles, dropped
+    tb = torch.full((E + 1,), -1, dtype=torch.int64, device=dev)
+    tb.scatter_(0, slot, torch.arange(be.numel(), device=dev, dtype=torch.int64))
+    tr = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_(0, slot, rows)
+    tb, tr = tb[:E, None], tr[:E, None]
+    i = torch.arange(nsub, device=dev, dtype=torch.int64)[None, :]
+    n = tr - i * sub_m
+    ok = (tb >= 0) & (n > 0)
+    experts = torch.arange(E, device=dev, dtype=torch.int64)[:, None]
+    tail_expert = torch.where(ok, experts, -1).reshape(-1).to(torch.int32)
+    tail_row0 = torch.where(ok, tb * blocks.block_m + i * sub_m, 0).reshape(-1).to(torch.int32)
+    tail_n = torch.where(ok, n.clamp(max=sub_m), 0).reshape(-1).to(torch.int32)
+    return TailTiles(tail_rows, sub_m, big, tail_expert, tail_row0, tail_n)
+
+
+def split_tail_tiles_triton(blocks: BlockAlignment, num_experts: int, tail_rows: int, sub_m: int,
+                            launch) -> TailTiles:
+    """`split_tail_tiles` in one launch (`tail_tiles_kernel`, one program), bit for bit."""
+    _check_tail_args(blocks, num_experts, tail_rows, sub_m)
+    E, nsub = num_experts, tail_rows // sub_m
+    big, tail_expert, tail_row0, tail_n = _carve(blocks.block_expert.device, blocks.max_blocks, E * nsub,
+                                                 E * nsub, E * nsub)
+    launch("tail_tiles_kernel", (1,), (blocks.block_expert, blocks.block_rows, big, tail_expert, tail_row0, tail_n,
+                                       E, blocks.max_blocks),
+           _tail_options(blocks.block_m, tail_rows, sub_m, _next_pow2(E)))  # fmt: skip
+    return TailTiles(tail_rows, sub_m, big, tail_expert, tail_row0, tail_n)
+
+
+@functools.lru_cache(maxsize=None)
+def _tail_options(block_m: int, tail_rows: int, sub_m: int, e_pad: int) -> LaunchOptions:
+    return LaunchOptions(BLOCK_M=block_m, TAIL_ROWS=tail_rows, SUB_M=sub_m, E_PAD=e_pad,
+                         NB=max(1, min(64, 4096 // e_pad)), num_warps=4)

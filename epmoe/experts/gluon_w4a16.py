@@ -290,6 +290,7 @@ def w4a16_swap_kernel(
     sorted_ids_ptr,  # [P] int32 entry of each padded row (>= num_entries: padding)
     block_expert_ptr,  # [max_blocks] int32 (-1: unused tile)
     block_rows_ptr,  # [max_blocks] int32 real rows of each tile (SPLIT_M)
+    block_row0_ptr,  # ROW_TABLE: [max_blocks] int32 first padded row of each tile (else unread)
     num_entries,
     max_blocks,
     stride_xm,
@@ -322,8 +323,14 @@ def w4a16_swap_kernel(
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
     SPLIT_M: gl.constexpr = False,  # a tile with <= BLOCK_M / 2 real rows runs BLOCK_M / 2 of them
     TILED: gl.constexpr = False,  # weights in row tiles (`kernel_formats.tile_fp4_rows`, option triton_fp4_layout=tiles)
+    # tiles at the rows block_row0_ptr lists instead of pid_m * BLOCK_M (`align.TailTiles`: a prefill
+    # alignment's small tiles, which the wgmma kernel leaves to this one)
+    ROW_TABLE: gl.constexpr = False,
 ):
     pid_m, pid_n, expert = _program_tile(block_expert_ptr, N_OUT, BLOCK_N)
+    row0 = pid_m * BLOCK_M
+    if ROW_TABLE:
+        row0 = gl.load(block_row0_ptr + pid_m)
     if expert >= 0:
         # SPLIT_M: a tile with <= BLOCK_M / 2 real rows (at decode sizes most experts' only tile) loads and
         # multiplies the token rows of its first half only; the weights are read and converted once either way
@@ -332,12 +339,12 @@ def w4a16_swap_kernel(
             half = gl.load(block_rows_ptr + pid_m) <= BLOCK_M // 2
             if half:
                 _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
-                           pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
+                           row0, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
                            stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT,
                            GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, UNROLL, WORDS, TILED)
         if not half:
             _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
-                       pid_m * BLOCK_M, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
+                       row0, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
                        stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
                        ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, UNROLL, WORDS, TILED)
 

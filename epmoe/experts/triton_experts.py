@@ -39,8 +39,8 @@ from epmoe.core.availability import Availability
 from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.experts import kernel_formats as kf
-from epmoe.experts.align import (BlockAlignment, align_blocks, align_blocks_triton, max_blocks_for,
-                                 single_launch_applies, sort_by_expert)
+from epmoe.experts.align import (BlockAlignment, TailTiles, align_blocks, align_blocks_triton, max_blocks_for,
+                                 single_launch_applies, sort_by_expert, split_tail_tiles, split_tail_tiles_triton)
 from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
 from epmoe.experts.launch import LaunchOptions
 from epmoe.quant.codec import FP8_BLOCK
@@ -76,7 +76,9 @@ class TritonConfig:
     per program, num_warps, num_stages K steps in flight) where `TritonExperts.uses_gluon_w4a16` says it
     can; elsewhere the Triton kernels with these tiles (a forced preset) or WGMMA_FALLBACK's (auto).
     wgmma_pending: that kernel keeps each K step's wgmmas in flight while it dequantizes the next step's
-    weights (its PENDING)."""
+    weights (its PENDING). tail_rows (wgmma only): an expert's last tile with <= tail_rows real rows runs
+    on the Gluon decode kernel instead, in 16-row tiles (`align.split_tail_tiles`; the wgmma kernel
+    converts an expert's weights once per tile, whatever its rows), where that kernel runs the shapes."""
 
     name: str
     block_m: int
@@ -85,18 +87,21 @@ class TritonConfig:
     split_m: bool = False
     wgmma: bool = False
     wgmma_pending: bool = False
+    tail_rows: int = 0
 
     def describe(self) -> str:
         g1, g2 = self.gemm1, self.gemm2
+        tails = f"/tails<={self.tail_rows}" if self.tail_rows else ""
         return (
-            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/pending' if self.wgmma_pending else ''} "
+            f"{self.name}: BM={self.block_m}{'/split' if self.split_m else ''}{'/pending' if self.wgmma_pending else ''}"
+            f"{tails} "
             f"g1(BN={g1.block_n},BK={g1.block_k},w{g1.num_warps},s{g1.num_stages},G{g1.group_m}) "
             f"g2(BN={g2.block_n},BK={g2.block_k},w{g2.num_warps},s{g2.num_stages},G{g2.group_m})"
         )
 
 
-def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False) -> TritonConfig:
-    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending)
+def _cfg(name, bm, g1, g2, split=False, wgmma=False, pending=False, tails=0) -> TritonConfig:
+    return TritonConfig(name, bm, GemmConfig(*g1), GemmConfig(*g2), split, wgmma, pending, tails)
 
 
 # Presets for H200 (GemmConfig fields: block_n, block_k, num_warps, num_stages[, group_m]).
@@ -166,6 +171,11 @@ _FP4_PRESETS = {
     # the two steps of an iteration different operand registers: no wait before either conversion)
     "wgmma_w4r128_kp_pend": _cfg("wgmma_w4r128_kp_pend", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,
                                  pending=True),
+    # the same with each expert's last tile of <= 16 / 32 / 48 real rows on the Gluon decode kernel (16-row
+    # tiles: the weights of such a tile read once per 16 rows at the decode kernel's speed instead of
+    # converted for a whole 128-row wgmma tile)
+    **{f"wgmma_w4r128_kp_pend_t{t}": _cfg(f"wgmma_w4r128_kp_pend_t{t}", 128, (64, 64, 4, 4), (128, 64, 4, 4),
+                                          wgmma=True, pending=True, tails=t) for t in (16, 32, 48)},
     # (64-row tiles under a 168-register cap, "wgmma_w4r128_kp_m64_r168", and 64 outputs per gemm2 program,
     # "wgmma_w4r128_kp_pend_n64" (GPT-OSS's H = 2880 on this kernel), ran correct and no faster than the
     # auto presets, H200 2026-12-02: 9.40 / 8.94 and 9.62 / 8.94 ms against 8.73 / 8.21 at the DeepSeek-V3
@@ -186,8 +196,13 @@ AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     # half tiles "decode_split" median 1.45 ms against "decode" 1.48 (nvfp4), 1.34 against 1.36 (mxfp4),
     # faster in every pair; GPT-OSS shape 0.80-0.83 / 0.76-0.78 against 0.88 / 0.80-0.81 ms; where that
     # kernel cannot run, SPLIT_FALLBACK
-    "nvfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend")),
-    "mxfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend")),
+    # Tail tiles (H200, 2026-12-02, sixth set, two runs in opposite orders): each expert's last tile of <= 32
+    # real rows on the Gluon decode kernel, "wgmma_w4r128_kp_pend_t32", 7.16 / 7.17 ms against 8.07 / 8.21
+    # without (nvfp4), 6.83 / 6.89 against 7.72 / 7.82 (mxfp4); _t16 7.26-7.47 / 7.08-7.17, _t48 7.16-7.19 /
+    # 6.89-7.32 (uniform routing: the tails are 1-37 or 90-127 rows). The same outputs bit for bit in the
+    # GPU tests (skewed routing).
+    "nvfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend_t32")),
+    "mxfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend_t32")),
 }
 WGMMA_FALLBACK = "prefill_n128"  # the auto preset for W4A16 prefill tiles the Gluon wgmma kernel cannot run
 SPLIT_FALLBACK = "decode"  # ... and for 16-row half tiles (split_m) the Gluon decode kernel cannot run
@@ -224,6 +239,7 @@ FP4_CONVERT_CHOICES = ("auto", "asm", "words", "packed", "legacy")
 W4A16_DECODE_KERNEL = "gluon"
 W4A16_DECODE_CHOICES = ("gluon", "triton")
 GLUON_W4A16_BLOCK_MS = (8, 16)  # routed rows per tile (the tile preset's block_m: the mma's N)
+TAIL_SUB_M = 16  # rows per tile of the small tiles a wgmma preset's tail_rows hands to the Gluon decode kernel
 GLUON_W4A16_BLOCK_N = 64  # weight rows per program (16 per warp at GLUON_W4A16_WARPS, 32 with two row groups)
 GLUON_W4A16_WARPS = 4  # warps per program (each owns 16 weight rows per row group)
 GLUON_W4A16_UNROLL = 2  # K steps per loop iteration (loads of all issued first); lowered to divide K / 64
@@ -759,11 +775,12 @@ class TritonExperts(Experts):
         if alignment is None or alignment.block_m != cfg.block_m or alignment.max_blocks != max_blocks_for(
                 N * K, E, cfg.block_m):  # fmt: skip
             alignment = self._align(ids32, cfg)
-        act, act_scale = self._gemm1(x, x_scale, alignment, N * K, K, cfg, plan)
+        tails = self._tail_tiles(alignment, cfg) if plan[1] and cfg.tail_rows else None
+        act, act_scale = self._gemm1(x, x_scale, alignment, N * K, K, cfg, plan, tails)
         # what gemm1 does not read is prepared after its launch (the GPU idles until then)
         w_flat = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
         y = torch.empty(N * K, H, dtype=out_dtype, device=self.device)
-        self._gemm2(act, act_scale, alignment, N * K, w_flat, y, cfg, plan)
+        self._gemm2(act, act_scale, alignment, N * K, w_flat, y, cfg, plan, tails)
         return self._reduce(y, ids32)
 
     def _tile_plan(self, cfg: TritonConfig, top_k: int) -> tuple:
@@ -828,6 +845,24 @@ class TritonExperts(Experts):
         if self.align_impl == "triton":
             return align_blocks_triton(ids32, self.num_experts, cfg.block_m, self._launch)
         return align_blocks(sort_by_expert(ids32, self.num_experts), cfg.block_m)
+
+    def _tail_tiles(self, blocks: BlockAlignment, cfg: TritonConfig) -> Optional[TailTiles]:
+        """The small tiles of a wgmma preset with tail_rows, split off for the Gluon decode kernel (None
+        where that kernel cannot run this layer's shapes: the wgmma kernel keeps them)."""
+        if not self.runs_tails(cfg) or blocks.max_blocks == 0:
+            return None
+        if self.align_impl == "triton":
+            return split_tail_tiles_triton(blocks, self.num_experts, cfg.tail_rows, TAIL_SUB_M, self._launch)
+        return split_tail_tiles(blocks, self.num_experts, cfg.tail_rows, TAIL_SUB_M)
+
+    def runs_tails(self, cfg: TritonConfig) -> bool:
+        """Does a forward with tile preset cfg hand its small tiles to the Gluon decode kernel? (A wgmma
+        preset with tail_rows, both Gluon kernels running the shapes.)"""
+        if not cfg.tail_rows or not cfg.wgmma or not self.uses_gluon_w4a16(cfg):
+            return False
+        rows = self._gluon_decode_tiles(self._fp4_kernel_convert)[1]
+        return (self.w4a16_decode == "gluon" and self.intermediate_size % rows == 0
+                and self.hidden_size % rows == 0)  # fmt: skip
 
     def _reduce(self, y: torch.Tensor, ids32: torch.Tensor) -> torch.Tensor:
         """y [N*K, H] by entry -> out [N, H]: sum over the valid slots in k order."""
@@ -900,8 +935,11 @@ class TritonExperts(Experts):
         n = cfg.gemm1.block_n if gemm1 else cfg.gemm2.block_n
         return 2 * n if gemm1 and not self.gated else n
 
-    def _gluon_w4a16(self, gemm1: bool, x, out, blocks, num_entries, top_k, w_flat, cfg: TritonConfig) -> None:
-        """One Gluon W4A16 GEMM (swap-AB): gemm1 x [N, H] -> act [P, I]; gemm2 act -> y [N*K, H]."""
+    def _gluon_w4a16(self, gemm1: bool, x, out, blocks, num_entries, top_k, w_flat, cfg: TritonConfig,
+                     tails: Optional[TailTiles] = None) -> None:
+        """One Gluon W4A16 GEMM (swap-AB): gemm1 x [N, H] -> act [P, I]; gemm2 act -> y [N*K, H]. tails (wgmma
+        presets): the small tiles run on the decode kernel (16-row tiles, the rows in tails' table; x in
+        its natural K order, act of those rows written and read in it), the wgmma kernel the others."""
         p = self._params
         H, I = self.hidden_size, self.intermediate_size
         w, ws = (p["w13"], p["w13_scale"]) if gemm1 else (p["w2"], p["w2_scale"])
@@ -910,12 +948,14 @@ class TritonExperts(Experts):
         n_out, k = (I, H) if gemm1 else (H, I)
         ACT, HAS_LIMIT, alpha, beta, limit = self.act_args
         conv = self._fp4_kernel_convert
+        x_natural = x
         if cfg.wgmma and gemm1:  # the tokens' K in the wgmma kernel's order (gemm1 writes act in it for gemm2)
             from epmoe.experts.gluon_w4a16 import permute_k
 
             x = permute_k(x)
         # the two kernels' arguments start with these
-        head = (x, w, ws, wg, b, out, w_flat if w_flat is not None else out, blocks.sorted_ids, blocks.block_expert)
+        block_expert = blocks.block_expert if tails is None else tails.block_expert
+        head = (x, w, ws, wg, b, out, w_flat if w_flat is not None else out, blocks.sorted_ids, block_expert)
         consts = dict(GEMM1=gemm1, TOP_K=top_k, W_FMT=_W_FMT[self.mode], GATED=self.gated and gemm1, ACT=ACT,
                       HAS_LIMIT=HAS_LIMIT, HAS_BIAS=self.config.has_bias, BLOCK_M=blocks.block_m,
                       WORDS=conv == 3, TILED=self.fp4_tiles)
@@ -930,16 +970,24 @@ class TritonExperts(Experts):
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), head + tail,
                          dict(consts, BLOCK_N=BN, STAGES=g.num_stages, PENDING=cfg.wgmma_pending,
                               num_warps=g.num_warps))
-            return
+            if tails is None:
+                return
+            # the small tiles: 16-row half-split tiles of the decode kernel at the rows of tails' table
+            head = (x_natural,) + head[1:8] + (tails.tail_expert,)
+            tiles, table, n_tiles, split = (tails.tail_rows, tails.tail_row0, tails.num_tail_tiles, True)
+            consts = dict(consts, BLOCK_M=tails.sub_m, ROW_TABLE=True)
+        else:
+            tiles, table, n_tiles, split = blocks.block_rows, blocks.block_rows, blocks.max_blocks, cfg.split_m
+            consts = dict(consts, ROW_TABLE=False)
         unroll, BN, warps = self._gluon_decode_tiles(conv)
         while (k // 64) % unroll:
             unroll //= 2
         extra = {} if GLUON_W4A16_MAXNREG is None else {"maxnreg": GLUON_W4A16_MAXNREG}
         # the decode kernel takes the shape as constexprs (by keyword: launches are keyed on them by value)
-        swap_tail = (num_entries, blocks.max_blocks, x.stride(0), w.stride(0), ws.stride(0), wg.stride(0), b.stride(0),
+        swap_tail = (num_entries, n_tiles, head[0].stride(0), w.stride(0), ws.stride(0), wg.stride(0), b.stride(0),
                      out.stride(0), alpha, beta, limit)  # fmt: skip
-        self._launch("w4a16_swap_kernel", (blocks.max_blocks * (n_out // BN),), head + (blocks.block_rows,) + swap_tail,
-                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=cfg.split_m, N_OUT=n_out, K=k,
+        self._launch("w4a16_swap_kernel", (n_tiles * (n_out // BN),), head + (tiles, table) + swap_tail,
+                     dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=split, N_OUT=n_out, K=k,
                           stride_wn=w.stride(1), stride_wsn=ws.stride(1), num_warps=warps, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
@@ -975,7 +1023,8 @@ class TritonExperts(Experts):
         )
         return q, s
 
-    def _gemm1(self, x, x_scale, blocks, num_entries, top_k, cfg: TritonConfig, plan: Optional[tuple] = None):
+    def _gemm1(self, x, x_scale, blocks, num_entries, top_k, cfg: TritonConfig, plan: Optional[tuple] = None,
+               tails: Optional[TailTiles] = None):
         if plan is None:
             plan = self._tile_plan(cfg, top_k)
         I = self.intermediate_size
@@ -983,7 +1032,7 @@ class TritonExperts(Experts):
         fp8 = self.mode == "fp8_block"
         out = torch.empty(P, I, dtype=torch.float8_e4m3fn if fp8 else self.config.dtype, device=self.device)
         if plan[1]:
-            self._gluon_w4a16(True, x, out, blocks, num_entries, top_k, None, cfg)
+            self._gluon_w4a16(True, x, out, blocks, num_entries, top_k, None, cfg, tails)
             return out, None
         out_s = torch.empty(P, triton_cdiv(I, 128), dtype=torch.float32, device=self.device) if fp8 else out
         w, ws, wg, b, sw0, sw1, sws0, sws1, swg0, sb0 = self._weight_operands(True)
@@ -999,11 +1048,12 @@ class TritonExperts(Experts):
         ), plan[2])  # fmt: skip
         return out, (out_s if fp8 else None)
 
-    def _gemm2(self, act, act_scale, blocks, num_entries, w_flat, y, cfg: TritonConfig, plan: Optional[tuple] = None):
+    def _gemm2(self, act, act_scale, blocks, num_entries, w_flat, y, cfg: TritonConfig, plan: Optional[tuple] = None,
+               tails: Optional[TailTiles] = None):
         if plan is None:
             plan = self._tile_plan(cfg, 1)
         if plan[1]:
-            self._gluon_w4a16(False, act, y, blocks, num_entries, 1, w_flat, cfg)
+            self._gluon_w4a16(False, act, y, blocks, num_entries, 1, w_flat, cfg, tails)
             return
         w, ws, wg, b, sw0, sw1, sws0, sws1, swg0, sb0 = self._weight_operands(False)
         a_s = act_scale if act_scale is not None else act

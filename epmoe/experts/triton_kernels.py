@@ -876,6 +876,48 @@ def _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_r
 
 
 @triton.jit
+def tail_tiles_kernel(
+    block_expert_ptr,  # [max_blocks] int32 (-1 unused)
+    block_rows_ptr,  # [max_blocks] int32 real rows of each tile
+    big_expert_ptr,  # [max_blocks] int32 out: block_expert with the small tiles -1
+    tail_expert_ptr,  # [num_experts * TAIL_ROWS // SUB_M] int32 out (-1 unused)
+    tail_row0_ptr,  # [same] int32 out: first padded row of each sub-tile (0 unused)
+    tail_rows_ptr,  # [same] int32 out: real rows of each sub-tile (0 unused)
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    TAIL_ROWS: tl.constexpr,  # tiles with 1..TAIL_ROWS real rows are small (< BLOCK_M: an expert's last)
+    SUB_M: tl.constexpr,  # rows per sub-tile (TAIL_ROWS % SUB_M == 0)
+    E_PAD: tl.constexpr,  # power of two >= num_experts
+    NB: tl.constexpr,  # tiles per step
+):
+    """`align.split_tail_tiles` in one program: each expert's small tile (at most one: its last) found
+    over the tile list, then listed as TAIL_ROWS // SUB_M sub-tiles per expert (expert-major)."""
+    eidx = tl.arange(0, E_PAD)
+    emask = eidx < num_experts
+    tail_b = tl.full([E_PAD], -1, tl.int32)
+    tail_n = tl.zeros([E_PAD], tl.int32)
+    for b0 in range(0, max_blocks, NB):
+        b = b0 + tl.arange(0, NB)
+        bok = b < max_blocks
+        be = tl.load(block_expert_ptr + b, mask=bok, other=-1)
+        rows = tl.load(block_rows_ptr + b, mask=bok, other=0)
+        small = (be >= 0) & (rows <= TAIL_ROWS)
+        tl.store(big_expert_ptr + b, tl.where(small, -1, be), mask=bok)
+        hit = (eidx[None, :] == be[:, None]) & small[:, None]
+        tail_b = tl.maximum(tail_b, tl.max(tl.where(hit, b[:, None], -1), axis=0))
+        tail_n = tl.maximum(tail_n, tl.max(tl.where(hit, rows[:, None], 0), axis=0))
+    NSUB: tl.constexpr = TAIL_ROWS // SUB_M
+    for i in tl.static_range(NSUB):
+        n = tail_n - i * SUB_M
+        ok = (tail_b >= 0) & (n > 0)
+        slot = eidx * NSUB + i
+        tl.store(tail_expert_ptr + slot, tl.where(ok, eidx, -1), mask=emask)
+        tl.store(tail_row0_ptr + slot, tl.where(ok, tail_b * BLOCK_M + i * SUB_M, 0), mask=emask)
+        tl.store(tail_rows_ptr + slot, tl.where(ok, tl.minimum(n, SUB_M), 0), mask=emask)
+
+
+@triton.jit
 def align_small_kernel(
     ids_ptr,  # [N*K] int32 local expert ids (invalid: < 0 or >= num_experts)
     sorted_ids_ptr,  # [max_blocks * BLOCK_M] int32 out

@@ -1,5 +1,5 @@
 """Triton-interpreter worker (TRITON_INTERPRET=1): the GPU routing alignment
-(`align_blocks_triton`, `sort_by_expert_triton`) against the torch one, field by field, exactly.
+(`align_blocks_triton`, `sort_by_expert_triton`, `split_tail_tiles_triton`) against the torch one, field by field, exactly.
 Case "E,K,N,block_m"; one JSON line per case."""
 
 import os
@@ -66,6 +66,12 @@ def run_case(E: int, K: int, N: int, bm: int, seed: int) -> dict:
         sort_one_launch=_count_launches(lambda: A.sort_by_expert_triton(ids, E, launch)) == 1,
         invalid=int(((ids < 0) | (ids >= E)).sum()),
     )
+    if ref.max_blocks and bm >= 3:  # the tail split (`tail_tiles_kernel`) against its torch form
+        sub = max(1, bm // 8)
+        want = A.split_tail_tiles(ref, E, 2 * sub, sub)
+        tails = A.split_tail_tiles_triton(ref, E, 2 * sub, sub, launch)
+        res["tail_tiles"] = all(bool(torch.equal(getattr(tails, n), getattr(want, n)))
+                                for n in ("block_expert", "tail_expert", "tail_row0", "tail_rows"))
     res["all_equal"] = all(v for k, v in res.items() if isinstance(v, bool)) and res["max_blocks"][0] == res["max_blocks"][1]
     return res
 

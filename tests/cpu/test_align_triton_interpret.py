@@ -1,6 +1,6 @@
 """The GPU routing alignment (`align_blocks_triton`: three Triton kernels, or the one-program
 `align_small_kernel`, both run on every case; `sort_by_expert_triton`: one launch of
-`align_sort_kernel`) under the Triton interpreter equals the
+`align_sort_kernel`; `split_tail_tiles_triton`: one launch of `tail_tiles_kernel`) under the Triton interpreter equals the
 torch one (`align_blocks(sort_by_expert(...))`) field by field: invalid ids on both sides, empty
 experts, one hot expert over several tiles, more entries than one scan chunk (1024), a single entry,
 no entry, E not a power of two, E = 1000, top_k = 1, block_m not a power of two."""

@@ -82,6 +82,53 @@ def test_decode_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+def test_tail_tiles_launch_arguments(mode, monkeypatch):
+    """A wgmma preset with tail_rows (recorded, not run): one `tail_tiles_kernel` launch first, then per GEMM
+    the wgmma kernel on the big tiles' expert list and the decode kernel on the small tiles' table (16-row
+    half-split tiles at the table's rows, ROW_TABLE; gemm1 on the tokens in their natural K order, not the
+    wgmma kernel's permuted copy); the same preset without tail_rows launches neither."""
+    from epmoe.config import MoEConfig
+    from epmoe.experts import gluon_w4a16 as G
+    from epmoe.experts import triton_experts as TE
+
+    monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(TE, "_gluon_available", lambda: True)
+    cfg = MoEConfig(num_experts=8, top_k=8, hidden_size=512, intermediate_size=256)
+    preset = "wgmma_w4r128_kp_pend_t32"
+    tiles = TE.presets_for(mode)[preset]
+    assert tiles.tail_rows == 32 and tiles.wgmma
+    launches = load_aot_sm90().record_launches(cfg, mode, num_tokens=80, num_experts=2, preset=preset)
+    names = [l.kernel for l in launches]
+    assert names.count("tail_tiles_kernel") == 1 and names.index("tail_tiles_kernel") < names.index("w4a16_wgmma_kernel")
+    wg = [l for l in launches if l.kernel == "w4a16_wgmma_kernel"]
+    sw = [l for l in launches if l.kernel == "w4a16_swap_kernel"]
+    assert len(wg) == len(sw) == 2
+    params = {k: ([p.name for p in getattr(G, k).params if not p.is_constexpr],
+                  {p.name for p in getattr(G, k).params if p.is_constexpr}) for k in ("w4a16_wgmma_kernel", "w4a16_swap_kernel")}
+    runtime_w = params["w4a16_wgmma_kernel"][0]
+    runtime_s, constexpr_s = params["w4a16_swap_kernel"]
+    for w_launch, s_launch in zip(wg, sw):
+        kw = dict(s_launch.kwargs)
+        assert kw["GEMM1"] == dict(w_launch.kwargs)["GEMM1"]
+        assert len(s_launch.args) == len(runtime_s) and set(kw) - {"num_warps", "maxnreg"} <= constexpr_s
+        assert kw["ROW_TABLE"] is True and kw["SPLIT_M"] is True and kw["BLOCK_M"] == TE.TAIL_SUB_M == 16
+        a, aw = dict(zip(runtime_s, s_launch.args)), dict(zip(runtime_w, w_launch.args))
+        n_tiles = 2 * (32 // 16)  # local experts x sub-tiles per expert
+        assert a["max_blocks"] == n_tiles
+        for name in ("block_expert_ptr", "block_rows_ptr", "block_row0_ptr"):
+            assert a[name].shape == (n_tiles,) and a[name].dtype == torch.int32, name
+        assert a["sorted_ids_ptr"] is aw["sorted_ids_ptr"] and a["out_ptr"] is aw["out_ptr"]
+        assert aw["block_expert_ptr"].shape == (aw["max_blocks"],)
+        if kw["GEMM1"]:  # the wgmma kernel reads a K-permuted copy, the decode kernel the tokens themselves
+            assert a["x_ptr"] is not aw["x_ptr"] and a["x_ptr"].shape == aw["x_ptr"].shape
+        else:
+            assert a["x_ptr"] is aw["x_ptr"]
+    plain = [l.kernel for l in load_aot_sm90().record_launches(cfg, mode, num_tokens=80, num_experts=2,
+                                                               preset="wgmma_w4r128_kp_pend")]  # fmt: skip
+    assert "w4a16_swap_kernel" not in plain and "tail_tiles_kernel" not in plain
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 def test_fp4_row_tiles_option_tiles_the_weights_and_every_launch_reads_them(mode, monkeypatch):
     """Option triton_fp4_layout=tiles (recorded, not run): w13 / w2 are `tile_fp4_rows` of the rows
     layout's, and the decode and prefill launches of the Gluon kernels carry TILED=True (a constexpr of
@@ -115,9 +162,9 @@ def test_fp4_row_tiles_option_tiles_the_weights_and_every_launch_reads_them(mode
     for n_tokens in (3, 512):  # 12 rows per local expert (decode tiles), 2048 (prefill tiles)
         ids, w = T.random_local_routing(n_tokens, 8, 2, seed=n_tokens)
         tiles(DispatchedTokens(torch.randn(n_tokens, 512).bfloat16(), ids, w))
-    for kernel in ("w4a16_swap_kernel", "w4a16_wgmma_kernel"):
+    for kernel, n in (("w4a16_swap_kernel", 4), ("w4a16_wgmma_kernel", 2)):  # decode; prefill: + the tail tiles'
         kws = [kw for name, kw in launches if name == kernel]
-        assert len(kws) == 2 and all(kw["TILED"] is True for kw in kws), kernel
+        assert len(kws) == n and all(kw["TILED"] is True for kw in kws), kernel
         assert "TILED" in {p.name for p in getattr(G, kernel).params if p.is_constexpr}
     with pytest.raises(ValueError, match="triton_fp4_layout='columns'"):
         TE.TritonExperts(ExpertsSpec(cfg, 0, 4, torch.device("cpu"), plan=QuantPlan(expert_mode=mode),

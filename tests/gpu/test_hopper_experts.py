@@ -605,6 +605,66 @@ def test_w4a16_gluon_wgmma(mode, preset):
                 f"(max {(out_128.double() - out.double()).abs().max().item():.3g})")
 
 
+def _skewed_routing(N, K, E, seed, invalid_frac=0.1):
+    """topk_ids [N, K] int32 of distinct experts per row drawn with very unequal expert weights (counts
+    from a few rows to several 128-row tiles: tails of every size), some slots invalid (-1)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    p = torch.rand(E, generator=g, device="cuda") ** 4 + 0.01
+    ids = torch.multinomial(p.expand(N, E), K, replacement=False, generator=g).to(torch.int32)
+    drop = torch.rand(N, K, generator=g, device="cuda") < invalid_frac
+    ids = torch.where(drop, torch.full_like(ids, -1), ids)
+    w = torch.rand(N, K, generator=g, device="cuda") * 0.95 + 0.05
+    return ids, w
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("tail", [16, 32, 48])
+def test_w4a16_wgmma_tail_tiles(mode, tail):
+    """The wgmma presets with tail_rows: each expert's last tile of <= tail real rows runs on the Gluon
+    decode kernel (16-row tiles at the rows of `align.split_tail_tiles`' table), the others on the wgmma
+    kernel. Against the float64 math and the same preset without tails (K summed in the same order by
+    both kernels up to the tiles' MMA shapes, hence a bound, not bits), skewed routing (tails of every
+    size, empty experts, invalid slots); the GPU tail split equals the torch one; deterministic."""
+    from epmoe.experts import align as A
+    from epmoe.experts import triton_experts as TE
+
+    seed = _seed()
+    ex, w = _backend("triton", mode, DS, DS_EP, seed)
+    E, cfg = ex.spec.num_local_experts, ex.config
+    with_tails = TE.presets_for(mode)[f"wgmma_w4r128_kp_pend_t{tail}"]
+    assert ex.runs_tails(with_tails), with_tails.describe()
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    N = 1500
+    x = torch.randn(N, cfg.hidden_size, generator=g, device="cuda").bfloat16()
+    for r in range(50):  # the first routing of this seed with >= 3 small tiles
+        ids, tw = _skewed_routing(N, cfg.top_k, E, seed + 2 + r)
+        blocks = A.align_blocks(A.sort_by_expert(ids, E), 128)
+        small = int(((blocks.block_expert >= 0) & (blocks.block_rows <= tail)).sum())
+        if small >= 3:
+            break
+    assert small >= 3, f"seed {seed}: no routing with small tiles"
+    launch = lambda name, grid, args, kwargs: getattr(TE.kernel_module(torch.device("cuda")), name)[grid](*args, **kwargs)
+    want, got = A.split_tail_tiles(blocks, E, tail, 16), A.split_tail_tiles_triton(blocks, E, tail, 16, launch)
+    for n in ("block_expert", "tail_expert", "tail_row0", "tail_rows"):
+        assert torch.equal(getattr(got, n), getattr(want, n)), n
+    outs = {}
+    for cfg_t in (with_tails, TE.presets_for(mode)["wgmma_w4r128_kp_pend"]):
+        ex.config_override = cfg_t
+        try:
+            _poison_allocator()
+            outs[cfg_t.name] = ex(DispatchedTokens(x, ids, tw))
+            again = ex(DispatchedTokens(x, ids, tw))
+        finally:
+            ex.config_override = None
+        assert torch.equal(outs[cfg_t.name], again), f"{cfg_t.name}: not deterministic"
+    out, plain = outs[with_tails.name], outs["wgmma_w4r128_kp_pend"]
+    ref = _reference(ex, w, x, ids, tw)
+    err, diff = T.relative_error(out, ref), T.relative_error(out, plain.double())
+    print(f"{mode} tails <= {tail} ({small} small tiles) seed={seed}: rel err {err:.2e}, vs no tails {diff:.2e}")
+    assert bool(torch.isfinite(out).all()) and err < BOUND, f"seed {seed}: relative error {err:.3g}"
+    assert diff < 5e-3, f"seed {seed}: with and without tails differ by {diff:.3g}"
+
+
 @pytest.mark.parametrize("E,K,N,block_m", [(32, 8, 4096, 128), (128, 8, 4096, 16), (128, 8, 128, 16), (16, 4, 1, 64)])
 def test_triton_alignment_equals_torch(E, K, N, block_m):
     """The routing alignment kernels (default) give the torch sort / padding bit for bit."""

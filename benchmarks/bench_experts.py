@@ -1,5 +1,5 @@
 """Expert-stage benchmark on one GPU: DeepSeek-V3 shape per rank (128 local experts, H=7168, I=2048,
-top-8, every routed entry local, uniform random routing) at T=128 (decode) and T=4096 (prefill).
+top-8, every routed entry local, uniform random routing; --routing skewed: very unequal experts) at T=128 (decode) and T=4096 (prefill).
 
     python benchmarks/bench_experts.py                 # full run, table + JSON
     python benchmarks/bench_experts.py --dry-run       # validate arguments, print the plan (no GPU)
@@ -353,6 +353,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--no-peers", action="store_true", help="skip the torch grouped-GEMM peers")
+    ap.add_argument("--routing", default="uniform", choices=("uniform", "skewed"),
+                    help="uniform random experts per token (default), or skewed: experts drawn with "
+                         "probabilities ~ u^4 + 0.01 (tests/experts_testing.skewed_local_routing)")
     ap.add_argument("--fp4-convert", default=None, choices=("auto", "asm", "words", "packed", "legacy"),
                     help="triton W4A16 runs without a *_fp4 preset: this conversion instead of the default")
     ap.add_argument("--json", default=None, help="output JSON (default $OUT/bench_experts.json or bench_results/)")
@@ -398,7 +401,7 @@ def run_plan(args, plan: List[Run]) -> int:
         gpu=torch.cuda.get_device_name(dev),
         torch=torch.__version__,
         triton=triton.__version__,
-        shape=dict(local_experts=E, hidden=H, inter=I, top_k=K),
+        shape=dict(local_experts=E, hidden=H, inter=I, top_k=K, routing=args.routing),
     )
     report.matmul_tflops, report.copy_gbps = measure_ceilings(dev)
     print(f"{report.gpu}: bf16 matmul 8192^3 {report.matmul_tflops:.0f} TFLOP/s, copy {report.copy_gbps:.0f} GB/s")
@@ -410,7 +413,8 @@ def run_plan(args, plan: List[Run]) -> int:
     def inputs(T_, seed):
         g = torch.Generator(device=dev).manual_seed(seed)
         x = torch.randn(T_, H, generator=g, device=dev).bfloat16()
-        ids, w = T.random_local_routing(T_, K, E, dev, seed + 1)  # all K entries local, distinct
+        route = T.skewed_local_routing if args.routing == "skewed" else T.random_local_routing
+        ids, w = route(T_, K, E, dev, seed + 1)  # all K entries local, distinct
         return DispatchedTokens(x, ids, w)
 
     path = args.json or os.path.join(os.environ.get("OUT", "bench_results"), "bench_experts.json")

@@ -76,6 +76,24 @@ def random_local_routing(
     return ids, w
 
 
+def skewed_local_routing(num_tokens: int, top_k: int, num_experts: int, device="cpu", seed: int = 0,
+                         invalid_frac: float = 0.0, power: float = 4.0):
+    """`random_local_routing` with very unequal experts: each row draws top_k distinct experts with
+    probabilities proportional to u_e ** power + 0.01 (u uniform per expert, same for every row), so
+    the counts range from a few rows to most of the tokens (a prefill batch's routing is rarely even)."""
+    g = _generator(device, seed)
+    T, K, E = num_tokens, top_k, num_experts
+    if K > E:
+        raise ValueError(f"top_k ({K}) must not exceed num_experts ({E}) for distinct experts per row")
+    p = torch.rand(E, generator=g, device=device) ** power + 0.01
+    ids = torch.multinomial(p.expand(T, E), K, replacement=False, generator=g).to(torch.int32)
+    if invalid_frac > 0:
+        drop = torch.rand(T, K, generator=g, device=device) < invalid_frac
+        ids = torch.where(drop, torch.full_like(ids, -1), ids)
+    w = torch.rand(T, K, generator=g, device=device, dtype=torch.float32) * 0.95 + 0.05
+    return ids, w
+
+
 def activation_reference(config: MoEConfig, g: torch.Tensor, u: Optional[torch.Tensor]) -> torch.Tensor:
     """The activation of `epmoe.config` in the dtype of g."""
     return apply_activation(config, g, u)

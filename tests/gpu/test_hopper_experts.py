@@ -605,18 +605,6 @@ def test_w4a16_gluon_wgmma(mode, preset):
                 f"(max {(out_128.double() - out.double()).abs().max().item():.3g})")
 
 
-def _skewed_routing(N, K, E, seed, invalid_frac=0.1):
-    """topk_ids [N, K] int32 of distinct experts per row drawn with very unequal expert weights (counts
-    from a few rows to several 128-row tiles: tails of every size), some slots invalid (-1)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    p = torch.rand(E, generator=g, device="cuda") ** 4 + 0.01
-    ids = torch.multinomial(p.expand(N, E), K, replacement=False, generator=g).to(torch.int32)
-    drop = torch.rand(N, K, generator=g, device="cuda") < invalid_frac
-    ids = torch.where(drop, torch.full_like(ids, -1), ids)
-    w = torch.rand(N, K, generator=g, device="cuda") * 0.95 + 0.05
-    return ids, w
-
-
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("tail", [16, 32, 48])
 def test_w4a16_wgmma_tail_tiles(mode, tail):
@@ -637,7 +625,7 @@ def test_w4a16_wgmma_tail_tiles(mode, tail):
     N = 1500
     x = torch.randn(N, cfg.hidden_size, generator=g, device="cuda").bfloat16()
     for r in range(50):  # the first routing of this seed with >= 3 small tiles
-        ids, tw = _skewed_routing(N, cfg.top_k, E, seed + 2 + r)
+        ids, tw = T.skewed_local_routing(N, cfg.top_k, E, "cuda", seed + 2 + r, invalid_frac=0.1)
         blocks = A.align_blocks(A.sort_by_expert(ids, E), 128)
         small = int(((blocks.block_expert >= 0) & (blocks.block_rows <= tail)).sum())
         if small >= 3:

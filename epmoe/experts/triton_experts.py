@@ -171,11 +171,12 @@ _FP4_PRESETS = {
     # the two steps of an iteration different operand registers: no wait before either conversion)
     "wgmma_w4r128_kp_pend": _cfg("wgmma_w4r128_kp_pend", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,
                                  pending=True),
-    # the same with each expert's last tile of <= 16 / 32 / 48 real rows on the Gluon decode kernel (16-row
-    # tiles: the weights of such a tile read once per 16 rows at the decode kernel's speed instead of
-    # converted for a whole 128-row wgmma tile)
-    **{f"wgmma_w4r128_kp_pend_t{t}": _cfg(f"wgmma_w4r128_kp_pend_t{t}", 128, (64, 64, 4, 4), (128, 64, 4, 4),
-                                          wgmma=True, pending=True, tails=t) for t in (16, 32, 48)},
+    # the same with each expert's last tile of <= 32 real rows on the Gluon decode kernel (16-row tiles: the
+    # weights of such a tile read once per 16 rows at the decode kernel's speed instead of converted for a
+    # whole 128-row wgmma tile). (<= 16 and <= 48 rows, "_t16" / "_t48", measured slower / no faster at
+    # T = 4096, H200 2026-12-02: 7.26-7.47 / 7.16-7.19 ms against 7.16-7.17 nvfp4; removed)
+    "wgmma_w4r128_kp_pend_t32": _cfg("wgmma_w4r128_kp_pend_t32", 128, (64, 64, 4, 4), (128, 64, 4, 4), wgmma=True,
+                                     pending=True, tails=32),
     # (64-row tiles under a 168-register cap, "wgmma_w4r128_kp_m64_r168", and 64 outputs per gemm2 program,
     # "wgmma_w4r128_kp_pend_n64" (GPT-OSS's H = 2880 on this kernel), ran correct and no faster than the
     # auto presets, H200 2026-12-02: 9.40 / 8.94 and 9.62 / 8.94 ms against 8.73 / 8.21 at the DeepSeek-V3
@@ -199,8 +200,8 @@ AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     # Tail tiles (H200, 2026-12-02, sixth set, two runs in opposite orders): each expert's last tile of <= 32
     # real rows on the Gluon decode kernel, "wgmma_w4r128_kp_pend_t32", 7.16 / 7.17 ms against 8.07 / 8.21
     # without (nvfp4), 6.83 / 6.89 against 7.72 / 7.82 (mxfp4); _t16 7.26-7.47 / 7.08-7.17, _t48 7.16-7.19 /
-    # 6.89-7.32 (uniform routing: the tails are 1-37 or 90-127 rows). The same outputs bit for bit in the
-    # GPU tests (skewed routing).
+    # 6.89-7.32 (uniform routing: the tails are 1-37 or 90-127 rows); skewed routing 7.78 / 7.45 against
+    # 8.54 / 8.17. The same outputs bit for bit in the GPU tests (skewed routing).
     "nvfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend_t32")),
     "mxfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend_t32")),
 }

@@ -608,7 +608,7 @@ def test_w4a16_gluon_wgmma(mode, preset):
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 @pytest.mark.parametrize("tail", [16, 32, 48])
 def test_w4a16_wgmma_tail_tiles(mode, tail):
-    """The wgmma presets with tail_rows: each expert's last tile of <= tail real rows runs on the Gluon
+    """The wgmma preset with tail_rows (the auto one's 32, and 16 / 48): each expert's last tile of <= tail real rows runs on the Gluon
     decode kernel (16-row tiles at the rows of `align.split_tail_tiles`' table), the others on the wgmma
     kernel. Against the float64 math and the same preset without tails (K summed in the same order by
     both kernels up to the tiles' MMA shapes, hence a bound, not bits), skewed routing (tails of every
@@ -619,7 +619,7 @@ def test_w4a16_wgmma_tail_tiles(mode, tail):
     seed = _seed()
     ex, w = _backend("triton", mode, DS, DS_EP, seed)
     E, cfg = ex.spec.num_local_experts, ex.config
-    with_tails = TE.presets_for(mode)[f"wgmma_w4r128_kp_pend_t{tail}"]
+    with_tails = replace(TE.presets_for(mode)["wgmma_w4r128_kp_pend_t32"], tail_rows=tail, name=f"tails{tail}")
     assert ex.runs_tails(with_tails), with_tails.describe()
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     N = 1500

@@ -202,11 +202,19 @@ AUTO_PRESETS: Dict[str, Tuple[Tuple[Optional[float], str], ...]] = {
     # without (nvfp4), 6.83 / 6.89 against 7.72 / 7.82 (mxfp4); _t16 7.26-7.47 / 7.08-7.17, _t48 7.16-7.19 /
     # 6.89-7.32 (uniform routing: the tails are 1-37 or 90-127 rows); skewed routing 7.78 / 7.45 against
     # 8.54 / 8.17. The same outputs bit for bit in the GPU tests (skewed routing).
-    "nvfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend_t32")),
-    "mxfp4_w4a16": ((16, "decode_split"), (40, "small"), (96, "medium"), (None, "wgmma_w4r128_kp_pend_t32")),
+    # Mid-size batches (H200, 2026-12-02, sixth set; T tokens x top-8 over 128 experts, uniform; ms nvfp4 /
+    # mxfp4): 16-row half-split decode tiles up to 32 rows per expert (T = 384: 1.94 / 1.87 against "small"
+    # 2.83 / 2.34; T = 512: 2.41 / 2.29 against 3.80 / 3.10), "medium" up to 56 (T = 640: 2.89 / 2.44; T =
+    # 768: 2.96 / 2.51 against the wgmma tail-tile preset 3.61 / 3.35), then the wgmma preset (T = 1024:
+    # 3.36 / 3.22 against "medium" 4.11 / 3.57, whose 64-row tiles split experts of > 64 rows; T = 1536: 3.34
+    # / 3.25 against 5.52 / 4.79). Before, "small" ran up to 40 rows and "medium" up to 96.
+    "nvfp4_w4a16": ((32, "decode_split"), (56, "medium"), (None, "wgmma_w4r128_kp_pend_t32")),
+    "mxfp4_w4a16": ((32, "decode_split"), (56, "medium"), (None, "wgmma_w4r128_kp_pend_t32")),
 }
 WGMMA_FALLBACK = "prefill_n128"  # the auto preset for W4A16 prefill tiles the Gluon wgmma kernel cannot run
 SPLIT_FALLBACK = "decode"  # ... and for 16-row half tiles (split_m) the Gluon decode kernel cannot run
+SPLIT_FALLBACK_WIDE = ((16, SPLIT_FALLBACK), (None, "small"))  # ... by mean rows per expert (the Triton tiles the
+# auto table had up to 16 / 40 rows before the Gluon decode kernel's tiles took up to 32, 2026-12-02)
 # Layout of w13 in bf16 mode (gated activations): "interleaved" (rows gate j, up j: one wide dot per
 # K step) or "blocked" ([gate; up]: two dots). Quantized modes are always blocked. Fixed at load;
 # spec option `triton_gate_up` overrides.
@@ -885,15 +893,16 @@ class TritonExperts(Experts):
     def tile_config(self, num_entries: int) -> TritonConfig:
         """The tile preset of a forward over num_entries routed rows: config_override, else the auto
         table's (a wgmma preset the Gluon kernel cannot run here gives way to WGMMA_FALLBACK, 16-row half
-        tiles the Gluon decode kernel cannot run to SPLIT_FALLBACK: the Triton kernels' half tiles need
-        >= 32 rows)."""
+        tiles the Gluon decode kernel cannot run to SPLIT_FALLBACK_WIDE's Triton tiles: the Triton
+        kernels' half tiles need >= 32 rows)."""
         if self.config_override is not None:
             return self.config_override
         cfg = pick_config(self.mode, num_entries, self.num_experts)
         if cfg.wgmma and not self.uses_gluon_w4a16(cfg):
             cfg = presets_for(self.mode)[WGMMA_FALLBACK]
         elif self._half_tiles_unrunnable(cfg):
-            cfg = presets_for(self.mode)[SPLIT_FALLBACK]
+            rows = num_entries / max(self.num_experts, 1)
+            cfg = presets_for(self.mode)[next(n for bound, n in SPLIT_FALLBACK_WIDE if bound is None or rows <= bound)]
         return cfg
 
     def _half_tiles_unrunnable(self, cfg: TritonConfig) -> bool:

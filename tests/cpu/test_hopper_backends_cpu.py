@@ -87,7 +87,7 @@ def test_pick_config_by_rows_per_expert():
 def test_w4a16_prefill_wgmma_preset_falls_back_where_gluon_cannot_run(force_available, monkeypatch, mode):
     """The auto presets for W4A16 prefill and decode run the Gluon kernels (wgmma; 16-row half tiles);
     where those cannot run (no Gluon, the Triton interpreter, shapes they do not tile) the forward takes
-    WGMMA_FALLBACK's / SPLIT_FALLBACK's Triton tiles instead; a forced preset stays as given."""
+    WGMMA_FALLBACK's / SPLIT_FALLBACK_WIDE's Triton tiles instead; a forced preset stays as given."""
     from epmoe.experts import triton_experts as TE
 
     ex = TritonExperts(_spec(mode))
@@ -100,6 +100,9 @@ def test_w4a16_prefill_wgmma_preset_falls_back_where_gluon_cannot_run(force_avai
     assert decode.split_m and decode.block_m == 16 and not ex.uses_gluon_w4a16(decode)
     assert ex.tile_config(1 * 8).name == TE.SPLIT_FALLBACK
     assert not presets_for(mode)[TE.SPLIT_FALLBACK].split_m
+    wide = pick_config(mode, 24 * ex.num_experts, ex.num_experts)  # 24 rows per expert: still half tiles
+    assert wide.split_m and wide.block_m == 16
+    assert ex.tile_config(24 * ex.num_experts).name == "small"
     monkeypatch.setattr(ex, "uses_gluon_w4a16", lambda cfg: True)
     assert ex.tile_config(4096 * 8) is auto
     assert ex.tile_config(1 * 8) is decode

@@ -40,12 +40,12 @@ SWEEP = {
     ("bf16", "prefill"): ["auto", "prefill", "prefill_nosplit", "prefill_m64", "medium"],
     ("fp8_block", "decode"): ["auto"],
     ("fp8_block", "prefill"): ["auto", "prefill", "medium_s4", "medium_s4w8", "medium_split", "medium_g2w8"],
-    # W4A16 prefill: auto (the tail tiles since 2026-12-02) against the same wgmma preset without them
     # W4A16 decode: the default (16-row tiles split to 8 rows where they have <= 8), the same without the split,
     # the Triton kernels, no split and no register cap, two row groups per warp (128 rows on 4 warps), the
     # other mode's tiles
     ("nvfp4_w4a16", "decode"): ["auto", "decode", "triton_w4a16", "g:2:0:decode", "g:2:128:decode:128:4",
                                 "g:4:128:decode:128:8"],
+    # W4A16 prefill: auto (the tail tiles since 2026-12-02) against the same wgmma preset without them
     ("nvfp4_w4a16", "prefill"): ["auto", "wgmma_w4r128_kp_pend", "prefill_n128", "medium"],
     ("mxfp4_w4a16", "decode"): ["auto", "decode", "triton_w4a16", "g:4:0:decode:128:8", "g:2:128:decode:128:4",
                                 "g:2:128:decode"],

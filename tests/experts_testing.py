@@ -67,12 +67,19 @@ def random_local_routing(
         ids = torch.rand(T, E, generator=g, device=device).argsort(dim=1)[:, :K].to(torch.int32)
     else:
         ids = torch.randint(0, E, (T, K), generator=g, device=device, dtype=torch.int32)
+    return _drop_and_weigh(ids, g, invalid_frac, empty_rows)
+
+
+def _drop_and_weigh(ids: torch.Tensor, g: torch.Generator, invalid_frac: float, empty_rows: int = 0):
+    """(ids with each slot -1 with prob invalid_frac and the last empty_rows rows all -1, topk_weights
+    float32 in (0.05, 1)), drawn from g after the ids."""
+    T, K = ids.shape
     if invalid_frac > 0:
-        drop = torch.rand(T, K, generator=g, device=device) < invalid_frac
+        drop = torch.rand(T, K, generator=g, device=ids.device) < invalid_frac
         ids = torch.where(drop, torch.full_like(ids, -1), ids)
     if empty_rows:
         ids[T - empty_rows :] = -1
-    w = torch.rand(T, K, generator=g, device=device, dtype=torch.float32) * 0.95 + 0.05
+    w = torch.rand(T, K, generator=g, device=ids.device, dtype=torch.float32) * 0.95 + 0.05
     return ids, w
 
 
@@ -87,11 +94,7 @@ def skewed_local_routing(num_tokens: int, top_k: int, num_experts: int, device="
         raise ValueError(f"top_k ({K}) must not exceed num_experts ({E}) for distinct experts per row")
     p = torch.rand(E, generator=g, device=device) ** power + 0.01
     ids = torch.multinomial(p.expand(T, E), K, replacement=False, generator=g).to(torch.int32)
-    if invalid_frac > 0:
-        drop = torch.rand(T, K, generator=g, device=device) < invalid_frac
-        ids = torch.where(drop, torch.full_like(ids, -1), ids)
-    w = torch.rand(T, K, generator=g, device=device, dtype=torch.float32) * 0.95 + 0.05
-    return ids, w
+    return _drop_and_weigh(ids, g, invalid_frac)
 
 
 def activation_reference(config: MoEConfig, g: torch.Tensor, u: Optional[torch.Tensor]) -> torch.Tensor:

@@ -280,7 +280,6 @@ class TailTiles:
     tail_rows:     [same] int32, real rows of each sub-tile (1..sub_m, 0 unused)
     """
 
-    tail_rows_max: int
     sub_m: int
     block_expert: torch.Tensor
     tail_expert: torch.Tensor
@@ -322,7 +321,7 @@ def split_tail_tiles(blocks: BlockAlignment, num_experts: int, tail_rows: int, s
     tail_expert = torch.where(ok, experts, -1).reshape(-1).to(torch.int32)
     tail_row0 = torch.where(ok, tb * blocks.block_m + i * sub_m, 0).reshape(-1).to(torch.int32)
     tail_n = torch.where(ok, n.clamp(max=sub_m), 0).reshape(-1).to(torch.int32)
-    return TailTiles(tail_rows, sub_m, big, tail_expert, tail_row0, tail_n)
+    return TailTiles(sub_m, big, tail_expert, tail_row0, tail_n)
 
 
 def split_tail_tiles_triton(blocks: BlockAlignment, num_experts: int, tail_rows: int, sub_m: int,
@@ -335,7 +334,7 @@ def split_tail_tiles_triton(blocks: BlockAlignment, num_experts: int, tail_rows:
     launch("tail_tiles_kernel", (1,), (blocks.block_expert, blocks.block_rows, big, tail_expert, tail_row0, tail_n,
                                        E, blocks.max_blocks),
            _tail_options(blocks.block_m, tail_rows, sub_m, _next_pow2(E)))  # fmt: skip
-    return TailTiles(tail_rows, sub_m, big, tail_expert, tail_row0, tail_n)
+    return TailTiles(sub_m, big, tail_expert, tail_row0, tail_n)
 
 
 @functools.lru_cache(maxsize=None)

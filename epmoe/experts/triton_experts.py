@@ -293,14 +293,19 @@ def presets_for(mode: str) -> Dict[str, TritonConfig]:
     return _DENSE_PRESETS
 
 
-def pick_config(mode: str, num_entries: int, num_experts: int) -> TritonConfig:
-    """Preset by the mean rows per local expert (a host int: no sync), from AUTO_PRESETS."""
+def _by_rows(table: Tuple[Tuple[Optional[float], str], ...], num_entries: int, num_experts: int) -> str:
+    """The preset name of a (rows-per-expert upper bound, name) table (AUTO_PRESETS' form) for the mean
+    rows per local expert (a host int: no sync)."""
     rows = num_entries / max(num_experts, 1)
-    table = AUTO_PRESETS.get(mode, AUTO_PRESETS["bf16"])
     for bound, name in table:
         if bound is None or rows <= bound:
-            return presets_for(mode)[name]
-    return presets_for(mode)[table[-1][1]]
+            return name
+    return table[-1][1]
+
+
+def pick_config(mode: str, num_entries: int, num_experts: int) -> TritonConfig:
+    """Preset by the mean rows per local expert (a host int: no sync), from AUTO_PRESETS."""
+    return presets_for(mode)[_by_rows(AUTO_PRESETS.get(mode, AUTO_PRESETS["bf16"]), num_entries, num_experts)]
 
 
 # --------------------------------------------------------------------------- kernels (lazy)
@@ -784,7 +789,7 @@ class TritonExperts(Experts):
         if alignment is None or alignment.block_m != cfg.block_m or alignment.max_blocks != max_blocks_for(
                 N * K, E, cfg.block_m):  # fmt: skip
             alignment = self._align(ids32, cfg)
-        tails = self._tail_tiles(alignment, cfg) if plan[1] and cfg.tail_rows else None
+        tails = self._tail_tiles(alignment, cfg) if plan[4] else None
         act, act_scale = self._gemm1(x, x_scale, alignment, N * K, K, cfg, plan, tails)
         # what gemm1 does not read is prepared after its launch (the GPU idles until then)
         w_flat = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
@@ -793,8 +798,8 @@ class TritonExperts(Experts):
         return self._reduce(y, ids32)
 
     def _tile_plan(self, cfg: TritonConfig, top_k: int) -> tuple:
-        """(cfg, runs the Gluon W4A16 kernels, gemm1 launch keywords, gemm2 launch keywords) of the Triton
-        GEMMs for tile preset `cfg`: checked (`_check_tile_config`) and built once, then kept, keyed by the
+        """(cfg, runs the Gluon W4A16 kernels, gemm1 launch keywords, gemm2 launch keywords, hands its small
+        tiles to the decode kernel (`runs_tails`)) of the Triton GEMMs for tile preset `cfg`: checked (`_check_tile_config`) and built once, then kept, keyed by the
         preset and what else the plan reads that may change (the fp4 conversion: a reload can switch
         it; the W4A16 decode kernel choice; FP4_SCALE_PREFETCH and the Gluon decode tiles, module settings)."""
         conv = self._fp4_kernel_convert
@@ -822,7 +827,7 @@ class TritonExperts(Experts):
         )  # fmt: skip
         if len(self._tile_plans) >= 64:
             self._tile_plans.clear()
-        plan = self._tile_plans[key] = (cfg, self.uses_gluon_w4a16(cfg), kw1, kw2)
+        plan = self._tile_plans[key] = (cfg, self.uses_gluon_w4a16(cfg), kw1, kw2, self.runs_tails(cfg))
         return plan
 
     def _weight_operands(self, gemm1: bool) -> tuple:
@@ -856,9 +861,9 @@ class TritonExperts(Experts):
         return align_blocks(sort_by_expert(ids32, self.num_experts), cfg.block_m)
 
     def _tail_tiles(self, blocks: BlockAlignment, cfg: TritonConfig) -> Optional[TailTiles]:
-        """The small tiles of a wgmma preset with tail_rows, split off for the Gluon decode kernel (None
-        where that kernel cannot run this layer's shapes: the wgmma kernel keeps them)."""
-        if not self.runs_tails(cfg) or blocks.max_blocks == 0:
+        """The small tiles of a preset that `runs_tails`, split off for the Gluon decode kernel (None for an
+        empty alignment)."""
+        if blocks.max_blocks == 0:
             return None
         if self.align_impl == "triton":
             return split_tail_tiles_triton(blocks, self.num_experts, cfg.tail_rows, TAIL_SUB_M, self._launch)
@@ -901,8 +906,7 @@ class TritonExperts(Experts):
         if cfg.wgmma and not self.uses_gluon_w4a16(cfg):
             cfg = presets_for(self.mode)[WGMMA_FALLBACK]
         elif self._half_tiles_unrunnable(cfg):
-            rows = num_entries / max(self.num_experts, 1)
-            cfg = presets_for(self.mode)[next(n for bound, n in SPLIT_FALLBACK_WIDE if bound is None or rows <= bound)]
+            cfg = presets_for(self.mode)[_by_rows(SPLIT_FALLBACK_WIDE, num_entries, self.num_experts)]
         return cfg
 
     def _half_tiles_unrunnable(self, cfg: TritonConfig) -> bool:

@@ -5,6 +5,9 @@ time to issue one call while the GPU is busy with earlier work (`host_issue_ms_m
 of a layer when layers follow each other without a sync) and the wall time per call of 10 calls back
 to back against the busy time (`back_to_back_overhead_ms`).
 
+`per_call_idle_ms_median` (`per_call_idle`): wall - busy of the same call, both from one profiler
+trace (the GPU idle time inside each synchronized call; the profiler slows the host, so an upper bound).
+
 `host_overhead_vs_graph_ms` (`against_graph`) isolates the host's share: the eager call against the
 same call replayed from a CUDA graph (the same kernels, no Python, no launches from the host), both
 synchronized, one right after the other, median of the differences. wall - busy also holds what the
@@ -138,6 +141,56 @@ def against_graph(layer, x, logits, iters: int, sync) -> dict:
     return {"graph_wall_ms_median": statistics.median(graph), "host_overhead_vs_graph_ms": statistics.median(diffs)}
 
 
+def per_call_idle(layer, x, logits, iters: int, sync) -> dict:
+    """GPU idle time inside each synchronized call, from one profiler trace (CPU and GPU on one clock):
+    per call, (CPU time from the call's start to the sync's return) - (union of that call's kernel
+    spans). Wall and busy come from the same call, so the GPU's own time varying from loop to loop (which
+    moves wall - busy of separate loops by 0.2 ms and more at T = 4096) does not enter. The profiler
+    records every op on the host too, which slows the host down: this is an upper bound of the idle time
+    without it. Also: the first kernel's start and the time from the last kernel's end to the sync's
+    return, per call (medians)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(iters + 2):
+            sync()
+            with record_function(f"epmoe_call{i}"):
+                layer(x, logits)
+                sync()
+    evs = list(prof.events())
+    # the calls: their CPU ranges (the profiler also puts each range on the GPU's timeline, as an annotation
+    # from the range's first kernel to its last: neither a call nor a kernel here)
+    calls = sorted((e for e in evs if e.name.startswith("epmoe_call") and e.device_type.name == "CPU"),
+                   key=lambda e: e.time_range.start)[2:]
+    kernels = sorted(((e.time_range.start, e.time_range.end) for e in evs
+                      if e.device_type.name == "CUDA" and not e.name.startswith("epmoe_call")))
+    idle, first, tail, busy = [], [], [], []
+    for c in calls:
+        t0, t1 = c.time_range.start, c.time_range.end
+        spans = [(max(a, t0), min(b, t1)) for a, b in kernels if a < t1 and b > t0]
+        if not spans:
+            continue
+        merged, end = 0.0, None
+        for a, b in spans:  # kernels of two streams can overlap: their union
+            if end is None or a > end:
+                merged += b - a
+                end = b
+            elif b > end:
+                merged += b - end
+                end = b
+        busy.append(merged / 1e3)
+        idle.append((t1 - t0 - merged) / 1e3)
+        first.append((spans[0][0] - t0) / 1e3)
+        tail.append((t1 - max(b for _, b in spans)) / 1e3)
+    if not idle:
+        return {"per_call_error": "no kernel spans inside the profiled calls"}
+    return {"per_call_idle_ms_median": statistics.median(idle), "per_call_idle_ms_max": max(idle),
+            "per_call_busy_ms_median": statistics.median(busy),
+            "per_call_first_kernel_ms_median": statistics.median(first),
+            "per_call_after_last_kernel_ms_median": statistics.median(tail), "per_call_calls": len(idle)}
+
+
 def layer_and_inputs(cfg, dispatcher: str, T: int, device, experts: str = "triton", warmup: int = 10,
                      routing_impl: str = "auto"):
     """(layer, x, logits): an ep = 1 EPMoE with random weights (`_weights`) and T random tokens and
@@ -217,6 +270,7 @@ def measure(dispatcher: str, experts: str, T: int, cfg, device, iters: int, warm
             reps.append((time.perf_counter() - t0) * 1e3 / 10)
         out.update(host_issue_ms_median=statistics.median(issue), back_to_back_ms_per_call=statistics.median(reps),
                    back_to_back_overhead_ms=statistics.median(reps) - busy)
+        out.update(per_call_idle(layer, x, logits, iters, sync))
         out.update(against_graph(layer, x, logits, 3 * iters, sync))
         if "graph_wall_ms_median" in out:
             out["graph_wall_minus_busy_ms"] = out["graph_wall_ms_median"] - busy

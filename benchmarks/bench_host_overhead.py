@@ -141,6 +141,24 @@ def against_graph(layer, x, logits, iters: int, sync) -> dict:
     return {"graph_wall_ms_median": statistics.median(graph), "host_overhead_vs_graph_ms": statistics.median(diffs)}
 
 
+def call_window_times(t0: float, t1: float, kernels) -> "tuple | None":
+    """(busy, idle, first kernel after, after last kernel) of the window [t0, t1] (us) given kernel spans
+    (start, end) on the same clock, sorted by start: busy = the union of the spans' parts inside the window
+    (kernels of two streams can overlap), idle = the window's length - busy. None if no kernel falls in it."""
+    spans = [(max(a, t0), min(b, t1)) for a, b in kernels if a < t1 and b > t0]
+    if not spans:
+        return None
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy, t1 - t0 - busy, spans[0][0] - t0, t1 - max(b for _, b in spans)
+
+
 def per_call_idle(layer, x, logits, iters: int, sync) -> dict:
     """GPU idle time inside each synchronized call, from one profiler trace (CPU and GPU on one clock):
     per call, (CPU time from the call's start to the sync's return) - (union of that call's kernel
@@ -167,22 +185,11 @@ def per_call_idle(layer, x, logits, iters: int, sync) -> dict:
                       if e.device_type.name == "CUDA" and not e.name.startswith("epmoe_call")))
     idle, first, tail, busy = [], [], [], []
     for c in calls:
-        t0, t1 = c.time_range.start, c.time_range.end
-        spans = [(max(a, t0), min(b, t1)) for a, b in kernels if a < t1 and b > t0]
-        if not spans:
+        window = call_window_times(c.time_range.start, c.time_range.end, kernels)
+        if window is None:
             continue
-        merged, end = 0.0, None
-        for a, b in spans:  # kernels of two streams can overlap: their union
-            if end is None or a > end:
-                merged += b - a
-                end = b
-            elif b > end:
-                merged += b - end
-                end = b
-        busy.append(merged / 1e3)
-        idle.append((t1 - t0 - merged) / 1e3)
-        first.append((spans[0][0] - t0) / 1e3)
-        tail.append((t1 - max(b for _, b in spans)) / 1e3)
+        for out, v in zip((busy, idle, first, tail), window):
+            out.append(v / 1e3)
     if not idle:
         return {"per_call_error": "no kernel spans inside the profiled calls"}
     return {"per_call_idle_ms_median": statistics.median(idle), "per_call_idle_ms_max": max(idle),

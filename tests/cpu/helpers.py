@@ -60,11 +60,16 @@ def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def load_aot_sm90():
-    """benchmarks/aot_sm90.py as a module (the sm90 compile tool; tests load it by path)."""
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the scripts are not a package; tests load them by path)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("aot_sm90", os.path.join(root, "benchmarks", "aot_sm90.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_aot_sm90():
+    """benchmarks/aot_sm90.py as a module (the sm90 compile tool)."""
+    return load_benchmark("aot_sm90")

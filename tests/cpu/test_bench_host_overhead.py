@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from tests.cpu.helpers import load_benchmark
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -34,11 +36,7 @@ def test_call_window_times_unions_overlapping_kernels_and_clips_to_the_call():
     """The per-call idle figure's arithmetic (`call_window_times`) on made-up spans: kernels of two streams
     overlapping count once, a kernel reaching past either end of the call counts only inside it, a window
     with no kernel gives None."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        from bench_host_overhead import call_window_times
-    finally:
-        sys.path.pop(0)
+    call_window_times = load_benchmark("bench_host_overhead").call_window_times
     # call [100, 200]: a kernel from before the call (90-110), two overlapping (120-150, 140-160), one nested
     # (145-155), one past the end (190-230), one after the call (250-260)
     kernels = [(90, 110), (120, 150), (140, 160), (145, 155), (190, 230), (250, 260)]

@@ -6,13 +6,10 @@ raises. The Triton launches are recorded, not run (a stand-in: this proves the h
 tests/gpu/test_host_overhead_gpu.py runs the same check on an H200 with torch.cuda.set_sync_debug_mode).
 """
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.cpu.helpers import load_benchmark
 
 
 def _cpu_availability(monkeypatch):
@@ -23,11 +20,7 @@ def _cpu_availability(monkeypatch):
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_host_overhead",
-                                                  os.path.join(ROOT, "benchmarks", "bench_host_overhead.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_host_overhead")
 
 
 # T = 16: decode tiles (6 launches); T = 512 with 16 experts: 256 rows per expert, the grouped_mm path

@@ -126,12 +126,13 @@ def _to_b(x3, BM: gl.constexpr, B_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _scale_words(s_ptrs, kk, W_FMT: gl.constexpr, PAIR: gl.constexpr):
+def _scale_words(s_ptrs, kk, W_FMT: gl.constexpr, PAIR: gl.constexpr, PAIR_WORDS: gl.constexpr):
     """The scale words (int32) of K step kk, and of kk + 1 with PAIR (kk even): one load per row for
     both (every lane of a row reads the same word). nvfp4: 4 bytes per step (int32; a pair int64),
-    mxfp4: 2 bytes per step (int16; a pair int32)."""
+    mxfp4: 2 bytes per step (int16; a pair int32). The scales come in K-step pairs
+    (`kernel_formats.pair_fp4_scales`), PAIR_WORDS of s_ptrs' words from one pair to the next."""
     if PAIR:
-        w = gl.load(s_ptrs + kk // 2)
+        w = gl.load(s_ptrs + (kk // 2) * PAIR_WORDS)
         if W_FMT == 2:
             w0 = w.to(gl.int32)
             w1 = (w >> 32).to(gl.int32)
@@ -139,7 +140,7 @@ def _scale_words(s_ptrs, kk, W_FMT: gl.constexpr, PAIR: gl.constexpr):
             w0 = w & 0xFFFF
             w1 = (w >> 16) & 0xFFFF
     else:
-        w0 = gl.load(s_ptrs + kk).to(gl.int32)
+        w0 = gl.load(s_ptrs + ((kk // 2) * PAIR_WORDS + kk % 2)).to(gl.int32)
         w1 = w0
     return w0, w1
 
@@ -319,7 +320,8 @@ def w4a16_swap_kernel(
     N_OUT: gl.constexpr,  # weight rows per projection: gemm1 I, gemm2 H
     K: gl.constexpr,  # reduction: gemm1 H, gemm2 I
     stride_wn: gl.constexpr,  # K / 2 (contiguous weight rows)
-    stride_wsn: gl.constexpr,  # K / group (contiguous scale rows)
+    stride_wsn: gl.constexpr,  # bytes from one row's scales to the next (scale pairs: 8 nvfp4, 4 mxfp4)
+    stride_wsp: gl.constexpr,  # bytes from one K-step pair of a row's scales to the next (`kernel_formats.pair_fp4_scales`)
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
     SPLIT_M: gl.constexpr = False,  # a tile with <= BLOCK_M / 2 real rows runs BLOCK_M / 2 of them
     TILED: gl.constexpr = False,  # weights in row tiles (`kernel_formats.tile_fp4_rows`, option triton_fp4_layout=tiles)
@@ -340,18 +342,18 @@ def w4a16_swap_kernel(
             if half:
                 _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
                            row0, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
-                           stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT,
+                           stride_wsn, stride_wsp, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT,
                            GATED, ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M // 2, BLOCK_N, UNROLL, WORDS, TILED)
         if not half:
             _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert.to(gl.int64),
                        row0, pid_n, num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse,
-                       stride_wsn, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
+                       stride_wsn, stride_wsp, stride_wge, stride_be, stride_om, alpha, beta, limit, GEMM1, TOP_K, W_FMT, GATED,
                        ACT, HAS_LIMIT, HAS_BIAS, BLOCK_M, BLOCK_N, UNROLL, WORDS, TILED)
 
 
 @gluon.jit
 def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e64, row0, pid_n,
-               num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge,
+               num_entries, N_OUT, K, stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsp, stride_wge,
                stride_be, stride_om, alpha, beta, limit,
                GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr,
                ACT: gl.constexpr, HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -393,6 +395,7 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
     WTYPE: gl.constexpr = gl.int64 if WORD == 8 else (gl.int32 if WORD == 4 else gl.int16)
     sg_ptrs = s_rows.to(gl.pointer_type(WTYPE), bitcast=True)
     su_ptrs = sg_ptrs + N_OUT * stride_wsn // WORD
+    PAIR_WORDS: gl.constexpr = stride_wsp // WORD
 
     acc_g = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
@@ -400,16 +403,16 @@ def _swap_tile(x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_
     # UNROLL K steps per iteration: all their loads are issued before any of their math (bytes in
     # flight per warp; a loop-carried prefetch would keep each loaded byte in its own register)
     for kk in range(0, num_k, UNROLL):
-        ga, gb_ = _scale_words(sg_ptrs, kk, W_FMT, PAIR)
-        ua, ub_ = _scale_words(su_ptrs, kk, W_FMT, PAIR) if GATED else (ga, gb_)
+        ga, gb_ = _scale_words(sg_ptrs, kk, W_FMT, PAIR, PAIR_WORDS)
+        ua, ub_ = _scale_words(su_ptrs, kk, W_FMT, PAIR, PAIR_WORDS) if GATED else (ga, gb_)
         a_xl, a_xh, a_gb, a_gsl, a_gsh, a_ub, a_usl, a_ush = _loads(
             x_ptrs, g_ptrs, u_ptrs, kk, ga, ua, s_sel, W_FMT, GATED, WSTEP)
         if UNROLL >= 2:
             b_xl, b_xh, b_gb, b_gsl, b_gsh, b_ub, b_usl, b_ush = _loads(
                 x_ptrs, g_ptrs, u_ptrs, kk + 1, gb_, ub_, s_sel, W_FMT, GATED, WSTEP)
         if UNROLL == 4:
-            gc, gd = _scale_words(sg_ptrs, kk + 2, W_FMT, PAIR)
-            uc, ud = _scale_words(su_ptrs, kk + 2, W_FMT, PAIR) if GATED else (gc, gd)
+            gc, gd = _scale_words(sg_ptrs, kk + 2, W_FMT, PAIR, PAIR_WORDS)
+            uc, ud = _scale_words(su_ptrs, kk + 2, W_FMT, PAIR, PAIR_WORDS) if GATED else (gc, gd)
             c_xl, c_xh, c_gb, c_gsl, c_gsh, c_ub, c_usl, c_ush = _loads(
                 x_ptrs, g_ptrs, u_ptrs, kk + 2, gc, uc, s_sel, W_FMT, GATED, WSTEP)
             d_xl, d_xh, d_gb, d_gsl, d_gsh, d_ub, d_usl, d_ush = _loads(
@@ -521,9 +524,13 @@ def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, TILED: gl.constexpr 
 
 
 @gluon.jit
-def _scale_word(w_ptrs, kk, num_k):
-    """K step kk's scale words [R, 4] (int32; past K: the last step's, unused)."""
-    return gl.load(w_ptrs + gl.minimum(kk, num_k - 1)).to(gl.int32)
+def _scale_word(sr_ptrs, kk, num_k):
+    """K step kk's scale words [R, 4] (int32; past K: the last step's, unused): half kk % 2 of K-step pair
+    kk // 2 (`kernel_formats.pair_fp4_scales`; sr_ptrs: (word pointers of pair 0, selectors, words from
+    one pair to the next))."""
+    w_ptrs, _, pair_words = sr_ptrs
+    k = gl.minimum(kk, num_k - 1)
+    return gl.load(w_ptrs + ((k // 2) * pair_words + k % 2)).to(gl.int32)
 
 
 @gluon.jit
@@ -535,8 +542,8 @@ def _ring_operands(ring, sr_ptrs, kk, num_k, word, STAGES: gl.constexpr, W_FMT: 
     scale words): a scale word used in the step it is loaded in stalls the warp for the whole load."""
     x_lo, x_hi, w_s = ring
     s = kk % STAGES
-    w_ptrs, sel = sr_ptrs
-    nxt = _scale_word(w_ptrs, kk + 1, num_k)
+    _, sel, _ = sr_ptrs
+    nxt = _scale_word(sr_ptrs, kk + 1, num_k)
     b3 = w_s.index(s).reshape([R, 4, 8]).load(WN)
     f_lo, f_hi = _step_scales(word, sel, W_FMT)
     lo, hi = _dequant3(b3, gl.expand_dims(f_lo, 2), gl.expand_dims(f_hi, 2), WORDS)
@@ -593,7 +600,7 @@ def _tile_rows(pid_n, N_OUT, R: gl.constexpr, BLOCK_N: gl.constexpr, GATED: gl.c
 def w4a16_wgmma_kernel(
     x_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr,
     num_entries, max_blocks, N_OUT, K,
-    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_om,
+    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsp, stride_wge, stride_be, stride_om,
     alpha, beta, limit,
     GEMM1: gl.constexpr, TOP_K: gl.constexpr, W_FMT: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr,
     HAS_LIMIT: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -630,13 +637,15 @@ def w4a16_wgmma_kernel(
         wrow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, WC))
         wcols = gl.arange(0, 32, layout=gl.SliceLayout(0, WC))
         w_ptrs = w_ptr + e64 * stride_we + _fp4_row_offsets(wrow, stride_wn, TILED)[:, None] + wcols[None, :]
-        # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row
+        # a K step's scale word per row (nvfp4 4 bytes, mxfp4 2), read by every lane of the row; the rows'
+        # words of a K step sit stride_wsn bytes apart (scale pairs, `kernel_formats.pair_fp4_scales`)
         srow3 = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, gl.SliceLayout(1, S2))
         ts = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
         s_rows = ws_ptr + e64 * stride_wse + srow3[:, None] * stride_wsn + (ts * 0)[None, :]
         WTYPE: gl.constexpr = gl.int32 if W_FMT == 2 else gl.int16
         sr_ptrs = (s_rows.to(gl.pointer_type(WTYPE), bitcast=True),
-                   _scale_selectors(ts, W_FMT)[None, :] + (srow3 * 0).to(gl.int32)[:, None])
+                   _scale_selectors(ts, W_FMT)[None, :] + (srow3 * 0).to(gl.int32)[:, None],
+                   stride_wsp // (4 if W_FMT == 2 else 2))
 
         x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
         x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
@@ -652,8 +661,7 @@ def w4a16_wgmma_kernel(
             fence_async_shared()
         gl.thread_barrier()
         acc = gl.zeros([R, BLOCK_M], gl.float32, MMA)
-        s_ptrs, _ = sr_ptrs
-        a_lo, a_hi, word = _ring_operands(ring, sr_ptrs, 0, num_k, _scale_word(s_ptrs, 0, num_k), STAGES, W_FMT, R,
+        a_lo, a_hi, word = _ring_operands(ring, sr_ptrs, 0, num_k, _scale_word(sr_ptrs, 0, num_k), STAGES, W_FMT, R,
                                           WN, A_L, WORDS)
         # two K steps per iteration, so that the operands of the step in flight and of the next one can
         # live in different registers (sm90 SASS: ptxas does so with PENDING; without it, it copies the

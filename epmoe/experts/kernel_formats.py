@@ -10,9 +10,10 @@ Kernel layout (what `TritonExperts.parameters()` holds), R = 2I ([gate; up]) or 
                 default, [gate; up] with the backend option triton_gate_up=blocked; w2 [E, H, I]
     fp8_block   w13 [E, R, H] e4m3, w13_scale [E, 2*ceil(I/128), ceil(H/128)] f32 (gate grid, then up
                 grid: a 128-row block never mixes gate and up), w2 [E, H, I], w2_scale f32
-    nvfp4       w13 [E, R, H/2] uint8 k64-interleaved (below), w13_scale [E, R, H/16] e4m3,
+    nvfp4       w13 [E, R, H/2] uint8 k64-interleaved (below), w13_scale e4m3 [E, R, H/16] as scale codes
+                (`encode_nvfp4_scales`) in K-step pairs [E, R, ceil(H/128), 8] (`pair_fp4_scales`),
                 w13_global_scale [E, 2] f32 (gate, up; [E, 1] for relu2), w2 .., w2_global_scale [E, 1]
-    mxfp4       as nvfp4 with e8m0 (uint8) scales [.., K/32] and no global scale
+    mxfp4       as nvfp4 with e8m0 (uint8) scales [.., K/32], paired [.., ceil(K/128), 4], no global scale
 k64 interleave (`interleave_fp4_k64`): canonical packing has element 2j in the low nibble of byte j;
 the kernels read 64-element K blocks where byte j (0 <= j < 32) of block b holds element 64b + j in
 its low nibble and 64b + 32 + j in its high nibble, so a K tile splits into two contiguous halves
@@ -181,6 +182,44 @@ def tile_fp4_rows(kpacked: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         t = kpacked[e].reshape(R // FP4_TILE_ROWS, FP4_TILE_ROWS, KB // 32, 32).permute(0, 2, 1, 3)
         out[e] = t.reshape(R, KB)  # (a copy: the permuted view is not contiguous; inplace: read before written)
     return out
+
+
+FP4_SCALE_STEP = 64  # K elements per step of `pair_fp4_scales` (the kernels' K step)
+
+
+def pair_fp4_scales(scales: torch.Tensor, group: int) -> torch.Tensor:
+    """fp4 block scales [E, R, K/group] uint8 (nvfp4 codes: group 16, mxfp4 e8m0: group 32; K % 64 == 0)
+    -> scale pairs [E, R, ceil(S/2), 2 * (64 / group)] (S = K/64 steps): a row's scales of K steps 2p and
+    2p + 1 (8 bytes nvfp4, 4 mxfp4) as pair p, a view of new storage [E, ceil(S/2), R, pair] in which pair p
+    of all R rows is contiguous (strides (ceil(S/2) * R * pair, pair, R * pair, 1)); an odd step count's last
+    pair ends in zero bytes. The kernels read a K step's scales of the consecutive rows of a tile from one
+    contiguous span (coalesced; row-major scales put every row's word in its own 32-byte sector), and two
+    steps' scales of a row as one 8- / 4-byte word. Inverse `unpair_fp4_scales`."""
+    if scales.dim() != 3 or scales.dtype != torch.uint8:
+        raise ValueError(f"fp4 scales must be uint8 [E, R, K/group], got {scales.dtype} {list(scales.shape)}")
+    if group not in (16, 32):
+        raise ValueError(f"fp4 scale group must be 16 (nvfp4) or 32 (mxfp4), got {group}")
+    E, R, G = scales.shape
+    per_step = FP4_SCALE_STEP // group
+    if G % per_step:
+        raise ValueError(f"fp4 scales [{E}, {R}, {G}] do not cover whole K steps of 64 (K/{group} per row)")
+    steps = G // per_step
+    pairs, pair = -(-steps // 2), 2 * per_step
+    out = torch.zeros(E, pairs, R, pair, dtype=torch.uint8, device=scales.device)
+    for e in range(E):  # one expert at a time: no second full copy at load
+        src = scales[e]
+        if steps % 2:
+            padded = torch.zeros(R, pairs * pair, dtype=torch.uint8, device=scales.device)
+            padded[:, :G] = src
+            src = padded
+        out[e] = src.reshape(R, pairs, pair).transpose(0, 1)
+    return out.permute(0, 2, 1, 3)
+
+
+def unpair_fp4_scales(paired: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """Inverse of `pair_fp4_scales` for reduction size k: [E, R, K/group] uint8, contiguous."""
+    E, R, pairs, pair = paired.shape
+    return paired.reshape(E, R, pairs * pair)[:, :, : k // group].contiguous()
 
 
 def normalize_nvfp4_scales(kpacked: torch.Tensor, scales: torch.Tensor, name: str = "w13", first_expert: int = 0) -> None:

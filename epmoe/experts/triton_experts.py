@@ -682,6 +682,10 @@ class TritonExperts(Experts):
         if self.fp4_tiles:  # every kernel of this backend reads the tiles (their TILED); in place, as above
             new["w13"] = kf.tile_fp4_rows(new["w13"], inplace=True)
             new["w2"] = kf.tile_fp4_rows(new["w2"], inplace=True)
+        if fmt in ("nvfp4", "mxfp4"):  # every kernel reads the scales in K-step pairs, a pair of all rows contiguous
+            group = 16 if fmt == "nvfp4" else 32
+            for name in ("w13_scale", "w2_scale"):
+                new[name] = kf.pair_fp4_scales(new[name].view(torch.uint8), group)
         expected = self._expected_shapes()
         for name, shape in expected.items():
             if tuple(new[name].shape) != shape:
@@ -724,11 +728,12 @@ class TritonExperts(Experts):
                 "w2_scale": (E, kf._cdiv(H, 128), kf._cdiv(I, 128)),
             }
         group = 16 if self.mode == "nvfp4_w4a16" else 32
+        pair = 2 * kf.FP4_SCALE_STEP // group  # scale pairs (`kernel_formats.pair_fp4_scales`)
         shapes = {
             "w13": (E, R, H // 2),
-            "w13_scale": (E, R, H // group),
+            "w13_scale": (E, R, kf._cdiv(H, 2 * kf.FP4_SCALE_STEP), pair),
             "w2": (E, H, I // 2),
-            "w2_scale": (E, H, I // group),
+            "w2_scale": (E, H, kf._cdiv(I, 2 * kf.FP4_SCALE_STEP), pair),
         }
         if self.mode == "nvfp4_w4a16":
             shapes["w13_global_scale"] = (E, halves)
@@ -831,7 +836,8 @@ class TritonExperts(Experts):
         return plan
 
     def _weight_operands(self, gemm1: bool) -> tuple:
-        """(w, ws, wg, b, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1) or 0, wg.stride(0), b.stride(0))
+        """(w, ws, wg, b, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1) or 0, ws.stride(2) (fp4 scale
+        pairs: `kernel_formats.pair_fp4_scales`) or 0, wg.stride(0), b.stride(0))
         of gemm1 (w13) or gemm2 (w2) as the Triton GEMMs take them (ws / wg / b: w where absent), made once
         per set of weight tensors (a reload copies in place: they stay valid)."""
         p = self._params
@@ -841,7 +847,7 @@ class TritonExperts(Experts):
                 w = p[name]
                 ws, wg, b = p.get(name + "_scale", w), p.get(name + "_global_scale", w), p.get(bias, w)
                 return (w, ws, wg, b, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1) if ws.dim() > 1 else 0,
-                        wg.stride(0), b.stride(0))
+                        ws.stride(2) if ws.dim() == 4 else 0, wg.stride(0), b.stride(0))
             c = self._wops = (p["w13"], p["w2"], one("w13", "b13"), one("w2", "b2"))
         return c[2] if gemm1 else c[3]
 
@@ -978,8 +984,8 @@ class TritonExperts(Experts):
             BN = self._wgmma_block_n(gemm1, cfg)
             tail = (
                 num_entries, blocks.max_blocks, n_out, k,
-                x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), wg.stride(0), b.stride(0),
-                out.stride(0), alpha, beta, limit,
+                x.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), ws.stride(2), wg.stride(0),
+                b.stride(0), out.stride(0), alpha, beta, limit,
             )  # fmt: skip
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), head + tail,
                          dict(consts, BLOCK_N=BN, STAGES=g.num_stages, PENDING=cfg.wgmma_pending,
@@ -1002,7 +1008,7 @@ class TritonExperts(Experts):
                      out.stride(0), alpha, beta, limit)  # fmt: skip
         self._launch("w4a16_swap_kernel", (n_tiles * (n_out // BN),), head + (tiles, table) + swap_tail,
                      dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=split, N_OUT=n_out, K=k,
-                          stride_wn=w.stride(1), stride_wsn=ws.stride(1), num_warps=warps, **extra))
+                          stride_wn=w.stride(1), stride_wsn=ws.stride(1), stride_wsp=ws.stride(2), num_warps=warps, **extra))
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);
@@ -1049,7 +1055,7 @@ class TritonExperts(Experts):
             self._gluon_w4a16(True, x, out, blocks, num_entries, top_k, None, cfg, tails)
             return out, None
         out_s = torch.empty(P, triton_cdiv(I, 128), dtype=torch.float32, device=self.device) if fp8 else out
-        w, ws, wg, b, sw0, sw1, sws0, sws1, swg0, sb0 = self._weight_operands(True)
+        w, ws, wg, b, sw0, sw1, sws0, sws1, sws2, swg0, sb0 = self._weight_operands(True)
         xs = x_scale if x_scale is not None else x
         _, _, alpha, beta, limit = self.act_args
         grid = (blocks.max_blocks * triton_cdiv(I, cfg.gemm1.block_n),)
@@ -1057,7 +1063,7 @@ class TritonExperts(Experts):
             x, xs, w, ws, wg, b, out, out_s,
             blocks.sorted_ids, blocks.block_expert, blocks.block_rows,
             num_entries, blocks.max_blocks, self.hidden_size, I,
-            x.stride(0), xs.stride(0), sw0, sw1, sws0, sws1, swg0, sb0, out.stride(0), out_s.stride(0),
+            x.stride(0), xs.stride(0), sw0, sw1, sws0, sws1, sws2, swg0, sb0, out.stride(0), out_s.stride(0),
             alpha, beta, limit,
         ), plan[2])  # fmt: skip
         return out, (out_s if fp8 else None)
@@ -1069,14 +1075,14 @@ class TritonExperts(Experts):
         if plan[1]:
             self._gluon_w4a16(False, act, y, blocks, num_entries, 1, w_flat, cfg, tails)
             return
-        w, ws, wg, b, sw0, sw1, sws0, sws1, swg0, sb0 = self._weight_operands(False)
+        w, ws, wg, b, sw0, sw1, sws0, sws1, sws2, swg0, sb0 = self._weight_operands(False)
         a_s = act_scale if act_scale is not None else act
         grid = (blocks.max_blocks * triton_cdiv(self.hidden_size, cfg.gemm2.block_n),)
         self._launch("moe_gemm2_kernel", grid, (
             act, a_s, w, ws, wg, b, y, w_flat,
             blocks.sorted_ids, blocks.block_expert, blocks.block_rows,
             num_entries, blocks.max_blocks, self.hidden_size, self.intermediate_size,
-            act.stride(0), a_s.stride(0), sw0, sw1, sws0, sws1, swg0, sb0, y.stride(0),
+            act.stride(0), a_s.stride(0), sw0, sw1, sws0, sws1, sws2, swg0, sb0, y.stride(0),
         ), plan[3])  # fmt: skip
 
     def _check_tile_config(self, cfg: TritonConfig) -> None:

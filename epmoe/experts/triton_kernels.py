@@ -48,18 +48,20 @@ def _nv_scale_f32(code):
 
 
 @triton.jit
-def _fp4_scales(s_ptrs, kk, W_FMT: tl.constexpr):
+def _fp4_scales(s_ptrs, kk, stride_wsp, W_FMT: tl.constexpr):
     """The scales of one k64 block for each column: nvfp4 4 scale codes (groups 4kk .. 4kk+3), mxfp4 2 e8m0
     (2kk, 2kk+1), loaded as one [BN, 4] / [BN, 2] tile (a 4- / 2-byte vector per column, which the
-    pipeliner can stage like the weights) instead of one byte load per group."""
+    pipeliner can stage like the weights) instead of one byte load per group. The scales come in K-step
+    pairs (`kernel_formats.pair_fp4_scales`): step kk's at pair kk // 2 (stride_wsp bytes apart), half kk % 2."""
+    pair_off = (kk // 2) * stride_wsp
     if W_FMT == 2:
-        s = tl.load(s_ptrs[:, None] + 4 * kk + tl.arange(0, 4)[None, :])
+        s = tl.load(s_ptrs[:, None] + (pair_off + (kk % 2) * 4) + tl.arange(0, 4)[None, :])
         s_even, s_odd = tl.split(tl.reshape(s, (s.shape[0], 2, 2)))  # (s0, s2), (s1, s3)
         s0, s2 = tl.split(s_even)
         s1, s3 = tl.split(s_odd)
         return s0, s1, s2, s3
     else:
-        e = tl.load(s_ptrs[:, None] + 2 * kk + tl.arange(0, 2)[None, :])
+        e = tl.load(s_ptrs[:, None] + (pair_off + (kk % 2) * 2) + tl.arange(0, 2)[None, :])
         e_lo, e_hi = tl.split(e)
         return e_lo, e_hi, e_lo, e_hi
 
@@ -190,7 +192,7 @@ def _fp4_dequant_packed(p, s0, s1, s2, s3, HALF: tl.constexpr, W_FMT: tl.constex
 
 
 @triton.jit
-def _fp4_block(p, s_ptrs, n0, n1, n2, n3, kk, num_k, HALF: tl.constexpr, W_FMT: tl.constexpr,
+def _fp4_block(p, s_ptrs, n0, n1, n2, n3, kk, num_k, stride_wsp, HALF: tl.constexpr, W_FMT: tl.constexpr,
                FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """K step kk of a W4A16 loop: bytes p -> (w_lo, w_hi) and the scales the next step uses.
     FP4_PREFETCH: n0..n3 are step kk's scales (read one step earlier) and step kk + 1's are read
@@ -198,9 +200,9 @@ def _fp4_block(p, s_ptrs, n0, n1, n2, n3, kk, num_k, HALF: tl.constexpr, W_FMT: 
     1 `_fp4_dequant_packed`, 2 the same with inline PTX, 3 inline PTX on bit-permuted words."""
     c0, c1, c2, c3 = n0, n1, n2, n3
     if FP4_PREFETCH:
-        n0, n1, n2, n3 = _fp4_scales(s_ptrs, tl.minimum(kk + 1, num_k - 1), W_FMT)
+        n0, n1, n2, n3 = _fp4_scales(s_ptrs, tl.minimum(kk + 1, num_k - 1), stride_wsp, W_FMT)
     else:
-        c0, c1, c2, c3 = _fp4_scales(s_ptrs, kk, W_FMT)
+        c0, c1, c2, c3 = _fp4_scales(s_ptrs, kk, stride_wsp, W_FMT)
     if FP4_PACKED:
         w_lo, w_hi = _fp4_dequant_packed(p, c0, c1, c2, c3, HALF, W_FMT, FP4_PACKED)
     else:
@@ -253,7 +255,7 @@ def _gemm1_tile(
     pid_m, pid_n, e64,
     x_ptr, xs_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, outs_ptr, sorted_ids_ptr,
     num_entries, H, I,
-    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsp, stride_wge, stride_be,
     stride_om, stride_osm,
     alpha, beta, limit,
     TOP_K: tl.constexpr, W_FMT: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
@@ -353,18 +355,18 @@ def _gemm1_tile(
         su_ptrs = sg_ptrs + I * stride_wsn
         # Scales are read one K step ahead (FP4_PREFETCH): their loads are too small for the
         # pipeliner's async copies, so without this each step waits for a global load.
-        g0, g1, g2, g3 = _fp4_scales(sg_ptrs, 0, W_FMT)
+        g0, g1, g2, g3 = _fp4_scales(sg_ptrs, 0, stride_wsp, W_FMT)
         if GATED:
-            u0, u1, u2, u3 = _fp4_scales(su_ptrs, 0, W_FMT)
+            u0, u1, u2, u3 = _fp4_scales(su_ptrs, 0, stride_wsp, W_FMT)
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            w_lo, w_hi, g0, g1, g2, g3 = _fp4_block(tl.load(g_ptrs), sg_ptrs, g0, g1, g2, g3, kk, num_k, HALF, W_FMT,
+            w_lo, w_hi, g0, g1, g2, g3 = _fp4_block(tl.load(g_ptrs), sg_ptrs, g0, g1, g2, g3, kk, num_k, stride_wsp, HALF, W_FMT,
                                                     FP4_PACKED, FP4_PREFETCH, x_ptr.dtype.element_ty)
             acc_g = tl.dot(a_lo, w_lo, acc_g)
             acc_g = tl.dot(a_hi, w_hi, acc_g)
             if GATED:
-                v_lo, v_hi, u0, u1, u2, u3 = _fp4_block(tl.load(u_ptrs), su_ptrs, u0, u1, u2, u3, kk, num_k, HALF, W_FMT,
+                v_lo, v_hi, u0, u1, u2, u3 = _fp4_block(tl.load(u_ptrs), su_ptrs, u0, u1, u2, u3, kk, num_k, stride_wsp, HALF, W_FMT,
                                                         FP4_PACKED, FP4_PREFETCH, x_ptr.dtype.element_ty)
                 acc_u = tl.dot(a_lo, v_lo, acc_u)
                 acc_u = tl.dot(a_hi, v_hi, acc_u)
@@ -423,6 +425,7 @@ def moe_gemm1_kernel(
     stride_wn,
     stride_wse,
     stride_wsn,
+    stride_wsp,  # fp4: bytes from one K-step pair of a row's scales to the next (`kernel_formats.pair_fp4_scales`)
     stride_wge,
     stride_be,
     stride_om,
@@ -463,7 +466,7 @@ def moe_gemm1_kernel(
         _gemm1_tile(
             pid_m, pid_n, e64, x_ptr, xs_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, outs_ptr,
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
-            stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
+            stride_wsn, stride_wsp, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
             BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH, TILED,
         )  # fmt: skip
@@ -471,7 +474,7 @@ def moe_gemm1_kernel(
         _gemm1_tile(
             pid_m, pid_n, e64, x_ptr, xs_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, out_ptr, outs_ptr,
             sorted_ids_ptr, num_entries, H, I, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse,
-            stride_wsn, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
+            stride_wsn, stride_wsp, stride_wge, stride_be, stride_om, stride_osm, alpha, beta, limit,
             TOP_K, W_FMT, GATED, ACT, HAS_LIMIT, HAS_BIAS, OUT_FP8, GATE_UP_IL,
             BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH, TILED,
         )  # fmt: skip
@@ -482,7 +485,7 @@ def _gemm2_tile(
     pid_m, pid_n, e64,
     a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr, sorted_ids_ptr,
     num_entries, N, K,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_be, stride_ym,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsp, stride_wge, stride_be, stride_ym,
     W_FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
     TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, FP4_PACKED: tl.constexpr, FP4_PREFETCH: tl.constexpr, TILED: tl.constexpr,
@@ -534,11 +537,11 @@ def _gemm2_tile(
         b_ptrs = w_base + _fp4_row_offsets(n_c, stride_wn, TILED)[None, :] + offs_h[:, None]
         WSTEP: tl.constexpr = 8 * HALF if TILED else HALF
         s_ptrs = ws_base + n_c.to(tl.int64) * stride_wsn
-        n0, n1, n2, n3 = _fp4_scales(s_ptrs, 0, W_FMT)
+        n0, n1, n2, n3 = _fp4_scales(s_ptrs, 0, stride_wsp, W_FMT)
         for kk in range(0, num_k):
             a_lo = tl.load(a_lo_ptrs)
             a_hi = tl.load(a_lo_ptrs + HALF)
-            w_lo, w_hi, n0, n1, n2, n3 = _fp4_block(tl.load(b_ptrs), s_ptrs, n0, n1, n2, n3, kk, num_k, HALF, W_FMT,
+            w_lo, w_hi, n0, n1, n2, n3 = _fp4_block(tl.load(b_ptrs), s_ptrs, n0, n1, n2, n3, kk, num_k, stride_wsp, HALF, W_FMT,
                                                     FP4_PACKED, FP4_PREFETCH, a_ptr.dtype.element_ty)
             acc = tl.dot(a_lo, w_lo, acc)
             acc = tl.dot(a_hi, w_hi, acc)
@@ -582,6 +585,7 @@ def moe_gemm2_kernel(
     stride_wn,
     stride_wse,
     stride_wsn,
+    stride_wsp,  # fp4: bytes from one K-step pair of a row's scales to the next (`kernel_formats.pair_fp4_scales`)
     stride_wge,
     stride_be,
     stride_ym,
@@ -610,14 +614,14 @@ def moe_gemm2_kernel(
         _gemm2_tile(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
-            stride_wsn, stride_wge, stride_be, stride_ym,
+            stride_wsn, stride_wsp, stride_wge, stride_be, stride_ym,
             W_FMT, HAS_BIAS, BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH, TILED,
         )  # fmt: skip
     else:
         _gemm2_tile(
             pid_m, pid_n, e64, a_ptr, as_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, y_ptr, topk_w_ptr,
             sorted_ids_ptr, num_entries, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
-            stride_wsn, stride_wge, stride_be, stride_ym,
+            stride_wsn, stride_wsp, stride_wge, stride_be, stride_ym,
             W_FMT, HAS_BIAS, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, FP4_PACKED, FP4_PREFETCH, TILED,
         )  # fmt: skip
 

@@ -31,7 +31,7 @@ def _convert_both(p_ptr, s_ptr, legacy_ptr, packed_ptr, BN: tl.constexpr, W_FMT:
     p = tl.load(p_ptr + rows * BN + cols)
     G: tl.constexpr = 4 if W_FMT == 2 else 2
     s_ptrs = s_ptr + tl.arange(0, BN) * G
-    s0, s1, s2, s3 = K._fp4_scales(s_ptrs, 0, W_FMT)
+    s0, s1, s2, s3 = K._fp4_scales(s_ptrs, 0, 2 * G, W_FMT)  # (kk = 0: the pair stride is not read)
     a_lo, a_hi = K._fp4_dequant(p, s0, s1, s2, s3, HALF, W_FMT, tl.bfloat16)
     b_lo, b_hi = K._fp4_dequant_packed(p, s0, s1, s2, s3, HALF, W_FMT)
     tl.store(legacy_ptr + rows * BN + cols, a_lo)

@@ -52,6 +52,9 @@ def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
         assert (args["N_OUT"], args["K"]) == (n_out, k)
         assert args["stride_xm"] == args["x_ptr"].stride(0) == k
         assert args["stride_om"] == args["out_ptr"].stride(0) == n_out
+        pair = 128 // (16 if mode == "nvfp4_w4a16" else 32)  # scales in K-step pairs (`kernel_formats.pair_fp4_scales`)
+        rows = 2 * n_out if kw["GEMM1"] else n_out
+        assert (args["stride_wsn"], args["stride_wsp"]) == (pair, rows * pair)
 
 
 @pytest.mark.parametrize("mode,preset", [("nvfp4_w4a16", "decode"), ("mxfp4_w4a16", "decode_split"),
@@ -75,7 +78,12 @@ def test_decode_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
         assert args["sorted_ids_ptr"].shape == (max_blocks * tiles.block_m,)
         n_out, k = (256, 512) if kw["GEMM1"] else (512, 256)  # the shape as constexprs, by keyword
         group = 16 if mode == "nvfp4_w4a16" else 32
-        assert (kw["N_OUT"], kw["K"], kw["stride_wn"], kw["stride_wsn"]) == (n_out, k, k // 2, k // group), kw
+        # scales in K-step pairs (`kernel_formats.pair_fp4_scales`): a row's pair 128 / group bytes, a pair of
+        # all n_out rows (gemm1 gated: gate and up) contiguous
+        pair = 128 // group
+        rows = 2 * n_out if kw["GEMM1"] else n_out
+        assert (kw["N_OUT"], kw["K"], kw["stride_wn"], kw["stride_wsn"], kw["stride_wsp"]) == (
+            n_out, k, k // 2, pair, rows * pair), kw
         assert args["stride_xm"] == args["x_ptr"].stride(0) == k
         assert args["stride_om"] == args["out_ptr"].stride(0)
 

@@ -418,7 +418,8 @@ def test_nvfp4_load_normalizes_scales_and_refuses_nan(force_available):
     ex = TritonExperts(spec)
     ex.load_weights(q)
     assert torch.equal(q.w2_scale.view(torch.uint8), before.view(torch.uint8))
-    got = kf.decode_nvfp4_scales(ex.parameters()["w2_scale"])  # stored as scale codes
+    # stored as scale codes, in K-step pairs (`kernel_formats.pair_fp4_scales`)
+    got = kf.decode_nvfp4_scales(kf.unpair_fp4_scales(ex.parameters()["w2_scale"], 16, spec.config.intermediate_size))
     assert torch.equal(got, before.float().abs()), "each scale's magnitude, +0 for +-0"
     bad = T.ExpertWeights(**{**q.__dict__, "w1_scale": q.w1_scale.clone()})
     bad.w1_scale.view(torch.uint8)[1, 5, 2] = 0x7F

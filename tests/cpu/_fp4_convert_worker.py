@@ -146,10 +146,61 @@ def tiles_case(mode: str, seed: int) -> dict:
     return res
 
 
+def pairs_case(mode: str, seed: int) -> dict:
+    """The fp4 scales in K-step pairs (`kernel_formats.pair_fp4_scales`, what the backend loads) against
+    the same scales row-major (pair stride = one pair: [E, R, K/group] padded to whole pairs, viewed as
+    pairs): the Triton kernels' output bit for bit, H = 192 (3 K steps: an odd count, the last pair half
+    padding) and I = 64 (1 step), a small forced preset and the auto presets at decode and prefill sizes."""
+    from epmoe.config import MoEConfig
+    from epmoe.dispatch.base import DispatchedTokens
+    from tests import experts_testing as T
+    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.base import ExpertsSpec
+    from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts
+    from epmoe.quant.plan import QuantPlan
+
+    H, I = 192, 64
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=H, intermediate_size=I, has_bias=True,
+                    swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0)  # fmt: skip
+    w = T.random_expert_weights(cfg, 4, seed=seed)
+    group = 16 if mode == "nvfp4_w4a16" else 32
+    exs = []
+    for _ in range(2):
+        ex = TritonExperts(ExpertsSpec(cfg, 0, 1, torch.device("cpu"), plan=QuantPlan(expert_mode=mode)))
+        ex.load_weights(w)
+        exs.append(ex)
+    paired, rowmajor = exs
+    res = dict(strides={})
+    for name, k in (("w13_scale", H), ("w2_scale", I)):
+        p = paired._params[name]
+        E, R, pairs, pair = p.shape
+        flat = torch.zeros(E, R, pairs * pair, dtype=torch.uint8)
+        flat[:, :, : k // group] = kf.unpair_fp4_scales(p, group, k)
+        rowmajor._params[name] = flat.view(E, R, pairs, pair)
+        res["strides"][name] = [list(p.stride()), list(rowmajor._params[name].stride())]
+    rowmajor._wops = None  # the launch operands are cached per weight set
+    tiny = TritonConfig("tiny", 16, GemmConfig(32, 64, 4, 1, 2), GemmConfig(32, 64, 4, 1, 2))
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, n, override in (("tiny", 7, tiny), ("decode", 5, None), ("prefill", 300, None)):
+        x = torch.randn(n, H, generator=g).bfloat16()
+        ids, tw = T.random_local_routing(n, 2, 4, seed=seed + 2, invalid_frac=0.2)
+        outs = []
+        for ex in (paired, rowmajor):
+            ex.config_override = override
+            outs.append(ex(DispatchedTokens(x, ids, tw)))
+        res[f"{name}_equal"] = bool(torch.equal(outs[0], outs[1]))
+        res[f"{name}_preset"] = paired.tile_config(n * 2).name
+        res[f"{name}_max_diff"] = float((outs[0].float() - outs[1].float()).abs().max())
+        res[f"{name}_nonzero"] = int((outs[0] != 0).sum())
+    return res
+
+
 def _run(case: str, seed: int) -> dict:
     kind, what = case.split(":")
     if kind == "tiles":
         return tiles_case(what, seed)
+    if kind == "pairs":
+        return pairs_case(what, seed)
     return convert_case(what, seed) if kind == "convert" else forward_case(what, seed)
 
 

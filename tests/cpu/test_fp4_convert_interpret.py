@@ -17,12 +17,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 CASES = ["convert:mxfp4", "convert:nvfp4", "forward:mxfp4_w4a16", "forward:nvfp4_w4a16"]
 TILE_CASES = ["tiles:nvfp4_w4a16", "tiles:mxfp4_w4a16"]
+PAIR_CASES = ["pairs:nvfp4_w4a16", "pairs:mxfp4_w4a16"]
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp4_convert_worker.py")
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_interpret_worker(_WORKER, CASES + TILE_CASES)
+    return run_interpret_worker(_WORKER, CASES + TILE_CASES + PAIR_CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -43,6 +44,21 @@ def test_fp4_row_tiles_give_the_same_output_on_the_triton_kernels(results, case)
     r = case_result(results, case)
     assert r["tiled"] and r["layout_ok"], r
     for name in ("tiny", "decode", "prefill"):
+        assert r[f"{name}_equal"], f"{case} (seed {r['seed']}) {name} ({r[f'{name}_preset']}): differ by {r[f'{name}_max_diff']}"
+
+
+@pytest.mark.parametrize("case", PAIR_CASES)
+def test_fp4_scale_pairs_give_the_row_major_output_on_the_triton_kernels(results, case):
+    """The scales in K-step pairs (`kernel_formats.pair_fp4_scales`: the backend's layout) and the same
+    scales row-major, told apart only by their strides: the Triton kernels (their pair-stride address
+    arithmetic, run by the interpreter) give the same output bits, with an odd K-step count (H = 192)."""
+    r = case_result(results, case)
+    pair = 8 if case.startswith("pairs:nvfp4") else 4
+    # w13: 2I = 128 rows, H = 192 -> 2 pairs; a pair of all rows contiguous, then the row-major view
+    assert r["strides"]["w13_scale"] == [[2 * 128 * pair, pair, 128 * pair, 1], [128 * 2 * pair, 2 * pair, pair, 1]], r
+    assert r["strides"]["w2_scale"] == [[192 * pair, pair, 192 * pair, 1], [192 * pair, pair, pair, 1]], r
+    for name in ("tiny", "decode", "prefill"):
+        assert r[f"{name}_nonzero"] > 0, r
         assert r[f"{name}_equal"], f"{case} (seed {r['seed']}) {name} ({r[f'{name}_preset']}): differ by {r[f'{name}_max_diff']}"
 
 
@@ -205,6 +221,40 @@ def test_tile_fp4_rows_places_each_byte_where_the_tiled_decode_kernel_reads_it()
     for shape in ((1, 12, 64), (1, 16, 48)):
         with pytest.raises(ValueError, match="rows % 8 == 0 and K/2 % 32 == 0"):
             kf.tile_fp4_rows(torch.zeros(shape, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("group,K", [(16, 192), (32, 192), (16, 256), (32, 64)])
+def test_pair_fp4_scales_places_each_scale_where_the_kernels_read_it(group, K):
+    """`pair_fp4_scales`: scale byte j of K step s of row r at (s // 2) * R * pair + r * pair + (s % 2) *
+    (pair / 2) + j of its expert's storage (pair = 128 / group bytes; the kernels' address arithmetic with
+    stride_wsn = pair, stride_wsp = R * pair), an odd step count's last half zero; the view's strides say
+    so; `unpair_fp4_scales` is the inverse; bad dtypes, groups and partial K steps are refused."""
+    import torch
+
+    from epmoe.experts import kernel_formats as kf
+
+    E, R = 3, 40
+    G = K // group
+    s = torch.randint(1, 256, (E, R, G), dtype=torch.uint8, generator=torch.Generator().manual_seed(group + K))
+    p = kf.pair_fp4_scales(s, group)
+    per_step, steps = 64 // group, K // 64
+    pairs, pair = -(-steps // 2), 2 * per_step
+    assert p.shape == (E, R, pairs, pair) and p.stride() == (pairs * R * pair, pair, R * pair, 1)
+    assert torch.equal(kf.unpair_fp4_scales(p, group, K), s)
+    storage = p.permute(0, 2, 1, 3).contiguous().reshape(E, -1)  # (the storage's own order)
+    assert torch.equal(storage, p.as_strided((E, pairs * R * pair), (pairs * R * pair, 1)))
+    r, st, j = torch.meshgrid(torch.arange(R), torch.arange(steps), torch.arange(per_step), indexing="ij")
+    addr = (st // 2) * R * pair + r * pair + (st % 2) * per_step + j
+    for e in range(E):
+        assert torch.equal(storage[e][addr], s[e][r, st * per_step + j])
+    if steps % 2:
+        assert not bool(p[:, :, -1, per_step:].any()), "an odd step count's last half is zero"
+    with pytest.raises(ValueError, match="uint8"):
+        kf.pair_fp4_scales(s.float(), group)
+    with pytest.raises(ValueError, match="16 .nvfp4. or 32"):
+        kf.pair_fp4_scales(s, 8)
+    with pytest.raises(ValueError, match="whole K steps"):
+        kf.pair_fp4_scales(s[:, :, : G - 1], group)
 
 
 def test_normalize_nvfp4_scales_keeps_every_weight_value():

@@ -106,16 +106,39 @@ def forward_case(mode: str, seed: int) -> dict:
                 max_diff=float((outs["legacy"].float() - outs["packed"].float()).abs().max()))  # fmt: skip
 
 
+def _same_outputs(a, b, hidden: int, seed: int, res: dict) -> dict:
+    """Experts a and b (4 experts, top-2) on the same tokens: a small forced preset, then the auto presets
+    at decode and prefill sizes (invalid slots included); per size into res: outputs equal bit for bit,
+    a's preset, the largest difference, a's nonzero outputs."""
+    from epmoe.dispatch.base import DispatchedTokens
+    from epmoe.experts.triton_experts import GemmConfig, TritonConfig
+    from tests import experts_testing as T
+
+    tiny = TritonConfig("tiny", 16, GemmConfig(32, 64, 4, 1, 2), GemmConfig(32, 64, 4, 1, 2))
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, n, override in (("tiny", 7, tiny), ("decode", 5, None), ("prefill", 300, None)):
+        x = torch.randn(n, hidden, generator=g).bfloat16()
+        ids, tw = T.random_local_routing(n, 2, 4, seed=seed + 2, invalid_frac=0.2)
+        outs = []
+        for ex in (a, b):
+            ex.config_override = override
+            outs.append(ex(DispatchedTokens(x, ids, tw)))
+        res[f"{name}_equal"] = bool(torch.equal(outs[0], outs[1]))
+        res[f"{name}_preset"] = a.tile_config(n * 2).name
+        res[f"{name}_max_diff"] = float((outs[0].float() - outs[1].float()).abs().max())
+        res[f"{name}_nonzero"] = int((outs[0] != 0).sum())
+    return res
+
+
 def tiles_case(mode: str, seed: int) -> dict:
     """triton_fp4_layout=tiles (fp4 weights in row tiles, the kernels' TILED) against rows: the Triton
     kernels' output bit for bit, with a small forced preset and with the auto presets at decode and
     prefill sizes (biases, clamped swiglu, invalid slots)."""
     from epmoe.config import MoEConfig
-    from epmoe.dispatch.base import DispatchedTokens
     from tests import experts_testing as T
     from epmoe.experts import kernel_formats as kf
     from epmoe.experts.base import ExpertsSpec
-    from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts
+    from epmoe.experts.triton_experts import TritonExperts
     from epmoe.quant.plan import QuantPlan
 
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, has_bias=True,
@@ -131,19 +154,7 @@ def tiles_case(mode: str, seed: int) -> dict:
     res = dict(tiled=bool(tiles.fp4_tiles and not rows.fp4_tiles),
                layout_ok=all(torch.equal(tiles.parameters()[n], kf.tile_fp4_rows(rows.parameters()[n]))
                              for n in ("w13", "w2")))  # fmt: skip
-    tiny = TritonConfig("tiny", 16, GemmConfig(32, 64, 4, 1, 2), GemmConfig(32, 64, 4, 1, 2))
-    g = torch.Generator().manual_seed(seed + 1)
-    for name, n, override in (("tiny", 7, tiny), ("decode", 5, None), ("prefill", 300, None)):
-        x = torch.randn(n, 128, generator=g).bfloat16()
-        ids, tw = T.random_local_routing(n, 2, 4, seed=seed + 2, invalid_frac=0.2)
-        outs = []
-        for ex in (rows, tiles):
-            ex.config_override = override
-            outs.append(ex(DispatchedTokens(x, ids, tw)))
-        res[f"{name}_equal"] = bool(torch.equal(outs[0], outs[1]))
-        res[f"{name}_preset"] = rows.tile_config(n * 2).name
-        res[f"{name}_max_diff"] = float((outs[0].float() - outs[1].float()).abs().max())
-    return res
+    return _same_outputs(rows, tiles, 128, seed, res)
 
 
 def pairs_case(mode: str, seed: int) -> dict:
@@ -152,11 +163,10 @@ def pairs_case(mode: str, seed: int) -> dict:
     pairs): the Triton kernels' output bit for bit, H = 192 (3 K steps: an odd count, the last pair half
     padding) and I = 64 (1 step), a small forced preset and the auto presets at decode and prefill sizes."""
     from epmoe.config import MoEConfig
-    from epmoe.dispatch.base import DispatchedTokens
     from tests import experts_testing as T
     from epmoe.experts import kernel_formats as kf
     from epmoe.experts.base import ExpertsSpec
-    from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts
+    from epmoe.experts.triton_experts import TritonExperts
     from epmoe.quant.plan import QuantPlan
 
     H, I = 192, 64
@@ -179,20 +189,7 @@ def pairs_case(mode: str, seed: int) -> dict:
         rowmajor._params[name] = flat.view(E, R, pairs, pair)
         res["strides"][name] = [list(p.stride()), list(rowmajor._params[name].stride())]
     rowmajor._wops = None  # the launch operands are cached per weight set
-    tiny = TritonConfig("tiny", 16, GemmConfig(32, 64, 4, 1, 2), GemmConfig(32, 64, 4, 1, 2))
-    g = torch.Generator().manual_seed(seed + 1)
-    for name, n, override in (("tiny", 7, tiny), ("decode", 5, None), ("prefill", 300, None)):
-        x = torch.randn(n, H, generator=g).bfloat16()
-        ids, tw = T.random_local_routing(n, 2, 4, seed=seed + 2, invalid_frac=0.2)
-        outs = []
-        for ex in (paired, rowmajor):
-            ex.config_override = override
-            outs.append(ex(DispatchedTokens(x, ids, tw)))
-        res[f"{name}_equal"] = bool(torch.equal(outs[0], outs[1]))
-        res[f"{name}_preset"] = paired.tile_config(n * 2).name
-        res[f"{name}_max_diff"] = float((outs[0].float() - outs[1].float()).abs().max())
-        res[f"{name}_nonzero"] = int((outs[0] != 0).sum())
-    return res
+    return _same_outputs(paired, rowmajor, H, seed, res)
 
 
 def _run(case: str, seed: int) -> dict:

@@ -510,18 +510,23 @@ def _wgmma_layout(num_warps, BM):
 
 
 @gluon.jit
-def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, TILED: gl.constexpr = False):
+def _ring_copy(ring, ptrs, kk, num_k, STAGES: gl.constexpr, TILED: gl.constexpr = False,
+               SCALE_RING: gl.constexpr = False):
     """cp.async everything K step kk reads from the ring into its stage (nothing past K): the token
-    tile (two 32-wide halves) and the weight bytes (TILED: row tiles, K steps 256 bytes apart); one
-    commit group."""
-    x_lo, x_hi, w_s = ring
-    x_ptrs, cols, w_ptrs, wcols = ptrs
+    tile (two 32-wide halves), the weight bytes (TILED: row tiles, K steps 256 bytes apart) and, with
+    SCALE_RING, each row's scale pair of the step (its K-step pair, `kernel_formats.pair_fp4_scales`);
+    one commit group."""
+    x_lo, x_hi, w_s, s_s = ring
+    x_ptrs, cols, w_ptrs, wcols, sc_ptrs = ptrs
     s = kk % STAGES
     ok = (cols * 0 + kk) < num_k
     async_copy.async_copy_global_to_shared(x_lo.index(s), x_ptrs + kk * 64, mask=ok[None, :])
     async_copy.async_copy_global_to_shared(x_hi.index(s), x_ptrs + (kk * 64 + 32), mask=ok[None, :])
     okw = (wcols * 0 + kk) < num_k
     async_copy.async_copy_global_to_shared(w_s.index(s), w_ptrs + kk * _fp4_step_bytes(TILED), mask=okw[None, :])
+    if SCALE_RING:
+        row_ptrs, zeros, pair_elems = sc_ptrs
+        async_copy.async_copy_global_to_shared(s_s.index(s), row_ptrs + (kk // 2) * pair_elems, mask=(zeros + kk) < num_k)
     async_copy.commit_group()
 
 
@@ -537,15 +542,24 @@ def _scale_word(sr_ptrs, kk, num_k):
 
 @gluon.jit
 def _ring_operands(ring, sr_ptrs, kk, num_k, word, STAGES: gl.constexpr, W_FMT: gl.constexpr, R: gl.constexpr,
-                   WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False):
+                   WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False, SCALE_RING: gl.constexpr = False):
     """The A operands of K step kk: each thread's 8 contiguous weight bytes of a row from the ring stage
     (WN: `_w3_layout`), its scales from the row's scale word `word` (loaded one step ahead; sr_ptrs:
     (scale-word pointers [R, 4], bit offsets of the thread's low-half group)). -> (operands, step kk + 1's
     scale words): a scale word used in the step it is loaded in stalls the warp for the whole load."""
-    x_lo, x_hi, w_s = ring
+    x_lo, x_hi, w_s, s_s = ring
     s = kk % STAGES
     _, sel, _ = sr_ptrs
-    nxt = _scale_word(sr_ptrs, kk + 1, num_k)
+    if SCALE_RING:  # the step's scale pairs from the ring stage; the half of step kk
+        pair = s_s.index(s).load(gl.SliceLayout(1, gl.SliceLayout(2, WN)))
+        if W_FMT == 2:
+            half = (pair >> ((kk % 2) * 32)).to(gl.int32)
+        else:
+            half = (pair >> ((kk % 2) * 16)) & 0xFFFF
+        word = gl.expand_dims(half, 1) + sel * 0
+        nxt = word
+    else:
+        nxt = _scale_word(sr_ptrs, kk + 1, num_k)
     b3 = w_s.index(s).reshape([R, 4, 8]).load(WN)
     f_lo, f_hi = _step_scales(word, sel, W_FMT)
     lo, hi = _dequant3(b3, gl.expand_dims(f_lo, 2), gl.expand_dims(f_hi, 2), WORDS)
@@ -555,35 +569,37 @@ def _ring_operands(ring, sr_ptrs, kk, num_k, word, STAGES: gl.constexpr, W_FMT: 
 @gluon.jit
 def _wgmma_step(acc, a_lo, a_hi, word, kk, num_k, ring, ptrs, sr_ptrs, STAGES: gl.constexpr, W_FMT: gl.constexpr,
                 R: gl.constexpr, WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False,
-                PENDING: gl.constexpr = False, TILED: gl.constexpr = False):
+                PENDING: gl.constexpr = False, TILED: gl.constexpr = False, SCALE_RING: gl.constexpr = False):
     """K step kk: its wgmmas (operands a_lo / a_hi) run while step kk + 1's operands are dequantized
     from the ring (word: step kk + 1's scale words). -> step kk + 1's operands and step kk + 2's scale
     words. Without PENDING the step ends waiting for its wgmmas; with PENDING (the order of CUTLASS's
     mainloops) it leaves them in flight and waits, after issuing them, for step kk - 1's only."""
     if not PENDING:
-        _ring_refill(ring, ptrs, kk, num_k, STAGES, TILED)
-    x_lo, x_hi, w_s = ring
+        _ring_refill(ring, ptrs, kk, num_k, STAGES, TILED, SCALE_RING)
+    x_lo, x_hi, w_s, s_s = ring
     s = kk % STAGES
     acc = warpgroup_mma(a_lo, x_lo.index(s).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(a_hi, x_hi.index(s).permute((1, 0)), acc, is_async=True)
     if PENDING:
         acc, a_lo, a_hi = warpgroup_mma_wait(2, deps=[acc, a_lo, a_hi])  # two groups: step kk's
-        _ring_refill(ring, ptrs, kk, num_k, STAGES, TILED)
-    n_lo, n_hi, word = _ring_operands(ring, sr_ptrs, kk + 1, num_k, word, STAGES, W_FMT, R, WN, A_L, WORDS)
+        _ring_refill(ring, ptrs, kk, num_k, STAGES, TILED, SCALE_RING)
+    n_lo, n_hi, word = _ring_operands(ring, sr_ptrs, kk + 1, num_k, word, STAGES, W_FMT, R, WN, A_L, WORDS,
+                                      SCALE_RING)
     if not PENDING:
         acc, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc, a_lo, a_hi])
     return acc, n_lo, n_hi, word
 
 
 @gluon.jit
-def _ring_refill(ring, ptrs, kk, num_k, STAGES: gl.constexpr, TILED: gl.constexpr = False):
+def _ring_refill(ring, ptrs, kk, num_k, STAGES: gl.constexpr, TILED: gl.constexpr = False,
+                 SCALE_RING: gl.constexpr = False):
     """In K step kk, once this warpgroup is done with step kk - 1's wgmmas: steps <= kk + 1 have landed
     (for every thread) and every warpgroup is done with step kk - 1 and with the weights of step kk
     (the barrier), so step kk - 1's stage takes the copies of step kk + STAGES - 1."""
     async_copy.wait_group(STAGES - 3)
     fence_async_shared()
     gl.thread_barrier()
-    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES, TILED)
+    _ring_copy(ring, ptrs, kk + STAGES - 1, num_k, STAGES, TILED, SCALE_RING)
 
 
 @gluon.jit
@@ -612,6 +628,10 @@ def w4a16_wgmma_kernel(
     WORDS: gl.constexpr = False,  # bit-permuted weight words (convert mode "words", `_dequant3`)
     PENDING: gl.constexpr = False,  # each K step's wgmmas stay in flight while the next step's operands are made
     TILED: gl.constexpr = False,  # weights in row tiles (`kernel_formats.tile_fp4_rows`)
+    # the rows' scale pairs of each K step through the cp.async ring with the weights (one 8 / 4-byte copy per
+    # row and step: nvfp4 / mxfp4), read from shared memory where they are used; else loaded from global
+    # memory one K step ahead into registers
+    SCALE_RING: gl.constexpr = False,
 ):
     """`w4a16_swap_kernel`'s arguments and results (see there), for tiles of 64 / 128 routed rows; x's
     K in the order of `permute_k` for gemm1 (gemm2 reads the act gemm1 wrote in it)."""
@@ -652,30 +672,40 @@ def w4a16_wgmma_kernel(
         x_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
         x_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 32], XS)
         w_s = gl.allocate_shared_memory(gl.uint8, [STAGES, R, 32], PLAIN)
-        ring = (x_lo, x_hi, w_s)
-        ptrs = (x_ptrs, cols, w_ptrs, wcols)
+        if SCALE_RING:
+            PTYPE: gl.constexpr = gl.int64 if W_FMT == 2 else gl.int32  # a row's scale pair (two K steps)
+            SC: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+            s_s = gl.allocate_shared_memory(PTYPE, [STAGES, R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            crow = _tile_rows(pid_n, N_OUT, R, BLOCK_N, GATED, SC)
+            sc_ptrs = ((ws_ptr + e64 * stride_wse + crow * stride_wsn).to(gl.pointer_type(PTYPE), bitcast=True),
+                       (crow * 0).to(gl.int32), stride_wsp // (8 if W_FMT == 2 else 4))
+        else:
+            s_s = w_s
+            sc_ptrs = (x_ptrs, 0, 0)
+        ring = (x_lo, x_hi, w_s, s_s)
+        ptrs = (x_ptrs, cols, w_ptrs, wcols, sc_ptrs)
 
         num_k = K // 64
         for i in gl.static_range(STAGES - 1):
-            _ring_copy(ring, ptrs, i, num_k, STAGES, TILED)
+            _ring_copy(ring, ptrs, i, num_k, STAGES, TILED, SCALE_RING)
         async_copy.wait_group(STAGES - 2)
         if PENDING:  # step 0's wgmmas read the ring before any step's fence
             fence_async_shared()
         gl.thread_barrier()
         acc = gl.zeros([R, BLOCK_M], gl.float32, MMA)
-        a_lo, a_hi, word = _ring_operands(ring, sr_ptrs, 0, num_k, _scale_word(sr_ptrs, 0, num_k), STAGES, W_FMT, R,
-                                          WN, A_L, WORDS)
+        word0 = sr_ptrs[1] if SCALE_RING else _scale_word(sr_ptrs, 0, num_k)  # (with SCALE_RING: unread)
+        a_lo, a_hi, word = _ring_operands(ring, sr_ptrs, 0, num_k, word0, STAGES, W_FMT, R, WN, A_L, WORDS, SCALE_RING)
         # two K steps per iteration, so that the operands of the step in flight and of the next one can
         # live in different registers (sm90 SASS: ptxas does so with PENDING; without it, it copies the
         # loop-carried operands and waits for the wgmmas before one of the two conversions)
         for kk in range(0, num_k - 1, 2):
             acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, kk, num_k, ring, ptrs, sr_ptrs, STAGES,
-                                                W_FMT, R, WN, A_L, WORDS, PENDING, TILED)
+                                                W_FMT, R, WN, A_L, WORDS, PENDING, TILED, SCALE_RING)
             acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, kk + 1, num_k, ring, ptrs, sr_ptrs, STAGES,
-                                                W_FMT, R, WN, A_L, WORDS, PENDING, TILED)
+                                                W_FMT, R, WN, A_L, WORDS, PENDING, TILED, SCALE_RING)
         if num_k % 2:
             acc, a_lo, a_hi, word = _wgmma_step(acc, a_lo, a_hi, word, num_k - 1, num_k, ring, ptrs, sr_ptrs,
-                                                STAGES, W_FMT, R, WN, A_L, WORDS, PENDING, TILED)
+                                                STAGES, W_FMT, R, WN, A_L, WORDS, PENDING, TILED, SCALE_RING)
         if PENDING:
             acc = warpgroup_mma_wait(0, deps=[acc])
         async_copy.wait_group(0)

@@ -264,6 +264,15 @@ GLUON_W4A16_MAXNREG: Optional[int] = 128
 # 1.40 / 1.41 ms against 1.60 with the defaults, whose second K step's loads ptxas schedules after the
 # first step's MMAs; nvfp4 keeps the defaults (1.46 / 1.47 ms; 1.48 / 1.49 with these).
 GLUON_W4A16_WORDS_TILES: Dict[str, Tuple[int, int, int]] = {"mxfp4_w4a16": (4, 128, 8)}
+# The Gluon wgmma kernel's weight scales: through its cp.async ring with the weights (its SCALE_RING: each
+# row's scale pair of a K step copied with the step's weights, read from shared memory where it is used) or,
+# False, loaded from global memory one K step ahead into registers. H200 2026-12-03, T = 4096, same run,
+# alternating: 7.128 -> 6.872 ms nvfp4, 6.942 -> 6.580 mxfp4 (the bf16 auto prefill: 6.951), the same
+# output bit for bit (docs/benchmarks.md, "W4A16 scales through the wgmma kernel's ring")
+WGMMA_SCALE_RING = True
+# gemm1's tokens in the wgmma kernel's K order: rows per program of `permute_k_kernel` (256 K values each)
+PERMUTE_K_ROWS = 8
+_PERMUTE_K_OPTIONS = LaunchOptions(BLOCK_R=PERMUTE_K_ROWS, BLOCK_Q=128, num_warps=4)
 GLUON_WGMMA_BLOCK_MS = (64, 128)  # routed rows per tile of the Gluon wgmma kernel (presets with wgmma=True)
 # fp4 W4A16 GEMM loops read each K step's weight scales one step ahead (a register prefetch; the
 # scale loads are too small for Triton's async copies). False: read them where they are used.
@@ -970,9 +979,7 @@ class TritonExperts(Experts):
         conv = self._fp4_kernel_convert
         x_natural = x
         if cfg.wgmma and gemm1:  # the tokens' K in the wgmma kernel's order (gemm1 writes act in it for gemm2)
-            from epmoe.experts.gluon_w4a16 import permute_k
-
-            x = permute_k(x)
+            x = self._permute_k(x)
         # the two kernels' arguments start with these
         block_expert = blocks.block_expert if tails is None else tails.block_expert
         head = (x, w, ws, wg, b, out, w_flat if w_flat is not None else out, blocks.sorted_ids, block_expert)
@@ -989,7 +996,7 @@ class TritonExperts(Experts):
             )  # fmt: skip
             self._launch("w4a16_wgmma_kernel", (blocks.max_blocks * (n_out // BN),), head + tail,
                          dict(consts, BLOCK_N=BN, STAGES=g.num_stages, PENDING=cfg.wgmma_pending,
-                              num_warps=g.num_warps))
+                              SCALE_RING=WGMMA_SCALE_RING, num_warps=g.num_warps))
             if tails is None:
                 return
             # the small tiles: 16-row half-split tiles of the decode kernel at the rows of tails' table
@@ -1009,6 +1016,16 @@ class TritonExperts(Experts):
         self._launch("w4a16_swap_kernel", (n_tiles * (n_out // BN),), head + (tiles, table) + swap_tail,
                      dict(consts, BLOCK_N=BN, UNROLL=unroll, SPLIT_M=split, N_OUT=n_out, K=k,
                           stride_wn=w.stride(1), stride_wsn=ws.stride(1), stride_wsp=ws.stride(2), num_warps=warps, **extra))
+
+    def _permute_k(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, K] in the wgmma kernel's K order (`gluon_w4a16.permute_k`), one launch of `permute_k_kernel`."""
+        N, K = x.shape
+        out = torch.empty(N, K, dtype=x.dtype, device=x.device)
+        if N:
+            x32 = x.view(torch.int32) if x.stride(0) % 2 == 0 else x.contiguous().view(torch.int32)  # value pairs
+            self._launch("permute_k_kernel", (triton_cdiv(N, PERMUTE_K_ROWS), triton_cdiv(K // 2, 128)),
+                         (x32, out.view(torch.int32), N, K // 2, x32.stride(0), K // 2), _PERMUTE_K_OPTIONS)
+        return out
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);

@@ -709,6 +709,29 @@ def gather_rows_kernel(
 
 
 @triton.jit
+def permute_k_kernel(
+    x_ptr,  # [N, K] 16-bit values as int32 pairs [N, K / 2] (K % 32 == 0, unit column stride)
+    out_ptr,  # [N, K / 2] int32 out: the same values in the K order of the Gluon wgmma kernel
+    N,
+    Q,  # K / 2 pairs per row
+    stride_xm,  # in pairs
+    stride_om,
+    BLOCK_R: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # pairs per program and row (a multiple of 16)
+):
+    """out[n, p(k)] = x[n, k] with p(8t + 2c + b) = 8c + 2t + b within each 32-wide group of K
+    (`gluon_w4a16._permuted_k`, `gluon_w4a16.permute_k`): value pair 4t + c of a 16-pair group goes to pair
+    4c + t, a 4 x 4 transpose of 4-byte pairs (contiguous 16-byte loads, 4-byte stores)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    ok = (rows < N)[:, None] & (q < Q)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    v = tl.load(x_ptr + r64 * stride_xm + q[None, :], mask=ok)
+    p = (q & ~15) | ((q & 3) << 2) | ((q >> 2) & 3)
+    tl.store(out_ptr + r64 * stride_om + p[None, :], v, mask=ok)
+
+
+@triton.jit
 def grouped_act_kernel(
     h_ptr,  # [N*K, R] gemm1 output by sorted position (model dtype); R = 2I (gated) or I
     b_ptr,  # [>=E, R] fp32 bias (gate, then up: never interleaved)
@@ -839,28 +862,40 @@ def align_plan_kernel(
     NB: tl.constexpr,  # blocks per step
     WITH_PAD: tl.constexpr = False,
     BM_PAD: tl.constexpr = 1,  # WITH_PAD: power of two >= BLOCK_M
+    BLOCKS_PER_PROGRAM: tl.constexpr = 0,  # tiles per program (a multiple of NB; 0: one program, every tile)
 ):
+    """Each program plans BLOCKS_PER_PROGRAM tiles from the counts (the prefix sums over the experts are
+    recomputed per program: E_PAD values); program 0 also writes starts / ends."""
     eidx = tl.arange(0, E_PAD)
     emask = eidx < num_experts
     cnt = tl.load(counts_ptr + eidx, mask=emask, other=0)
     padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, axis=0)
     pad_start = pad_end - padded
-    tl.store(starts_ptr + eidx, pad_start, mask=emask)
-    tl.store(ends_ptr + eidx, tl.cumsum(cnt, axis=0), mask=emask)
-    tl.store(starts_ptr + num_experts, tl.sum(padded, axis=0))
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(starts_ptr + eidx, pad_start, mask=emask)
+        tl.store(ends_ptr + eidx, tl.cumsum(cnt, axis=0), mask=emask)
+        tl.store(starts_ptr + num_experts, tl.sum(padded, axis=0))
+    if BLOCKS_PER_PROGRAM == 0:
+        b_lo = 0
+        b_hi = max_blocks
+    else:
+        b_lo = pid * BLOCKS_PER_PROGRAM
+        b_hi = tl.minimum(b_lo + BLOCKS_PER_PROGRAM, max_blocks)
     _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_rows_ptr, sorted_ids_ptr,
-                 num_experts, max_blocks, NK, BLOCK_M, NB, WITH_PAD, BM_PAD)
+                 num_experts, max_blocks, NK, BLOCK_M, NB, WITH_PAD, BM_PAD, b_lo, b_hi)
 
 
 @triton.jit
 def _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_rows_ptr, sorted_ids_ptr,
                  num_experts, max_blocks, NK, BLOCK_M: tl.constexpr, NB: tl.constexpr, WITH_PAD: tl.constexpr,
-                 BM_PAD: tl.constexpr):
-    """The tile list from the per-expert counts and padded segments; WITH_PAD: also NK into every
-    padding row of the tiles (the real rows are the scatter's)."""
+                 BM_PAD: tl.constexpr, b_lo, b_hi):
+    """Tiles [b_lo, b_hi) of the tile list from the per-expert counts and padded segments (b_hi - b_lo a
+    multiple of NB, or b_hi = max_blocks); WITH_PAD: also NK into every padding row of the tiles (the real
+    rows are the scatter's)."""
     pad_end_m = tl.where(emask, pad_end, 2147483647)
-    for b0 in range(0, max_blocks, NB):
+    for b0 in range(b_lo, b_hi, NB):
         b = b0 + tl.arange(0, NB)
         first = b * BLOCK_M
         # tile b belongs to the first expert whose padded segment ends after its first row

@@ -666,6 +666,37 @@ def test_w4a16_wgmma_tail_tiles(mode, tail):
 
 
 @pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
+@pytest.mark.parametrize("preset", ["wgmma_w4r128_kp_pend", "wgmma_w4r128_kp_m64"])
+def test_w4a16_wgmma_scale_ring(mode, preset, monkeypatch):
+    """The wgmma kernel's scales through its cp.async ring (WGMMA_SCALE_RING, the default) give the output of
+    the scales loaded from global memory one K step ahead bit for bit (the same values, the same math), and
+    stay within the float64 bound: DeepSeek shape (skewed routing: tiles of every size, invalid slots) and
+    relu2 (not gated: the MMA tile's rows one projection)."""
+    from epmoe.experts import triton_experts as TE
+
+    for cfg_kwargs, ep, N in ((DS, DS_EP, 900), (RELU2, 8, 300)):
+        seed = _seed()
+        ex, w = _backend("triton", mode, cfg_kwargs, ep, seed)
+        ex.config_override = TE.presets_for(mode)[preset]
+        assert ex.uses_gluon_w4a16(ex.config_override)
+        g = torch.Generator(device="cuda").manual_seed(seed + 1)
+        x = torch.randn(N, ex.config.hidden_size, generator=g, device="cuda").bfloat16()
+        ids, tw = T.skewed_local_routing(N, ex.config.top_k, ex.spec.num_local_experts, "cuda", seed + 2,
+                                         invalid_frac=0.1)
+        outs = {}
+        for ring in (True, False):
+            monkeypatch.setattr(TE, "WGMMA_SCALE_RING", ring)
+            _poison_allocator()
+            outs[ring] = ex(DispatchedTokens(x, ids, tw))
+        err = T.relative_error(outs[True], _reference(ex, w, x, ids, tw))
+        print(f"{mode} {preset} H={ex.config.hidden_size} seed={seed}: scale ring rel err {err:.2e}")
+        assert bool(torch.isfinite(outs[True]).all()) and err < BOUND, f"seed {seed}: relative error {err:.3g}"
+        assert torch.equal(outs[True], outs[False]), (
+            f"seed {seed}: scale ring and register scales differ by "
+            f"{(outs[True].double() - outs[False].double()).abs().max().item():.3g}")
+
+
+@pytest.mark.parametrize("mode", ["nvfp4_w4a16", "mxfp4_w4a16"])
 def test_w4a16_tail_tiles_in_cuda_graph(mode):
     """The auto prefill preset with its tail tiles (wgmma kernel + decode kernel on the small tiles' table,
     the table made on the GPU), captured in a CUDA graph at a prefill row count: each replay, queued behind

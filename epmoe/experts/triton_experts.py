@@ -1022,7 +1022,9 @@ class TritonExperts(Experts):
         N, K = x.shape
         out = torch.empty(N, K, dtype=x.dtype, device=x.device)
         if N:
-            x32 = x.view(torch.int32) if x.stride(0) % 2 == 0 else x.contiguous().view(torch.int32)  # value pairs
+            if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:  # value pairs need 4-byte rows
+                x = x.contiguous()
+            x32 = x.view(torch.int32)
             self._launch("permute_k_kernel", (triton_cdiv(N, PERMUTE_K_ROWS), triton_cdiv(K // 2, 128)),
                          (x32, out.view(torch.int32), N, K // 2, x32.stride(0), K // 2), _PERMUTE_K_OPTIONS)
         return out

@@ -48,6 +48,10 @@ for n, k in ((1, 32), (13, 96), (8, 256), (3, 544), (9, 7168)):
     assert torch.equal(y, permute_k(x)) and y.is_contiguous(), (n, k)
     assert torch.equal(b._permute_k(x[:, :]), y)
 assert b._permute_k(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 64)
+x = torch.randn(64, 5, dtype=torch.float32).to(torch.bfloat16).t()  # column stride 5: copied first
+assert torch.equal(b._permute_k(x), permute_k(x))
+x = torch.randn(4, 97, dtype=torch.float32).to(torch.bfloat16)[:, 1:65]  # an odd element offset
+assert torch.equal(b._permute_k(x), permute_k(x))
 print("OK")
 """
 
@@ -55,7 +59,7 @@ print("OK")
 def test_permute_k_kernel_equals_permute_k_under_the_interpreter():
     """`TritonExperts._permute_k` (one launch of `permute_k_kernel`: gemm1's tokens before the wgmma kernel)
     equals `permute_k` on random values, for row views with a stride, rows that do not fill a program, K not
-    a multiple of its block, and no rows."""
+    a multiple of its block, no rows, a transposed view and an odd element offset (both copied first)."""
     import os
     import subprocess
     import sys

@@ -545,9 +545,11 @@ def _scale_word(sr_ptrs, kk, num_k):
 def _ring_operands(ring, sr_ptrs, kk, num_k, word, STAGES: gl.constexpr, W_FMT: gl.constexpr, R: gl.constexpr,
                    WN: gl.constexpr, A_L: gl.constexpr, WORDS: gl.constexpr = False, SCALE_RING: gl.constexpr = False):
     """The A operands of K step kk: each thread's 8 contiguous weight bytes of a row from the ring stage
-    (WN: `_w3_layout`), its scales from the row's scale word `word` (loaded one step ahead; sr_ptrs:
-    (scale-word pointers [R, 4], bit offsets of the thread's low-half group)). -> (operands, step kk + 1's
-    scale words): a scale word used in the step it is loaded in stalls the warp for the whole load."""
+    (WN: `_w3_layout`) and its scales: with SCALE_RING from its rows' scale pairs in the same stage (`word`
+    unread), else from the row's scale word `word` (loaded one step ahead; sr_ptrs: (scale-word pointers
+    [R, 4], bit offsets of the thread's low-half group)). -> (operands, step kk + 1's scale words; with
+    SCALE_RING this step's, unread): a scale word from global memory used in the step it is loaded in
+    stalls the warp for the whole load."""
     x_lo, x_hi, w_s, s_s = ring
     s = kk % STAGES
     _, sel, _ = sr_ptrs

@@ -860,9 +860,9 @@ def align_plan_kernel(
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,  # power of two > num_experts
     NB: tl.constexpr,  # blocks per step
+    BLOCKS_PER_PROGRAM: tl.constexpr,  # tiles per program (a multiple of NB; the grid covers max_blocks)
     WITH_PAD: tl.constexpr = False,
     BM_PAD: tl.constexpr = 1,  # WITH_PAD: power of two >= BLOCK_M
-    BLOCKS_PER_PROGRAM: tl.constexpr = 0,  # tiles per program (a multiple of NB; 0: one program, every tile)
 ):
     """Each program plans BLOCKS_PER_PROGRAM tiles from the counts (the prefix sums over the experts are
     recomputed per program: E_PAD values); program 0 also writes starts / ends."""
@@ -877,12 +877,8 @@ def align_plan_kernel(
         tl.store(starts_ptr + eidx, pad_start, mask=emask)
         tl.store(ends_ptr + eidx, tl.cumsum(cnt, axis=0), mask=emask)
         tl.store(starts_ptr + num_experts, tl.sum(padded, axis=0))
-    if BLOCKS_PER_PROGRAM == 0:
-        b_lo = 0
-        b_hi = max_blocks
-    else:
-        b_lo = pid * BLOCKS_PER_PROGRAM
-        b_hi = tl.minimum(b_lo + BLOCKS_PER_PROGRAM, max_blocks)
+    b_lo = pid * BLOCKS_PER_PROGRAM
+    b_hi = tl.minimum(b_lo + BLOCKS_PER_PROGRAM, max_blocks)
     _align_tiles(cnt, pad_start, pad_end, eidx, emask, block_expert_ptr, block_rows_ptr, sorted_ids_ptr,
                  num_experts, max_blocks, NK, BLOCK_M, NB, WITH_PAD, BM_PAD, b_lo, b_hi)
 

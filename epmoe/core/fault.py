@@ -7,6 +7,10 @@ Mechanism: nothing is written on the hot path. A rank that fails inside a layer 
 out writes its own state, waits a short grace period for the peers' states, reads them and raises
 `CollectiveTimeoutError` carrying the `FaultReport`.
 
+A rank stopped from outside (torchrun SIGTERMs every rank when one fails) may be blocked inside a
+collective that has not failed yet: `stopped_report()` builds the report of the phase the process is in,
+from another thread (the launcher's SIGTERM watcher). Entering a phase records it in one module slot.
+
 Timeouts: on gloo every collective of a layer is waited for at most `timeout_s`. On NCCL the CPU does
 not block on collectives (it would cost a host sync and break CUDA graphs): the process group's own
 timeout and watchdog apply (init_process_group(timeout=...), the launcher's --timeout).
@@ -95,6 +99,9 @@ class RankState:
     detail: str = ""
 
 
+_WAITING = ("timed out", "lost a peer", "stopped by SIGTERM")  # states of a rank that waits on others
+
+
 @dataclass(frozen=True)
 class FaultReport:
     layer: str
@@ -103,7 +110,7 @@ class FaultReport:
     rank: int
     timeout_s: Optional[float]
     peers: Tuple[RankState, ...]
-    cause: str = "timed out"  # or "lost a peer"
+    cause: str = "timed out"  # or "lost a peer", or "stopped by SIGTERM" (stopped_report)
 
     @property
     def waiting_on(self) -> List[int]:
@@ -112,13 +119,14 @@ class FaultReport:
         for p in self.peers:
             if p.rank == self.rank:
                 continue
-            if p.status not in ("timed out", "lost a peer") or (p.call is not None and p.call < self.call):
+            if p.status not in _WAITING or (p.call is not None and p.call < self.call):
                 out.append(p.rank)
         return out
 
     def format(self) -> str:
         what = (f"timed out after {self.timeout_s:g} s" if self.cause == "timed out" and self.timeout_s
-                else "timed out" if self.cause == "timed out" else "lost a peer's connection")
+                else "timed out" if self.cause == "timed out" else "lost a peer's connection"
+                if self.cause == "lost a peer" else f"was {self.cause} (the launcher stops every rank when one fails)")
         lines = [
             f"epmoe fault report: layer {self.layer!r}, call {self.call}, phase {self.phase!r}: rank {self.rank} "
             f"{what} waiting on ranks {self.waiting_on or 'unknown'}"
@@ -231,15 +239,37 @@ class FaultWatch:
 
 
 class _Phase:
-    __slots__ = ("watch", "name")
+    __slots__ = ("watch", "name", "outer")
 
     def __init__(self, watch: FaultWatch, name: str):
-        self.watch, self.name = watch, name
+        self.watch, self.name, self.outer = watch, name, None
 
     def __enter__(self) -> None:
+        self.outer = _ACTIVE[0]
+        _ACTIVE[0] = self
         return None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is not None:
-            self.watch._failed(self.name, exc)
+        try:
+            if exc is not None:
+                self.watch._failed(self.name, exc)
+        finally:
+            _ACTIVE[0] = self.outer
         return False
+
+
+_ACTIVE: List[Optional[_Phase]] = [None]  # the innermost phase this process is in (its main thread's)
+
+
+def stopped_report(signal_name: str = "SIGTERM", grace_s: float = 1.0) -> Optional[str]:
+    """The fault report of a rank stopped by `signal_name` inside a phase, or None outside every phase.
+    Safe from another thread while the main thread blocks in a collective: it writes this rank's state
+    ("stopped by SIGTERM", call, phase) to the store and waits at most `grace_s` for the peers'."""
+    phase = _ACTIVE[0]
+    if phase is None:
+        return None
+    watch, status = phase.watch, f"stopped by {signal_name}"
+    watch._write(status, phase.name, "blocked in this phase when the signal came")
+    report = FaultReport(watch.layer_uid, watch.call, phase.name, watch.rank, watch.timeout_s,
+                         watch._read_peers(grace_s), cause=status)
+    return report.format()

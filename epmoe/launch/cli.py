@@ -21,6 +21,7 @@ import re
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -667,32 +668,47 @@ class LoadError(Exception):
 
 
 SIGTERM_GRACE_S = 10.0  # > the fault report's wait for the peers' states (at most 5 s); torchrun waits 30 s
+_DYING = threading.Lock()  # one message and one exit code, whichever thread gets there first
 
 
 def _sigterm_grace(rank: int) -> None:
     """torchrun SIGTERMs every rank as soon as one fails. Without a handler the survivors die silently
     before they notice the lost peer; with this one they get SIGTERM_GRACE_S seconds to reach their
-    next collective and print the fault report (then exit 1), else they leave with one line."""
+    next collective and print the fault report (then exit 1). A rank still blocked then (in a collective
+    whose peer is stuck rather than gone, which no error ends) prints the report of the phase it is in,
+    "stopped by SIGTERM", and exits 143.
+
+    Why a wakeup fd: a Python signal handler runs only when the main thread returns to the interpreter,
+    never while it blocks in a collective's wait; the interpreter's C handler writes the signal's number
+    to the wakeup fd at once, and a thread waiting on it starts the grace period."""
     import signal
-    import threading
 
-    def later() -> None:
-        time.sleep(SIGTERM_GRACE_S)
-        _die(f"epmoe: rank {rank}: stopped by SIGTERM (torchrun stops every rank when one fails)", 143)
+    from epmoe.core.fault import stopped_report
 
-    def on_sigterm(signum, frame) -> None:
-        threading.Thread(target=later, daemon=True).start()
-
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
     try:
-        signal.signal(signal.SIGTERM, on_sigterm)
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)  # handled (not fatal); the thread acts
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
     except ValueError:  # not the main thread (embedded use): keep the default
-        pass
+        return
+
+    def watch_for_sigterm(keep=writer) -> None:  # `keep`: the wakeup fd's socket lives as long as the thread
+        while signal.SIGTERM not in reader.recv(64):  # other handled signals (SIGINT) wake it too
+            pass
+        time.sleep(SIGTERM_GRACE_S)
+        report = stopped_report("SIGTERM")
+        _die(report or f"epmoe: rank {rank}: stopped by SIGTERM (torchrun stops every rank when one fails)", 143)
+
+    threading.Thread(target=watch_for_sigterm, name="epmoe-sigterm", daemon=True).start()
 
 
 def _die(text: str, code: int) -> None:
-    """Print once and leave without tearing down process groups (a peer may be gone)."""
+    """Print once and leave without tearing down process groups (a peer may be gone). The first thread
+    to call it prints and exits; a later one waits here for that exit."""
     if os.environ.get("EPMOE_DEBUG"):
         raise
+    _DYING.acquire()
     if text:
         sys.stderr.write(text.rstrip() + "\n")
     sys.stderr.flush()

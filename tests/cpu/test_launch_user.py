@@ -386,7 +386,66 @@ def test_sigkill_under_torchrun_survivor_reports_before_torchrun_stops_it():
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode != 0
-    assert "epmoe fault report:" in err and "lost a peer" in err, err[-4000:]
+    # Mostly the survivor's collective fails on the closed connection ("lost a peer"); a survivor still
+    # blocked when the grace period ends reports the phase it is in ("stopped by SIGTERM": next test).
+    assert "epmoe fault report:" in err and ("lost a peer" in err or "stopped by SIGTERM" in err), err[-4000:]
+    assert "/epmoe/" not in err and "frame #" not in err, err[-4000:]
+
+
+def _rank_of(pid: int) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    return int(env[b"RANK"])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
+def test_sigterm_while_blocked_on_a_stuck_peer_reports_the_phase(tmp_path):
+    """A rank blocked in a collective whose peer is stuck (alive, so no connection error ends the wait)
+    when torchrun SIGTERMs it: a Python signal handler would never run there. It still prints the fault
+    report of the phase it is in, naming the peer it waits on, within the grace period, and exits 143."""
+    from epmoe.launch.cli import SIGTERM_GRACE_S
+
+    err_path = tmp_path / "err"
+    with open(err_path, "w") as err_file:
+        p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                              "-m", "epmoe.launch", "--steps", "100000", "--tokens", "8", "--timeout", "120",
+                              "--device", "cpu"],
+                             env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=err_file, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        kids = []
+        while time.monotonic() < deadline and len(kids) < 2:
+            time.sleep(0.5)
+            kids = _children(p.pid)
+        assert len(kids) == 2, kids
+        time.sleep(8)  # into the step loop
+        by_rank = {_rank_of(k): k for k in kids}
+        os.kill(by_rank[1], signal.SIGSTOP)  # stuck, not gone: rank 0 blocks in its next collective
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        os.kill(by_rank[0], signal.SIGTERM)
+        while not _gone(by_rank[0]) and time.monotonic() - t0 < SIGTERM_GRACE_S + 15:
+            time.sleep(0.2)
+        waited = time.monotonic() - t0
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+    err = err_path.read_text()
+    assert waited < SIGTERM_GRACE_S + 10, (waited, err[-4000:])
+    report = [l for l in err.splitlines() if l.startswith("epmoe fault report:")]
+    assert len(report) == 1, err[-4000:]
+    assert "rank 0 was stopped by SIGTERM" in report[0] and "waiting on ranks [1]" in report[0] \
+        and ", phase '" in report[0], report  # the phase it blocks in: a layer's or the launcher's barrier
+    assert "rank 0: stopped by SIGTERM in call" in err and "rank 1: no report" in err, err[-4000:]
     assert "/epmoe/" not in err and "frame #" not in err, err[-4000:]
 
 

@@ -171,6 +171,63 @@ def test_missing_rank_is_reported_as_no_report():
     assert "rank 1: no report" in text and "rank 0: timed out in call 2, phase 'agree'" in text, text
 
 
+def _stopped_worker(rank, world, _):
+    """Rank 1 stays away from call 2; rank 0 blocks in its agreement while another thread of it asks
+    for the report a SIGTERM would print (the launcher's watcher thread does the same)."""
+    import threading
+
+    from epmoe.core.fault import stopped_report
+
+    layer = EPMoE(CFG, timeout_s=8.0)
+    layer.load_weights(random_weights(CFG, 0))
+    x, logits = random_inputs(CFG, 6, rank)
+    layer(x, logits)
+    outside = stopped_report()  # between calls: in no phase
+    if rank == 1:
+        time.sleep(5)
+        return outside
+    seen = []
+    t = threading.Thread(target=lambda: (time.sleep(1.5), seen.append(stopped_report())))
+    t.start()
+    try:
+        layer(x, logits)
+    except CollectiveFailure:
+        pass
+    t.join()
+    return outside, seen[0], stopped_report()
+
+
+def test_stopped_report_names_the_phase_a_blocked_rank_is_in():
+    """`fault.stopped_report` from another thread while the main thread blocks in a collective (what the
+    launcher prints when torchrun SIGTERMs a rank that waits on a stuck peer)."""
+    r0, r1 = run_group(_stopped_worker, 2, None, timeout=60)
+    assert r1 is None
+    outside, during, after = r0
+    assert outside is None and after is None, r0  # no phase outside a call, none left behind after one
+    first = during.splitlines()[0]
+    assert first.startswith("epmoe fault report:") and "call 2, phase 'agree'" in first, during
+    assert "rank 0 was stopped by SIGTERM" in first and "waiting on ranks [1]" in first, during
+    assert "rank 0: stopped by SIGTERM in call 2, phase 'agree'" in during and "rank 1: no report" in during, during
+
+
+def test_phases_nest_and_unwind():
+    """The phase `stopped_report` names is the innermost one entered and not yet left, also when a phase
+    is left by an exception."""
+    from epmoe.core.fault import FaultWatch, stopped_report
+
+    watch = FaultWatch("unit", None, None)
+    watch.next_call()
+    with watch.phase("outer"):
+        with watch.phase("inner"):
+            assert "phase 'inner'" in stopped_report()
+        assert "phase 'outer'" in stopped_report()
+        with pytest.raises(KeyError):
+            with watch.phase("failing"):
+                raise KeyError("x")
+        assert "phase 'outer'" in stopped_report()
+    assert stopped_report() is None
+
+
 def _decode_worker(rank, world, seed):
     layer = EPMoE(CFG_DS)
     w = random_weights(CFG_DS, seed)

@@ -99,7 +99,8 @@ class RankState:
     detail: str = ""
 
 
-_WAITING = ("timed out", "lost a peer", "stopped by SIGTERM")  # states of a rank that waits on others
+STOPPED = "stopped by SIGTERM"  # stopped_report's state and cause
+_WAITING = ("timed out", "lost a peer", STOPPED)  # states of a rank that waits on others
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class FaultReport:
     rank: int
     timeout_s: Optional[float]
     peers: Tuple[RankState, ...]
-    cause: str = "timed out"  # or "lost a peer", or "stopped by SIGTERM" (stopped_report)
+    cause: str = "timed out"  # or "lost a peer", or STOPPED (stopped_report)
 
     @property
     def waiting_on(self) -> List[int]:
@@ -124,9 +125,12 @@ class FaultReport:
         return out
 
     def format(self) -> str:
-        what = (f"timed out after {self.timeout_s:g} s" if self.cause == "timed out" and self.timeout_s
-                else "timed out" if self.cause == "timed out" else "lost a peer's connection"
-                if self.cause == "lost a peer" else f"was {self.cause} (the launcher stops every rank when one fails)")
+        if self.cause == "timed out":
+            what = f"timed out after {self.timeout_s:g} s" if self.timeout_s else "timed out"
+        elif self.cause == "lost a peer":
+            what = "lost a peer's connection"
+        else:  # STOPPED
+            what = f"was {self.cause} (the launcher stops every rank when one fails)"
         lines = [
             f"epmoe fault report: layer {self.layer!r}, call {self.call}, phase {self.phase!r}: rank {self.rank} "
             f"{what} waiting on ranks {self.waiting_on or 'unknown'}"
@@ -261,15 +265,15 @@ class _Phase:
 _ACTIVE: List[Optional[_Phase]] = [None]  # the innermost phase this process is in (its main thread's)
 
 
-def stopped_report(signal_name: str = "SIGTERM", grace_s: float = 1.0) -> Optional[str]:
-    """The fault report of a rank stopped by `signal_name` inside a phase, or None outside every phase.
-    Safe from another thread while the main thread blocks in a collective: it writes this rank's state
-    ("stopped by SIGTERM", call, phase) to the store and waits at most `grace_s` for the peers'."""
+def stopped_report(grace_s: float = 1.0) -> Optional[str]:
+    """The fault report of a rank stopped by SIGTERM inside a phase, or None outside every phase. Safe
+    from another thread while the main thread blocks in a collective: it writes this rank's state
+    (STOPPED, call, phase) to the store and waits at most `grace_s` for the peers'."""
     phase = _ACTIVE[0]
     if phase is None:
         return None
-    watch, status = phase.watch, f"stopped by {signal_name}"
-    watch._write(status, phase.name, "blocked in this phase when the signal came")
+    watch = phase.watch
+    watch._write(STOPPED, phase.name, "blocked in this phase when the signal came")
     report = FaultReport(watch.layer_uid, watch.call, phase.name, watch.rank, watch.timeout_s,
-                         watch._read_peers(grace_s), cause=status)
+                         watch._read_peers(grace_s), cause=STOPPED)
     return report.format()

@@ -685,19 +685,22 @@ def _sigterm_grace(rank: int) -> None:
 
     from epmoe.core.fault import stopped_report
 
+    if threading.current_thread() is not threading.main_thread():  # embedded use: keep the default
+        return
     reader, writer = socket.socketpair()
     writer.setblocking(False)
-    try:
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)  # handled (not fatal); the thread acts
-        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    except ValueError:  # not the main thread (embedded use): keep the default
-        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # handled (not fatal); the thread acts
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
 
     def watch_for_sigterm(keep=writer) -> None:  # `keep`: the wakeup fd's socket lives as long as the thread
-        while signal.SIGTERM not in reader.recv(64):  # other handled signals (SIGINT) wake it too
-            pass
+        while True:
+            got = reader.recv(64)  # the numbers of the signals caught since (SIGINT wakes it too)
+            if not got:  # closed: the interpreter is shutting down
+                return
+            if signal.SIGTERM in got:
+                break
         time.sleep(SIGTERM_GRACE_S)
-        report = stopped_report("SIGTERM")
+        report = stopped_report()
         _die(report or f"epmoe: rank {rank}: stopped by SIGTERM (torchrun stops every rank when one fails)", 143)
 
     threading.Thread(target=watch_for_sigterm, name="epmoe-sigterm", daemon=True).start()

@@ -427,7 +427,9 @@ def test_sigterm_while_blocked_on_a_stuck_peer_reports_the_phase(tmp_path):
             time.sleep(0.5)
             kids = _children(p.pid)
         assert len(kids) == 2, kids
-        time.sleep(8)  # into the step loop
+        while time.monotonic() < deadline and "] step " not in err_path.read_text():  # in the step loop
+            time.sleep(0.5)
+        assert "] step " in err_path.read_text(), err_path.read_text()[-4000:]
         by_rank = {_rank_of(k): k for k in kids}
         os.kill(by_rank[1], signal.SIGSTOP)  # stuck, not gone: rank 0 blocks in its next collective
         time.sleep(1.0)

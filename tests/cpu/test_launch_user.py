@@ -363,22 +363,30 @@ def _children(pid: int):
     return sorted(kids)
 
 
+def _torchrun_two_ranks(timeout_s: int, stdout, stderr):
+    """(torchrun process, its two launcher workers' pids) of a long CPU run (its own process group)."""
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "epmoe.launch", "--steps", "100000", "--tokens", "8", "--timeout", str(timeout_s),
+                          "--device", "cpu"],
+                         env=_env(), cwd=REPO, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+    deadline = time.monotonic() + 90
+    kids = []
+    while time.monotonic() < deadline and len(kids) < 2:
+        time.sleep(0.5)
+        kids = _children(p.pid)
+    if len(kids) != 2:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+    assert len(kids) == 2, kids
+    return p, kids
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
 def test_sigkill_under_torchrun_survivor_reports_before_torchrun_stops_it():
     """torchrun SIGTERMs the survivors at once; they still print the fault report (not silence or a
     raw gloo traceback) before leaving."""
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "epmoe.launch", "--steps", "100000", "--tokens", "8", "--timeout", "30",
-                          "--device", "cpu"],
-                         env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p, kids = _torchrun_two_ranks(30, subprocess.PIPE, subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 90
-        kids = []
-        while time.monotonic() < deadline and len(kids) < 2:
-            time.sleep(0.5)
-            kids = _children(p.pid)
-        assert len(kids) == 2, kids
         time.sleep(8)  # into the step loop
         os.kill(kids[1], signal.SIGKILL)
         out, err = p.communicate(timeout=90)
@@ -415,18 +423,9 @@ def test_sigterm_while_blocked_on_a_stuck_peer_reports_the_phase(tmp_path):
 
     err_path = tmp_path / "err"
     with open(err_path, "w") as err_file:
-        p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                              "-m", "epmoe.launch", "--steps", "100000", "--tokens", "8", "--timeout", "120",
-                              "--device", "cpu"],
-                             env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=err_file, text=True,
-                             start_new_session=True)
+        p, kids = _torchrun_two_ranks(120, subprocess.DEVNULL, err_file)
     try:
         deadline = time.monotonic() + 90
-        kids = []
-        while time.monotonic() < deadline and len(kids) < 2:
-            time.sleep(0.5)
-            kids = _children(p.pid)
-        assert len(kids) == 2, kids
         while time.monotonic() < deadline and "] step " not in err_path.read_text():  # in the step loop
             time.sleep(0.5)
         assert "] step " in err_path.read_text(), err_path.read_text()[-4000:]

@@ -222,6 +222,18 @@ class FaultWatch:
         return tuple(states.get(r, RankState(r, "no report", detail="alive elsewhere or gone"))
                      for r in self.ranks)
 
+    def report(self, status: str, phase: str, detail: str, grace_s: Optional[float] = None,
+               call: Optional[int] = None, timeout_s: Optional[float] = None) -> FaultReport:
+        """Write this rank's state (`status`: "timed out", "lost a peer" or STOPPED, also the report's
+        cause) to the store, wait at most `grace_s` (default: a quarter of the timeout, 1 to 5 s) for the
+        peers' states, and the FaultReport of them. call / timeout_s: this call's, unless given."""
+        call = self.call if call is None else call
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if grace_s is None:
+            grace_s = min(5.0, max(1.0, (timeout_s or 4.0) / 4))
+        self._write(status, phase, detail, call=call)
+        return FaultReport(self.layer_uid, call, phase, self.rank, timeout_s, self._read_peers(grace_s), cause=status)
+
     def phase(self, name: str) -> "_Phase":
         """Context manager for one phase of a call (a plain class: entered several times per call, so
         it costs no generator)."""
@@ -233,11 +245,7 @@ class FaultWatch:
         if isinstance(e, CollectiveFailure):
             if e.report is not None:
                 return
-            lost = isinstance(e, PeerLostError)
-            self._write("lost a peer" if lost else "timed out", name, str(e))
-            grace = min(5.0, max(1.0, (self.timeout_s or 4.0) / 4))
-            report = FaultReport(self.layer_uid, self.call, name, self.rank, self.timeout_s, self._read_peers(grace),
-                                 cause="lost a peer" if lost else "timed out")
+            report = self.report("lost a peer" if isinstance(e, PeerLostError) else "timed out", name, str(e))
             raise type(e)(report.format(), report) from e
         self._write("failed", name, f"{type(e).__name__}: {e}")
 
@@ -272,8 +280,4 @@ def stopped_report(grace_s: float = 1.0) -> Optional[str]:
     phase = _ACTIVE[0]
     if phase is None:
         return None
-    watch = phase.watch
-    watch._write(STOPPED, phase.name, "blocked in this phase when the signal came")
-    report = FaultReport(watch.layer_uid, watch.call, phase.name, watch.rank, watch.timeout_s,
-                         watch._read_peers(grace_s), cause=STOPPED)
-    return report.format()
+    return phase.watch.report(STOPPED, phase.name, "blocked in this phase when the signal came", grace_s).format()

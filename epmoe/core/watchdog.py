@@ -128,8 +128,6 @@ class _Watchdog:
                 self._fire(entries[0], now)
 
     def _fire(self, entry: Entry, now: float) -> None:
-        from epmoe.core.fault import FaultReport
-
         waited = now - entry.started
         watch = entry.watch
         where = "left the call (kernels still running)" if entry.marker is not None else f"blocked in {entry.phase!r}"
@@ -137,11 +135,7 @@ class _Watchdog:
                   f"(waited {waited:.1f} s; host {where}); a kernel waiting on a peer cannot be cancelled, "
                   f"so this process exits with code {WATCHDOG_EXIT_CODE}")
         try:
-            watch._write("timed out", PHASE, detail, call=entry.call)
-            grace = min(5.0, max(1.0, entry.timeout_s / 4))
-            peers = watch._read_peers(grace)
-            report = FaultReport(watch.layer_uid, entry.call, PHASE, watch.rank, entry.timeout_s, peers)
-            text = report.format()
+            text = watch.report("timed out", PHASE, detail, call=entry.call, timeout_s=entry.timeout_s).format()
         except BaseException as e:  # noqa: BLE001 - the report must come out even if the store is gone
             text = (f"epmoe fault report: layer {watch.layer_uid!r}, call {entry.call}, phase {PHASE!r}: rank "
                     f"{watch.rank} timed out after {entry.timeout_s:g} s waiting on ranks unknown "

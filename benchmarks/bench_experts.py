@@ -31,8 +31,18 @@ from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-BACKENDS = ("triton", "grouped_mm", "torch_loop")
-MODES = ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16")
+BACKENDS = ("triton", "grouped_mm", "torch_loop", "flashinfer_cutlass")
+MODES = ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16", "mxfp4_w4a8")
+# Modes each backend runs here (the others' rows are left out of the plan).
+BACKEND_MODES = {
+    "triton": ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16"),
+    "grouped_mm": ("bf16",),
+    "torch_loop": ("bf16",),
+    # SM90 modes of FlashInfer's CUTLASS fused MoE; "autotuned": the tactics FlashInfer's autotuner
+    # picks in this run; "default": the module's default tactics (what the layer runs unless told)
+    "flashinfer_cutlass": ("bf16", "fp8_block", "mxfp4_w4a16", "mxfp4_w4a8"),
+}
+CUTLASS_PRESETS = ["autotuned", "default"]
 # Triton presets swept per (mode, phase); "auto" = what the backend picks by itself. The wider
 # layout / preset sweep with verification and fp8 diagnostics is benchmarks/tune_hopper.py.
 SWEEP = {
@@ -117,12 +127,14 @@ def build_plan(args) -> List[Run]:
     plan = []
     for backend in backends:
         for mode in modes:
-            if backend != "triton" and mode != "bf16":
-                continue  # grouped_mm and the torch loop are bf16 only
+            if mode not in BACKEND_MODES[backend]:
+                continue
             for phase, T in phases:
                 if T <= 0:
                     continue
-                if args.quick or backend != "triton":
+                if backend == "flashinfer_cutlass":
+                    presets = ["autotuned"] if args.quick else CUTLASS_PRESETS
+                elif args.quick or backend != "triton":
                     presets = QUICK_SWEEP.get((backend, mode, phase), ["auto"])
                     if not args.quick and backend == "grouped_mm":
                         presets = ["auto", "torch_epilogue"] if phase == "prefill" else ["auto"]
@@ -298,6 +310,20 @@ def compute_ratios(report) -> List[dict]:
         if r is not None and r.pct_hbm is not None:
             out.append(dict(what=f"triton {mode} decode: fraction of the HBM weight-read limit", value=r.pct_hbm / 100,
                             target=target, met=r.pct_hbm / 100 >= target))  # fmt: skip
+    for mode in BACKEND_MODES["flashinfer_cutlass"]:
+        for phase in ("decode", "prefill"):
+            add(f"triton {mode} {phase} / flashinfer_cutlass {mode} {phase} (autotuned)", t("triton", mode, phase),
+                t("flashinfer_cutlass", mode, phase, "autotuned"), 1.0)  # fmt: skip
+    add("triton fp8_block prefill / DeepGEMM fp8 contiguous GEMMs", t("triton", "fp8_block", "prefill"),
+        peer("deepgemm fp8 contiguous", "prefill"), 1.15)  # fmt: skip
+    add("triton fp8_block decode / DeepGEMM fp8 masked GEMMs", t("triton", "fp8_block", "decode"),
+        peer("deepgemm fp8 masked", "decode"), 1.0)  # fmt: skip
+    add("triton bf16 prefill / DeepGEMM bf16 contiguous GEMMs", t("triton", "bf16", "prefill"),
+        peer("deepgemm bf16 contiguous", "prefill"), 1.0)  # fmt: skip
+    r = ours("triton", "bf16", "prefill")
+    if r is not None and r.pct_matmul == r.pct_matmul:
+        out.append(dict(what="triton bf16 prefill: fraction of the sustained dense bf16 rate", value=r.pct_matmul / 100,
+                        target=0.75, met=r.pct_matmul / 100 >= 0.75))  # fmt: skip
     add("grouped_mm backend prefill, torch epilogue (before) / its GEMMs", t("grouped_mm", "bf16", "prefill", "torch_epilogue"),
         bf16_gemms, 1.25)  # fmt: skip
     for mode in ("nvfp4_w4a16", "mxfp4_w4a16"):
@@ -338,6 +364,43 @@ class TorchLoopExperts:
             y = a @ self.w2[e].T
             out.index_add_(0, rows, y.float() * w[rows, slots, None])
         return out.to(x.dtype)
+
+
+class AutotunedCutlass:
+    """A `flashinfer_cutlass` experts object called with FlashInfer's autotuner choosing the GEMM
+    tactics (profile_ids=None after one tuning pass per input shape); the layer itself never
+    autotunes (it passes explicit tactics)."""
+
+    def __init__(self, ex):
+        self.ex, self.config, self.spec, self.device = ex, ex.config, ex.spec, ex.device
+        self.payload_format = ex.payload_format
+        self.name = ex.name
+
+    def parameters(self):
+        return self.ex.parameters()
+
+    def __call__(self, tokens):
+        kw = dict(self.ex.call_kwargs(tokens), profile_ids=None)
+        self.ex._fm.cutlass_fused_moe(**kw)
+        out = kw["output"]
+        return out[:, : self.config.hidden_size] if self.ex.geometry.pads_hidden else out
+
+    def tune(self, sets) -> str:
+        import torch
+        from flashinfer.autotuner import AutoTuner, autotune
+
+        with autotune(True):
+            for s in sets:
+                self(s)
+        torch.cuda.synchronize()
+        picked = []
+        try:
+            for key, value in AutoTuner.get().profiling_cache.items():
+                if "fused_moe" in str(key):
+                    picked.append(f"{str(key)[:60]} -> {str(value)[:40]}")
+        except Exception:  # noqa: BLE001 - which tactic won is informative only
+            pass
+        return "tactics by FlashInfer's autotuner" + (f" ({'; '.join(picked[-2:])})" if picked else "")
 
 
 def main(argv=None) -> int:
@@ -430,6 +493,11 @@ def run_plan(args, plan: List[Run]) -> int:
     if not args.no_peers and hasattr(torch, "_grouped_mm"):
         report.peers = measure_peers(dev, E, H, I, K, phases, flops_per_entry,
                                      lambda T_: inputs(T_, 100).topk_ids)  # fmt: skip
+    if not args.no_peers:
+        import deepgemm_peer
+
+        report.peers += deepgemm_peer.measure(dev, E, H, I, K, phases, lambda T_: inputs(T_, 100).topk_ids,
+                                              flops_per_entry, _bench)  # fmt: skip
     save()
     current = {}  # (backend, mode) -> experts object (weights resident for its runs only)
     for run in plan:
@@ -446,7 +514,9 @@ def run_plan(args, plan: List[Run]) -> int:
                 opts = (("triton_fp4_convert", conv),) if run.backend == "triton" else ()
                 if layout:
                     opts += (("triton_fp4_layout", layout),)
-                spec = ExpertsSpec(cfg, 0, 1, dev, plan=QuantPlan(expert_mode=run.mode), options=opts)
+                max_tokens = max(args.decode_tokens, args.prefill_tokens) if run.backend == "flashinfer_cutlass" else None
+                spec = ExpertsSpec(cfg, 0, 1, dev, plan=QuantPlan(expert_mode=run.mode), options=opts,
+                                   max_tokens=max_tokens)
                 cls = EXPERTS.get(run.backend)
                 avail = cls.availability(spec)
                 if not avail:
@@ -482,16 +552,24 @@ def run_plan(args, plan: List[Run]) -> int:
             preset_used = f"epilogue {ex.epilogue}"
         sets = [inputs(run.num_tokens, 100 + i) for i in range(3)]
         note = ""
+        target = ex
         try:
+            if run.backend == "flashinfer_cutlass":
+                # module built with FAST_BUILD: one 128x128x128 tile shape per grouped GEMM (see docs)
+                if run.preset == "autotuned":
+                    target = AutotunedCutlass(ex)
+                    preset_used = target.tune(sets)
+                else:
+                    preset_used = f"default tactics {ex.profile_ids} of {ex.tactics.describe()}"
             if run.phase == "decode" and run.backend != "torch_loop":
-                graph = CapturedExperts(ex, max_rows=run.num_tokens, top_k=K)
+                graph = CapturedExperts(target, max_rows=run.num_tokens, top_k=K)
                 graph(sets[0])
                 ms = _bench(graph.replay)
                 note = "cuda graph"
                 del graph
             else:
                 it = iter(range(1 << 30))
-                fn = lambda: ex(sets[next(it) % 3])  # noqa: E731
+                fn = lambda: target(sets[next(it) % 3])  # noqa: E731
                 fn()
                 torch.cuda.synchronize()
                 ms = _bench(fn, warmup_ms=50, rep_ms=300 if run.backend != "torch_loop" else 1000)

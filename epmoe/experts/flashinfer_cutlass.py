@@ -39,7 +39,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -254,6 +254,7 @@ def build_cutlass_call(
     deterministic: bool = False,
     workspace: Optional[torch.Tensor] = None,
     tune_max_num_tokens: int = 8192,
+    profile_ids: Optional[List[int]] = None,
 ) -> Dict[str, Any]:
     """Keyword arguments for one `cutlass_fused_moe` call (pure; no FlashInfer import).
 
@@ -310,15 +311,106 @@ def build_cutlass_call(
         kwargs[name] = value
     if input_sf is not None and not swizzled_input_sf:
         kwargs["swizzled_input_sf"] = False
-    # Default tactics: the autotuner would profile (and may JIT) on first use.
+    # Always explicit tactics (default: -1, -1): without them the autotuner would profile on first use.
     if features.accepts("profile_ids"):
-        kwargs["profile_ids"] = [-1, -1]
+        kwargs["profile_ids"] = list(profile_ids) if profile_ids is not None else [-1, -1]
+    elif profile_ids is not None and list(profile_ids) != [-1, -1]:
+        raise ValueError(f"the installed FlashInfer {features.version} cutlass_fused_moe takes no profile_ids")
     # Fused finalize reduces the top-k with atomics (non-deterministic order).
     if deterministic:
         if not features.accepts("use_fused_finalize"):
             raise ValueError("deterministic=True needs cutlass_fused_moe(use_fused_finalize=False)")
         kwargs["use_fused_finalize"] = False
     return kwargs
+
+
+# ----------------------------------------------------------------------------- tactics
+def kernel_dtypes(variant: str, act_dtype: torch.dtype):
+    """(activation dtype, weight dtype) the kernel runner of `variant` is keyed by: the dtypes of
+    `input` and `fc1_expert_weights` in the call (`build_cutlass_call` views int64 where needed)."""
+    weight = {
+        "bf16": act_dtype,
+        "fp8_block": torch.float8_e4m3fn,
+        "mxfp4_w4a16": torch.uint8,
+        "mxfp4_w4a8_humming": torch.uint8,
+        "mxfp8": torch.float8_e4m3fn,
+        "mxfp8_mxfp4": torch.int64,
+        "nvfp4": torch.int64,
+    }[variant]
+    x = torch.float8_e4m3fn if variant in ("mxfp8", "mxfp8_mxfp4") else act_dtype
+    return x, weight
+
+
+@dataclass(frozen=True)
+class CutlassTactics:
+    """The GEMM tactics the loaded fused-MoE module offers for one kernel variant, as FlashInfer
+    numbers them: one list, GEMM1's tactics first, then GEMM2's, so `profile_ids` = [id1, id2] takes
+    id1 from `gemm1` and id2 from `gemm2` (absolute ids); -1 is the module's default (the first of
+    each). A module built with FAST_BUILD offers fewer tactics than the full build: read, never assume.
+    fixed: the variant ignores `profile_ids` (DeepSeek FP8 block scaling runs one built-in tile)."""
+
+    gemm1: Tuple[int, ...]
+    gemm2: Tuple[int, ...]
+    fixed: bool = False
+
+    def describe(self) -> str:
+        def span(ids):
+            return f"{ids[0]}..{ids[-1]}" if len(ids) > 1 else (str(ids[0]) if ids else "none")
+
+        extra = " (this variant runs one built-in tile; ids are accepted and ignored)" if self.fixed else ""
+        return f"GEMM1 ids {span(self.gemm1)}, GEMM2 ids {span(self.gemm2)}{extra}"
+
+    def check(self, profile_ids: Any) -> List[int]:
+        """[id1, id2] when both are offered (or -1); ValueError naming the valid ids otherwise."""
+        ok = (
+            isinstance(profile_ids, (tuple, list))
+            and len(profile_ids) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in profile_ids)
+        )
+        if ok:
+            id1, id2 = profile_ids
+            ok = (id1 == -1 or id1 in self.gemm1) and (id2 == -1 or id2 in self.gemm2)
+        if not ok:
+            raise ValueError(
+                f"experts option tactics={profile_ids!r} is not offered by this FlashInfer fused-MoE "
+                f"module: pass [gemm1_id, gemm2_id] with {self.describe()}, or -1 for the default"
+            )
+        return [int(profile_ids[0]), int(profile_ids[1])]
+
+
+def read_cutlass_tactics(
+    arch: int, variant: str, act_dtype: torch.dtype, activation_type: Any, use_fused_finalize: bool = True
+) -> CutlassTactics:
+    """Ask the loaded module which tactics it has for `variant` (builds FlashInfer's runner object
+    for the variant's dtypes; runs no kernel)."""
+    from flashinfer.fused_moe.core import get_cutlass_fused_moe_module
+
+    flags = VARIANT_FLAGS[variant]
+    x_dtype, weight_dtype = kernel_dtypes(variant, act_dtype)
+    runner = get_cutlass_fused_moe_module(str(arch)).MoERunner(
+        x_dtype=x_dtype,
+        weight_dtype=weight_dtype,
+        output_dtype=act_dtype,
+        top_k=1,
+        tp_size=1,
+        tp_rank=0,
+        ep_size=1,
+        ep_rank=0,
+        cluster_size=1,
+        cluster_rank=0,
+        enable_alltoall=False,
+        use_deepseek_fp8_block_scale=flags.get("use_deepseek_fp8_block_scale", False),
+        use_w4_group_scaling=flags.get("use_w4_group_scaling", False),
+        use_mxfp8_act_scaling=flags.get("use_mxfp8_act_scaling", False),
+        min_latency_mode=False,
+        enable_pdl=False,
+        activation_type=activation_type,
+        use_packed_weights=False,
+        use_fused_finalize=use_fused_finalize,
+        use_wfp4afp8_humming=flags.get("use_wfp4afp8_humming", False),
+    ).fused_moe_runner
+    n1, n2 = int(runner.get_gemm1_tactic_count()), int(runner.get_gemm2_tactic_count())
+    return CutlassTactics(tuple(range(n1)), tuple(range(n1, n1 + n2)), fixed=variant == "fp8_block")
 
 
 # ----------------------------------------------------------------------------- module lookup
@@ -363,6 +455,16 @@ def _device_arch(device: torch.device) -> int:
 
 
 # ----------------------------------------------------------------------------- the backend
+# SM90 MXFP4 kernels take bf16 activations only: FlashInfer refuses fp16 for W4A16, and its SM90
+# generator instantiates no fp16 x FP4 launcher for Humming (a call would end the process with
+# "symbol lookup error").
+_BF16_ONLY_VARIANTS = ("mxfp4_w4a16", "mxfp4_w4a8_humming")
+
+
+def _bf16_only_reason(variant: str, dtype: Any) -> str:
+    return f"FlashInfer's SM90 {variant} kernel takes bfloat16 activations only, the model dtype is {dtype}"
+
+
 ARCH_NUMBER = {"sm80": 80, "sm90": 90, "sm100": 100, "sm120": 120}
 
 
@@ -375,10 +477,13 @@ def fused_moe_package(arch: str) -> str:
 @dataclass(frozen=True)
 class FlashInferCutlassOptions(ExpertsOptions):
     """mode: the expert mode when spec.plan is None; allow_jit: build the fused-MoE module JIT when
-    it is not prebuilt (> 40 min); quantize_online: quantize unquantized weights at load."""
+    it is not prebuilt (about 45 min on 16 cores); quantize_online: quantize unquantized weights at
+    load; tactics: the GEMM tactics [gemm1_id, gemm2_id] (`CutlassTactics`; None: the module's
+    default, -1 / -1), checked against what the loaded module offers when the backend is built."""
 
     allow_jit: bool = False
     quantize_online: bool = True
+    tactics: Optional[Tuple[int, int]] = None
 
 
 class FlashInferCutlassExperts(Experts):
@@ -410,6 +515,8 @@ class FlashInferCutlassExperts(Experts):
             )
         if variant == "bf16" and request.model_dtype not in ("bfloat16", "float16"):
             return Availability.no(f"bf16 CUTLASS experts need a bf16/fp16 model, not {request.model_dtype}")
+        if variant in _BF16_ONLY_VARIANTS and request.model_dtype != "bfloat16":
+            return Availability.no(_bf16_only_reason(variant, request.model_dtype), "use a bfloat16 model (MoEConfig dtype)")
         if variant == "mxfp4_w4a8_humming" and not version_at_least(request.flashinfer_version, HUMMING_MIN_VERSION):
             return Availability.no(
                 f"Humming MXFP4 W4A8 needs FlashInfer >= {HUMMING_MIN_VERSION}, installed {request.flashinfer_version}",
@@ -438,6 +545,8 @@ class FlashInferCutlassExperts(Experts):
             return Availability.no(str(e))
         if variant == "bf16" and spec.config.dtype not in (torch.bfloat16, torch.float16):
             return Availability.no(f"bf16 CUTLASS experts need a bf16/fp16 model, got {spec.config.dtype}")
+        if variant in _BF16_ONLY_VARIANTS and spec.config.dtype != torch.bfloat16:
+            return Availability.no(_bf16_only_reason(variant, spec.config.dtype), "use a bfloat16 model (MoEConfig dtype)")
         name = fused_moe_module_name(arch)
         status = prebuilt_module_status(name)
         if status is None and not spec.option("allow_jit", False):  # typed: FlashInferCutlassOptions
@@ -479,6 +588,11 @@ class FlashInferCutlassExperts(Experts):
         self.activation = activation_args(self.config, spec.num_local_experts, self.device, fm.ActivationType)
         self._params: Dict[str, torch.Tensor] = {}
         self._workspace: Optional[torch.Tensor] = None
+        self.tactics = read_cutlass_tactics(
+            self.arch, self.variant, self.act_dtype, self.activation.activation_type, not spec.deterministic
+        )
+        given = spec.option("tactics", None)
+        self.profile_ids = self.tactics.check(given) if given is not None else [-1, -1]
 
     @property
     def payload_format(self) -> PayloadFormat:
@@ -532,9 +646,7 @@ class FlashInferCutlassExperts(Experts):
         if size_fn is None:
             return
         g = self.geometry
-        w1 = self._params["fc1_weight"]
-        weight_dtype = torch.int64 if self.variant in ("nvfp4", "mxfp8_mxfp4") else w1.dtype
-        x_dtype = torch.float8_e4m3fn if self.variant in ("mxfp8", "mxfp8_mxfp4") else self.act_dtype
+        x_dtype, weight_dtype = kernel_dtypes(self.variant, self.act_dtype)
         flags = {k: v for k, v in VARIANT_FLAGS[self.variant].items()}
         nbytes = size_fn(
             max_rows,
@@ -557,6 +669,16 @@ class FlashInferCutlassExperts(Experts):
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens) -> torch.Tensor:
+        kwargs = self.call_kwargs(tokens)
+        self._fm.cutlass_fused_moe(**kwargs)
+        out = kwargs["output"]
+        if self.geometry.pads_hidden:
+            out = out[:, : self.geometry.hidden_size].contiguous()
+        return out
+
+    def call_kwargs(self, tokens) -> Dict[str, Any]:
+        """The keyword arguments of this forward's `cutlass_fused_moe` call (its `output` is the
+        [N, hidden_kernel] result). Benchmarks use it to call FlashInfer with its autotuner."""
         if tokens.layout != "flat":
             raise ValueError(f"experts backend {self.name!r} takes the flat layout, got {tokens.layout!r}")
         if not self._params:
@@ -593,11 +715,9 @@ class FlashInferCutlassExperts(Experts):
             deterministic=self.spec.deterministic,
             workspace=self._workspace if (self._workspace is not None and N <= (self.spec.max_tokens or 0)) else None,
             tune_max_num_tokens=max(self.spec.max_tokens or 8192, N),
+            profile_ids=self.profile_ids,
         )
-        self._fm.cutlass_fused_moe(**kwargs)
-        if g.pads_hidden:
-            out = out[:, : g.hidden_size].contiguous()
-        return out
+        return kwargs
 
 
 def check_reload(current: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:

@@ -270,6 +270,29 @@ def make_cutlass_fused_moe(recorder: Recorder, params=CUTLASS_PARAMS_0_7_2):
     return impl
 
 
+class _FakeCutlassModule:
+    """`get_cutlass_fused_moe_module(arch)`: only the tactic counts of its runner (FAKE_TACTICS)."""
+
+    def __init__(self, rec):
+        outer = self
+
+        class MoERunner:
+            def __init__(self, **kwargs):
+                rec.add("MoERunner", **kwargs)
+                self.fused_moe_runner = outer
+
+        self.MoERunner = MoERunner
+
+    def get_gemm1_tactic_count(self):
+        return FAKE_TACTICS[0]
+
+    def get_gemm2_tactic_count(self):
+        return FAKE_TACTICS[1]
+
+
+FAKE_TACTICS = (2, 3)  # GEMM1 ids 0..1, GEMM2 ids 2..4 (made-up counts)
+
+
 def install(monkeypatch, *, version: str = "0.7.2.post1", cutlass_params=CUTLASS_PARAMS_0_7_2,
             humming_preprocess: bool = True, recorder: Optional[Recorder] = None) -> Recorder:
     """Put the fake package into sys.modules (undone by monkeypatch). Returns the call recorder."""
@@ -299,6 +322,10 @@ def install(monkeypatch, *, version: str = "0.7.2.post1", cutlass_params=CUTLASS
         rec.add("interleave_scales", scales=scales.clone(), group_size=group_size)
         return scales.flip(-1).contiguous()
 
+    core = _module("flashinfer.fused_moe.core")
+    core.get_cutlass_fused_moe_module = lambda backend="100", use_fast_build=False: _FakeCutlassModule(rec)
+    fm.core = core
+    monkeypatch.setitem(sys.modules, "flashinfer.fused_moe.core", core)
     fm.interleave_moe_weights_for_sm90_mixed_gemm = interleave_w
     fm.interleave_moe_scales_for_sm90_mixed_gemm = interleave_s
     if humming_preprocess:

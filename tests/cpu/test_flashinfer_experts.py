@@ -297,3 +297,54 @@ def test_two_phase_reload_is_all_or_nothing(monkeypatch):
     with pytest.raises(ValueError, match="fc2_weight"):
         ex.commit_weights(bad)
     assert all(torch.equal(snapshot[k], v) for k, v in ex.parameters().items()), "nothing copied"
+
+
+# ----------------------------------------------------------------------------- tactics
+def test_tactics_check_names_the_valid_ids():
+    from epmoe.experts.flashinfer_cutlass import CutlassTactics
+
+    t = CutlassTactics(gemm1=(0, 1), gemm2=(2, 3, 4))
+    assert t.check([-1, -1]) == [-1, -1] and t.check((1, 4)) == [1, 4] and t.check([0, -1]) == [0, -1]
+    for bad in ([2, 2], [0, 1], [5, 2], [0], (0, 2, 3), "0,2", [True, 2], [0.0, 2], None):
+        with pytest.raises(ValueError, match=r"tactics=.*GEMM1 ids 0\.\.1, GEMM2 ids 2\.\.4") as e:
+            t.check(bad)
+        assert "\n" not in str(e.value)
+    fixed = CutlassTactics(gemm1=(0,), gemm2=(1,), fixed=True)
+    assert "built-in tile" in fixed.describe()
+
+
+def test_backend_reads_tactics_from_the_module_standin(monkeypatch):
+    """Stand-in module (made-up tactic counts): proves the count is read and the option checked,
+    not which tactics a real build has."""
+    E, I, H = 8, 16, 32
+    c = MoEConfig(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I)
+    ex, rec = _experts(monkeypatch, "bf16", c)
+    assert ex.tactics.gemm1 == (0, 1) and ex.tactics.gemm2 == (2, 3, 4) and ex.profile_ids == [-1, -1]
+    runner = rec.named("MoERunner")[-1]
+    assert runner["x_dtype"] == torch.bfloat16 and runner["weight_dtype"] == torch.bfloat16
+    import epmoe.experts.flashinfer_cutlass as fc
+
+    spec = ExpertsSpec(config=c, ep_rank=1, ep_size=2, device=torch.device("cpu"), max_tokens=16,
+                       options=(("mode", "bf16"), ("tactics", (1, 3))))
+    ex = fc.FlashInferCutlassExperts(spec)
+    ex.load_weights(_bf16_weights(4, I, H, 4, 1))
+    ids = torch.tensor([[0, -1]], dtype=torch.int32)
+    ex(DispatchedTokens(torch.randn(1, H).bfloat16(), ids, torch.rand(1, 2)))
+    assert rec.named("cutlass_fused_moe")[-1]["profile_ids"] == [1, 3]
+    bad = ExpertsSpec(config=c, ep_rank=1, ep_size=2, device=torch.device("cpu"), max_tokens=16,
+                      options=(("mode", "bf16"), ("tactics", (0, 7))))
+    with pytest.raises(ValueError, match=r"tactics=\(0, 7\) is not offered.*GEMM2 ids 2\.\.4"):
+        fc.FlashInferCutlassExperts(bad)
+
+
+def test_sm90_fp4_modes_refuse_fp16_models():
+    from epmoe.core.capability import BackendRequest
+    from epmoe.experts.flashinfer_cutlass import FlashInferCutlassExperts, fused_moe_package
+
+    req = BackendRequest(expert_mode="mxfp4_w4a16", arch="sm90", flashinfer_version="0.7.2.post1",
+                         packages=frozenset({"flashinfer", fused_moe_package("sm90")}), model_dtype="float16")
+    for mode in ("mxfp4_w4a16", "mxfp4_w4a8"):
+        a = FlashInferCutlassExperts.supports(req.with_(expert_mode=mode, humming=mode == "mxfp4_w4a8"))
+        assert not a and "bfloat16 activations only" in a.describe()
+        assert FlashInferCutlassExperts.supports(req.with_(expert_mode=mode, model_dtype="bfloat16",
+                                                           humming=mode == "mxfp4_w4a8"))

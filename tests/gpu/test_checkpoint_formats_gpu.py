@@ -27,8 +27,13 @@ PER_EXPERT = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok"
               "moe_intermediate_size": 768, "norm_topk_prob": True}
 GPT_OSS = {"model_type": "gpt_oss", "num_local_experts": 8, "experts_per_token": 2, "hidden_size": H,
            "intermediate_size": 768, "swiglu_limit": 7.0}
-CASES = [("fp8", "fp8_block", PER_EXPERT, 0.1), ("nvfp4-modelopt", "nvfp4_w4a16", PER_EXPERT, 2e-2),
-         ("nvfp4-compressed", "nvfp4_w4a16", PER_EXPERT, 2e-2), ("mxfp4-gpt-oss", "mxfp4_w4a16", GPT_OSS, 2e-2)]
+CASES = [("fp8", "fp8_block", PER_EXPERT, 0.1, "triton"), ("nvfp4-modelopt", "nvfp4_w4a16", PER_EXPERT, 2e-2, "triton"),
+         ("nvfp4-compressed", "nvfp4_w4a16", PER_EXPERT, 2e-2, "triton"),
+         ("mxfp4-gpt-oss", "mxfp4_w4a16", GPT_OSS, 2e-2, "triton"),
+         # FlashInfer CUTLASS (where its fused-MoE module is prebuilt): hidden 2880 padded to 2944 at load
+         ("fp8", "fp8_block", PER_EXPERT, 0.1, "flashinfer_cutlass"),
+         ("mxfp4-gpt-oss", "mxfp4_w4a16", GPT_OSS, 2e-2, "flashinfer_cutlass"),
+         ("mxfp4-gpt-oss", "mxfp4_w4a8", GPT_OSS, 0.1, "flashinfer_cutlass")]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,15 +41,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("fmt, mode, hf, bound", CASES, ids=[c[0] for c in CASES])
-def test_triton_experts_from_checkpoint_match_dequantized_reference(tmp_path, fmt, mode, hf, bound):
+@pytest.mark.parametrize("fmt, mode, hf, bound, experts", CASES, ids=[f"{c[0]}-{c[1]}-{c[4]}" for c in CASES])
+def test_experts_from_checkpoint_match_dequantized_reference(tmp_path, fmt, mode, hf, bound, experts):
+    if experts == "flashinfer_cutlass":
+        from epmoe.resolve import detect_environment
+        from epmoe.experts.flashinfer_cutlass import fused_moe_package
+
+        env = detect_environment(torch.device("cuda"))
+        if fused_moe_package(env.arch) not in env.packages:
+            pytest.skip(f"FlashInfer's {env.arch} fused-MoE module is not prebuilt here")
     write_checkpoint(str(tmp_path), MoEConfig.from_hf_config(hf, dtype=torch.bfloat16), hf, 1, 11, fmt,
                      device=torch.device("cuda"))
     cfg = MoEConfig.from_hf_config(tmp_path, dtype=torch.bfloat16)
     assert cfg.quant_method is not None and cfg.hidden_size == H
     # fp8 dispatch needs hidden % 128 == 0; at 2880 tokens travel bf16 and the experts quantize them
     dispatch = "bf16" if mode == "fp8_block" else "auto"
-    layer = EPMoE(cfg, device="cuda", experts="triton", quant=mode, dispatch_dtype=dispatch, max_num_tokens_per_rank=128)
+    layer = EPMoE(cfg, device="cuda", experts=experts, quant=mode, dispatch_dtype=dispatch, max_num_tokens_per_rank=128)
     assert layer.plan.expert_mode == mode, layer.plan.describe()
     layer.load_weights(tmp_path, layer_idx=0)
     g = torch.Generator().manual_seed(5)
@@ -56,10 +68,10 @@ def test_triton_experts_from_checkpoint_match_dequantized_reference(tmp_path, fm
     ref = reference_moe(cfg, x, ref_layer.experts, logits)
     err = _rel(y, ref)
     err_emu = 0.0
-    if mode != "fp8_block":  # the reference experts' fp8 activation codec needs hidden % 128 == 0
+    if mode not in ("fp8_block", "mxfp4_w4a8"):  # the reference experts' fp8 activation codec needs hidden % 128 == 0
         emulated = EPMoE(cfg, device="cpu", experts="reference", quant=mode)
         emulated.load_weights(tmp_path, layer_idx=0)
         err_emu = _rel(y, emulated(x, logits))
-    print(f"{fmt} {mode}: vs float64 of the dequantized checkpoint {err:.3g} (bound {bound}), "
+    print(f"{fmt} {mode} {experts}: vs float64 of the dequantized checkpoint {err:.3g} (bound {bound}), "
           f"vs reference experts {err_emu:.3g} (bound 1e-2)")
     assert err <= bound and err_emu <= 1e-2

@@ -1,9 +1,16 @@
-"""FlashInferCutlassExperts against the reference experts on a GPU, one test per SM90 mode.
+"""FlashInfer's CUTLASS fused MoE (`flashinfer_cutlass` experts) on a GPU, every SM90 mode:
+
+  * the tactics the loaded module offers per mode, and a tactic it lacks refused with the valid ids;
+  * the experts alone against the reference experts (weights quantized here with small torch
+    quantizers, the reference gets them dequantized: isolates kernel + layout conversion);
+  * through `EPMoE` on one rank (torch and FlashInfer dispatchers), uneven batches including 0 and
+    batches above the round size, against the float64 reference that models the plan;
+  * 4 ranks sharing the GPU (gloo group, `shared_gpu=True`), both dispatchers, every mode.
 
 Runs only where FlashInfer's CUTLASS fused-MoE module is prebuilt (AOT or JIT cache): building it
-JIT takes more than 40 minutes, so a missing module is a skip (with the reason), never a build.
-Quantized modes: weights are quantized here with small torch quantizers, and the reference experts
-get the dequantized weights, so the comparison isolates the kernel + layout conversion.
+JIT takes about 45 minutes on 16 cores, so a missing module is a skip (with the reason), never a
+build. A call into a launcher the module lacks ends the process ("symbol lookup error"): run one
+mode per process (`-k`) when trying a new FlashInfer build (scripts/gpu_checks.sh cutlass does).
 """
 
 from __future__ import annotations
@@ -139,3 +146,110 @@ def test_cutlass_mode_matches_reference(mode, gpt_oss, tol):
     assert {k: v.data_ptr() for k, v in ex.parameters().items()} == ptrs
     again = ex(tokens).float()  # fused finalize adds with atomics: equal up to summation order
     assert (again - out).norm() / out.norm().clamp_min(1e-6) < 1e-2
+
+
+SM90_MODES = ["bf16", "fp8_block", "mxfp4_w4a16", "mxfp4_w4a8"]
+# the float64 reference models the plan's activation rounding; the kernels round partial sums in
+# their own order (and Humming quantizes activations per token rather than per 1x128 group)
+LAYER_TOL = {"bf16": 2e-2, "fp8_block": 6e-2, "mxfp4_w4a16": 3e-2, "mxfp4_w4a8": 8e-2}
+
+
+@pytest.mark.parametrize("mode", SM90_MODES)
+def test_tactics_offered_by_the_module(mode):
+    arch = _fused_moe_ready()
+    from epmoe.experts.base import ExpertsSpec
+    from epmoe.experts.flashinfer_cutlass import FlashInferCutlassExperts
+    from epmoe.config import MoEConfig
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=256, dtype=torch.bfloat16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    spec = ExpertsSpec(config=cfg, ep_rank=0, ep_size=1, device=dev, max_tokens=64, options=(("mode", mode),))
+    ex = FlashInferCutlassExperts(spec)
+    t = ex.tactics
+    print(f"[flashinfer-cutlass] SM{arch} {mode}: {len(t.gemm1)} GEMM1 + {len(t.gemm2)} GEMM2 tactics ({t.describe()})")
+    assert t.gemm1 and t.gemm2
+    bad = (t.gemm1[0], t.gemm2[-1] + 1)
+    with pytest.raises(ValueError, match="is not offered"):
+        FlashInferCutlassExperts(ExpertsSpec(config=cfg, ep_rank=0, ep_size=1, device=dev, max_tokens=64,
+                                             options=(("mode", mode), ("tactics", bad))))
+
+
+def _layer_case(mode, dispatcher, dev, world=1, shared_gpu=False):
+    from epmoe import EPMoE, MoEConfig
+
+    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=256, dtype=torch.bfloat16)
+    opts = {"one_rank_local": False} if dispatcher == "flashinfer" and world == 1 else None
+    layer = EPMoE(cfg, dispatcher=dispatcher, device=dev, experts="flashinfer_cutlass", quant=mode,
+                  max_num_tokens_per_rank=32, dispatcher_options=opts, shared_gpu=shared_gpu)
+    assert layer.plan.experts_backend == "flashinfer_cutlass", layer.plan.describe()
+    return cfg, layer
+
+
+def _check_counts(cfg, layer, mode, weights, counts, rank, seed, dev):
+    """One step with per-rank token counts `counts` against reference_moe(plan=layer.plan)."""
+    from epmoe import reference_moe
+    from tests.cpu.helpers import max_rel_err, random_inputs
+
+    x, logits = random_inputs(cfg, counts[rank], seed + 101 * rank)
+    out = layer(x.to(dev), logits.to(dev), return_stats=True)
+    y = out.hidden_states
+    assert y.shape == (counts[rank], cfg.hidden_size) and torch.isfinite(y).all()
+    assert out.stats.rounds == -(-max(counts) // 32) or max(counts) == 0
+    if counts[rank] == 0:
+        return 0.0
+    err = max_rel_err(y, reference_moe(cfg, x, weights, logits, plan=layer.plan))
+    assert err < LAYER_TOL[mode], f"{mode} T={counts}: max rel err {err:.3g} >= {LAYER_TOL[mode]}"
+    return err
+
+
+@pytest.mark.parametrize("dispatcher", ["torch", "flashinfer"])
+@pytest.mark.parametrize("mode", SM90_MODES)
+def test_layer_one_rank_matches_plan_reference(mode, dispatcher):
+    _fused_moe_ready()
+    from tests.cpu.helpers import random_weights
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg, layer = _layer_case(mode, dispatcher, dev)
+    w = random_weights(cfg, 31)
+    layer.load_weights(w)
+    errs = [_check_counts(cfg, layer, mode, w, [T], 0, 40 + T, dev) for T in (0, 1, 20, 32, 70)]
+    print(f"[flashinfer-cutlass] ep=1 {dispatcher} {mode}: T in (0, 1, 20, 32, 70 = 3 rounds) "
+          f"max rel err {max(errs):.3g} (tol {LAYER_TOL[mode]}) plan: {layer.plan.describe()}")
+    layer.close()
+
+
+def _shared_worker(rank, world, seed, dispatcher):
+    import torch.distributed as dist
+
+    from tests.cpu.helpers import random_weights
+    from tests.cpu.mp import run_checks
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+
+    def one_mode(mode):
+        def check():
+            cfg, layer = _layer_case(mode, dispatcher, dev, world=world, shared_gpu=True)
+            w = random_weights(cfg, seed)
+            layer.load_weights(w)
+            errs = [_check_counts(cfg, layer, mode, w, counts, rank, seed + i, dev)
+                    for i, counts in enumerate(([70, 0, 33, 5], [0, 0, 0, 0], [32, 32, 32, 32], [1, 0, 0, 9]))]
+            layer.close()
+            return f"T=[70,0,33,5] (3 rounds), all 0, all 32, [1,0,0,9]: max rel err {max(errs):.2e}"
+
+        return check
+
+    results = run_checks(f"shared-gpu ep={world} cutlass {dispatcher}", [(m, one_mode(m)) for m in SM90_MODES])
+    dist.barrier()
+    return results
+
+
+@pytest.mark.parametrize("dispatcher", ["torch", "flashinfer"])
+def test_four_ranks_sharing_the_gpu(dispatcher):
+    _fused_moe_ready()
+    from tests.cpu.helpers import fresh_seed
+    from tests.cpu.mp import assert_checks, run_group
+
+    seed = fresh_seed()
+    res = run_group(_shared_worker, 4, seed, dispatcher, timeout=240, pg_timeout=120)
+    assert_checks(res, SM90_MODES, seed)

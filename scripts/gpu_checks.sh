@@ -59,20 +59,20 @@ run_cutlass() {
     local log="$OUT/cutlass.log" ok=()
     : > "$log"
     for mode in bf16 fp8_block mxfp4_w4a16 mxfp4_w4a8; do
-        timeout 150 "$PY" -m pytest tests/gpu/test_flashinfer_cutlass.py -q -s -rs -p no:cacheprovider \
+        timeout 100 "$PY" -m pytest tests/gpu/test_flashinfer_cutlass.py -q -s -rs -p no:cacheprovider \
             -k "$mode and not four_ranks" >> "$log" 2>&1
         local rc=$?
         echo "== cutlass $mode: rc=$rc at $(el)" | tee -a "$log"
         [ $rc = 0 ] && ok+=("$mode")
     done
     echo "== cutlass modes passing alone: ${ok[*]:-none}" | tee -a "$log"
-    [ ${#ok[@]} = 4 ] && { timeout 300 "$PY" -m pytest tests/gpu/test_flashinfer_cutlass.py -q -s -rs \
+    [ ${#ok[@]} = 4 ] && { timeout 200 "$PY" -m pytest tests/gpu/test_flashinfer_cutlass.py -q -s -rs \
         -p no:cacheprovider -k four_ranks >> "$log" 2>&1; echo "== cutlass four ranks: rc=$? at $(el)" | tee -a "$log"; }
-    timeout 150 "$PY" -m pytest tests/gpu/test_checkpoint_formats_gpu.py -q -s -rs -p no:cacheprovider \
+    timeout 100 "$PY" -m pytest tests/gpu/test_checkpoint_formats_gpu.py -q -s -rs -p no:cacheprovider \
         -k flashinfer_cutlass >> "$log" 2>&1
     echo "== cutlass checkpoints: rc=$? at $(el)" | tee -a "$log"
     for mode in "${ok[@]}"; do
-        timeout 150 "$PY" benchmarks/bench_experts.py --backends flashinfer_cutlass --modes "$mode" --no-peers \
+        timeout 90 "$PY" benchmarks/bench_experts.py --backends flashinfer_cutlass --modes "$mode" --no-peers \
             ${CUTLASS_BENCH_ARGS:---quick} --json "$OUT/bench_cutlass_$mode.json" >> "$log" 2>&1
         echo "== cutlass bench $mode: rc=$? at $(el)" | tee -a "$log"
     done

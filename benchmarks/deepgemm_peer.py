@@ -80,7 +80,7 @@ def _rel(a, b) -> float:
 
 
 def measure(dev, E: int, H: int, I: int, K: int, phases, routing: Callable, flops_per_entry: int,
-            bench: Callable, dg=None) -> List[dict]:
+            bench: Callable, dg=None, on_row: Optional[Callable] = None) -> List[dict]:
     """Peer rows like `bench_experts.measure_peers`: name, phase, num_tokens, ms (GEMMs), tflops,
     prep_ms, check (max rel err of each GEMM against torch on the same quantized inputs)."""
     import torch
@@ -193,6 +193,8 @@ def measure(dev, E: int, H: int, I: int, K: int, phases, routing: Callable, flop
                 print(f"peer {name} {phase} failed: {type(e).__name__}: {str(e)[:300]}")
                 row.update(ms=float("nan"), tflops=float("nan"), note=str(e)[:300])
             out.append(row)
+            if on_row is not None:
+                on_row(out)
             if row["ms"] == row["ms"]:
                 extra = f", prep {row['prep_ms']:.3f} ms" if "prep_ms" in row else ""
                 print(f"  peer {name:38} {phase:7} T={T:5d} {row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s "
@@ -202,22 +204,98 @@ def measure(dev, E: int, H: int, I: int, K: int, phases, routing: Callable, flop
     return out
 
 
-def main() -> int:
+def measure_isolated(E: int, H: int, I: int, K: int, phases, routing: str, timeout: float = 300) -> List[dict]:
+    """`measure` in a child process (a crash in DeepGEMM ends the child, not the benchmark); the
+    routing is `tests/experts_testing`'s (`routing`: "uniform" | "skewed", seed 101, as bench_experts)."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, os.path.abspath(__file__), "--json", f.name, "--experts", str(E), "--hidden", str(H),
+               "--inter", str(I), "--top-k", str(K), "--routing", routing]
+        cmd += [f"--{p}-tokens={T}" for p, T in phases]
+        try:
+            r = subprocess.run(cmd, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"deepgemm peer: no result within {timeout:.0f} s")
+            return []
+        if r.returncode != 0:
+            print(f"deepgemm peer: the child exited with {r.returncode}")
+        try:
+            with open(f.name) as fh:
+                return json.load(fh)
+        except (OSError, ValueError):
+            return []
+
+
+def smoke(dg) -> None:
+    """The smallest call of each kernel this peer uses, one line before each (finds a crashing one)."""
+    import torch
+
+    dev = torch.device("cuda")
+    E, N, Kd = 2, 256, 256
+    w = fp8_blocks(torch.randn(E, N, Kd, device=dev, dtype=torch.bfloat16))
+    align = int(dg.get_mk_alignment_for_contiguous_layout())
+    print(f"smoke: alignment {align}", flush=True)
+    a = fp8_rows(torch.randn(2 * align, Kd, device=dev, dtype=torch.bfloat16))
+    d = torch.empty(2 * align, N, device=dev, dtype=torch.bfloat16)
+    m_indices = torch.arange(2, device=dev, dtype=torch.int32).repeat_interleave(align)
+    for name, fn in [
+        ("fp8_gemm_nt", lambda: dg.fp8_gemm_nt(a, (w[0][0], w[1][0]), d, disable_ue8m0_cast=True)),
+        ("m_grouped_fp8_gemm_nt_contiguous", lambda: dg.m_grouped_fp8_gemm_nt_contiguous(
+            a, w, d, m_indices, disable_ue8m0_cast=True)),
+        ("m_grouped_fp8_gemm_nt_masked", lambda: dg.m_grouped_fp8_gemm_nt_masked(
+            (a[0].view(E, align, Kd), a[1].view(E, align, Kd // 128)), w, d.view(E, align, N),
+            torch.tensor([align, 3], device=dev, dtype=torch.int32), align, disable_ue8m0_cast=True)),
+    ]:
+        print(f"smoke: {name} ...", flush=True)
+        fn()
+        torch.cuda.synchronize()
+        print(f"smoke: {name} ok", flush=True)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
     import torch
     from triton.testing import do_bench
 
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="the smallest call of each kernel, then exit")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--routing", default="uniform", choices=("uniform", "skewed"))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
     dg = load()
     if dg is None:
         return 1
+    if args.smoke:
+        smoke(dg)
+        return 0
+    from tests import experts_testing as T
+
     dev = torch.device("cuda")
-    E, H, I, K = 128, 7168, 2048, 8
-
-    def routing(T):
-        g = torch.Generator(device=dev).manual_seed(T)
-        return torch.rand(T, E, generator=g, device=dev).argsort(1)[:, :K].to(torch.int32)
-
+    E, H, I, K = args.experts, args.hidden, args.inter, args.top_k
+    route = T.skewed_local_routing if args.routing == "skewed" else T.random_local_routing
+    phases = [(p, n) for p, n in (("prefill", args.prefill_tokens), ("decode", args.decode_tokens)) if n > 0]
     bench = lambda f: float(do_bench(f, warmup=100, rep=400, return_mode="median"))  # noqa: E731
-    rows = measure(dev, E, H, I, K, [("decode", 128), ("prefill", 4096)], routing, 2 * 3 * I * H, bench, dg)
+    rows: List[dict] = []
+
+    def save(current=None):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(current if current is not None else rows, f)
+
+    rows = measure(dev, E, H, I, K, phases, lambda T_: route(T_, K, E, dev, 101)[0], 2 * 3 * I * H, bench, dg,
+                   on_row=save)
+    save()
     bad = [r for r in rows if not (r.get("check", 1.0) < 2e-2)]
     print("deepgemm peer:", "all checks passed" if not bad else f"FAILED {[(r['name'], r.get('check')) for r in bad]}")
     return 1 if bad else 0

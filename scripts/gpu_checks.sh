@@ -71,6 +71,16 @@ run_cutlass() {
     timeout 100 "$PY" -m pytest tests/gpu/test_checkpoint_formats_gpu.py -q -s -rs -p no:cacheprovider \
         -k flashinfer_cutlass >> "$log" 2>&1
     echo "== cutlass checkpoints: rc=$? at $(el)" | tee -a "$log"
+    for mode in "${ok[@]}"; do  # the launcher's own check, 1 rank and 4 ranks sharing the GPU
+        timeout 60 torchrun --nproc-per-node 1 -m epmoe.launch --preset tiny --device cuda \
+            --experts flashinfer_cutlass --quant "$mode" --steps 3 --check >> "$log" 2>&1
+        echo "== cutlass launch $mode ep=1: rc=$? at $(el)" | tee -a "$log"
+        timeout 90 torchrun --nproc-per-node 4 -m epmoe.launch --preset tiny --device cuda --ranks-per-gpu 4 \
+            --dispatcher flashinfer --experts flashinfer_cutlass --quant "$mode" --steps 3 --check >> "$log" 2>&1
+        echo "== cutlass launch $mode ep=4 sharing the GPU: rc=$? at $(el)" | tee -a "$log"
+    done
+    "$PY" -m epmoe.launch --preset dsv3 --device cuda --experts flashinfer_cutlass --quant fp8_block --ep 8 --plan \
+        >> "$log" 2>&1
     for mode in "${ok[@]}"; do
         timeout 90 "$PY" benchmarks/bench_experts.py --backends flashinfer_cutlass --modes "$mode" --no-peers \
             ${CUTLASS_BENCH_ARGS:---quick} --json "$OUT/bench_cutlass_$mode.json" >> "$log" 2>&1
@@ -79,11 +89,25 @@ run_cutlass() {
     grep -E "^\[flashinfer-cutlass\]|^==|passed|failed|Error|error:" "$log" | grep -v -i warn | tail -60
 }
 
+# DeepGEMM (a peer of the expert stage): build it from .deepgemm/ (scripts/build_deepgemm.sh), the
+# smallest call of each kernel, then its figures on the benchmark shape in a child process.
+run_deepgemm() {
+    local log="$OUT/deepgemm.log"
+    bash scripts/build_deepgemm.sh > "$log" 2>&1 || { tail -20 "$log"; return 1; }
+    export PYTHONPATH="/tmp/deepgemm/DeepGEMM:$PYTHONPATH"
+    timeout 120 "$PY" -X faulthandler benchmarks/deepgemm_peer.py --smoke >> "$log" 2>&1
+    echo "== deepgemm smoke: rc=$? at $(el)" | tee -a "$log"
+    timeout 200 "$PY" -X faulthandler benchmarks/deepgemm_peer.py --json "$OUT/deepgemm_peer.json" >> "$log" 2>&1
+    echo "== deepgemm peer: rc=$? at $(el)" | tee -a "$log"
+    grep -E "^==|smoke|peer |deepgemm|Error|error|Fatal|line [0-9]+ in" "$log" | tail -40
+}
+
 case "${1:-tests}" in
     tests) run_tests ;;
     bench) run_bench ;;
     cutlass) run_cutlass ;;
+    deepgemm) run_deepgemm ;;
     all) run_tests; run_bench ;;
-    *) echo "usage: $0 tests|bench|cutlass|all" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|cutlass|deepgemm|all" >&2; exit 2 ;;
 esac
 echo "done at $(el); logs in $OUT"

@@ -670,8 +670,9 @@ class FlashInferCutlassExperts(Experts):
     # ------------------------------------------------------------------ forward
     def forward(self, tokens) -> torch.Tensor:
         kwargs = self.call_kwargs(tokens)
-        self._fm.cutlass_fused_moe(**kwargs)
         out = kwargs["output"]
+        if out.shape[0]:  # FlashInfer asserts on an empty batch (input_activations); 0 rows -> 0 rows
+            self._fm.cutlass_fused_moe(**kwargs)
         if self.geometry.pads_hidden:
             out = out[:, : self.geometry.hidden_size].contiguous()
         return out

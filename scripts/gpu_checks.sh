@@ -81,7 +81,7 @@ run_cutlass() {
     done
     "$PY" -m epmoe.launch --preset dsv3 --device cuda --experts flashinfer_cutlass --quant fp8_block --ep 8 --plan \
         >> "$log" 2>&1
-    for mode in "${ok[@]}"; do
+    [ "${CUTLASS_BENCH:-1}" = 1 ] && for mode in "${ok[@]}"; do
         timeout 90 "$PY" benchmarks/bench_experts.py --backends flashinfer_cutlass --modes "$mode" --no-peers \
             ${CUTLASS_BENCH_ARGS:---quick} --json "$OUT/bench_cutlass_$mode.json" >> "$log" 2>&1
         echo "== cutlass bench $mode: rc=$? at $(el)" | tee -a "$log"

@@ -83,22 +83,19 @@ def reference_moe(
     return out
 
 
-# activation format of the plan -> the payload format the kernels quantize to ("fp8": 1x128 groups)
-_ACT_PAYLOAD = {"nvfp4": "nvfp4", "fp8_block": "fp8_block", "fp8": "fp8_block", "mxfp8": "mxfp8"}
 # what the plan's experts consume as received when the wire is in that format
 _CONSUMED = {"nvfp4": "nvfp4", "fp8_block": "fp8"}
 
 
 def _model_plan(config: MoEConfig, plan, x: torch.Tensor, weights: ExpertWeights):
     """(tokens as the experts see them, weights as the kernels use them, FC2-input quantizer)."""
-    act_name = _ACT_PAYLOAD.get(plan.act_format)
-    act_fmt = codec.payload_format(act_name, config.dtype) if act_name else None
+    quantizes = plan.act_format in codec.ACT_FORMAT_PAYLOAD or plan.act_format == codec.PER_TOKEN_FP8
 
     def act_q(v: torch.Tensor) -> torch.Tensor:
-        if act_fmt is None:
+        if not quantizes:
             return v
         one = v.dim() == 1
-        q = codec.roundtrip_for_wire(v.reshape(1, -1).float() if one else v.float(), act_fmt, torch.float64)
+        q = codec.roundtrip_activation(v.reshape(1, -1).float() if one else v.float(), plan.act_format, torch.float64)
         return q.reshape(v.shape) if one else q
 
     if plan.dispatch_dtype != "bf16" and x.shape[0]:

@@ -28,8 +28,6 @@ from epmoe.quant import codec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 from epmoe.quant.weights import ExpertWeights, dequantize_expert_weights, quantize_expert_weights
 
-# plan activation format -> payload format the emulation quantizes to ("fp8": FP8 1x128 groups)
-_ACT_PAYLOAD = {"nvfp4": "nvfp4", "fp8_block": "fp8_block", "fp8": "fp8_block", "mxfp8": "mxfp8"}
 
 
 def apply_activation(config: MoEConfig, h: torch.Tensor) -> torch.Tensor:
@@ -74,10 +72,12 @@ class ReferenceExperts(Experts):
         self._params: Dict[str, torch.Tensor] = {}
         plan = spec.plan
         self._weight_format = getattr(plan, "weight_format", "bf16") if plan is not None else "bf16"
-        act = getattr(plan, "act_format", "bf16") if plan is not None else "bf16"
-        self._act: Optional[PayloadFormat] = (
-            codec.payload_format(_ACT_PAYLOAD[act], self.config.dtype) if act in _ACT_PAYLOAD else None
-        )
+        # the plan's activation rounding (codec.roundtrip_activation); the payload format the experts
+        # take is quantized only where they consume a quantized wire as received
+        self._act_format = getattr(plan, "act_format", "bf16") if plan is not None else "bf16"
+        self._quantizes = self._act_format in codec.ACT_FORMAT_PAYLOAD or self._act_format == codec.PER_TOKEN_FP8
+        payload = codec.ACT_FORMAT_PAYLOAD.get(self._act_format)
+        self._act: Optional[PayloadFormat] = codec.payload_format(payload, self.config.dtype) if payload else None
 
     @property
     def payload_format(self) -> PayloadFormat:
@@ -95,10 +95,10 @@ class ReferenceExperts(Experts):
         return dequantize_expert_weights(quantize_expert_weights(weights, self._weight_format), torch.float32)
 
     def _quant_act(self, x: torch.Tensor) -> torch.Tensor:
-        if self._act is None or x.shape[0] == 0:
+        if not self._quantizes or x.shape[0] == 0:
             return x
-        # per-token scales, like the wire (the one quantizer the float64 reference models)
-        return codec.roundtrip_for_wire(x, self._act, torch.float32)
+        # the one quantizer the float64 reference models (reference_moe(plan=))
+        return codec.roundtrip_activation(x, self._act_format, torch.float32)
 
     def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)
@@ -147,7 +147,7 @@ class ReferenceExperts(Experts):
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert e on rows x [n, H] (fp32) -> [n, H] fp32 (FC2 input quantized per the plan)."""
         p = self._params
-        if self._act is not None:
+        if self._quantizes:
             # the FC2 input is quantized: compute it in float64 so its rounding (a discontinuity)
             # matches the float64 oracle's (reference_moe(plan=)) instead of flipping on float32 noise
             h = x.double() @ p["w13"][e].double().t()

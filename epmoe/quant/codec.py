@@ -180,6 +180,26 @@ def quantize_for_wire(x: torch.Tensor, fmt: PayloadFormat, *, use_triton: Option
     return quantize_activation(x, fmt, use_triton=use_triton)
 
 
+# QuantPlan.act_format -> the payload format whose groups the experts' kernels quantize to; "fp8" (FlashInfer's
+# SM90 Humming W4A8) is e4m3 with ONE fp32 scale per token (the kernel's act_fp8_token_scale), no payload format.
+ACT_FORMAT_PAYLOAD = {"nvfp4": "nvfp4", "fp8_block": "fp8_block", "mxfp8": "mxfp8"}
+PER_TOKEN_FP8 = "fp8"
+
+
+def roundtrip_activation(x: torch.Tensor, act_format: str, dtype: torch.dtype) -> torch.Tensor:
+    """An expert's input rows [N, K] as the plan's kernels round them (`QuantPlan.act_format`), in
+    `dtype`: "bf16" unchanged, a payload format per its groups, "fp8" per token (one scale per row)."""
+    if act_format == PER_TOKEN_FP8:
+        if x.shape[0] == 0:
+            return x.to(dtype)
+        q = fp8_block.quantize_activation(x, group_size=x.shape[-1])
+        return fp8_block.dequantize_activation(q.data, q.scales, dtype, group_size=x.shape[-1])
+    name = ACT_FORMAT_PAYLOAD.get(act_format)
+    if name is None:
+        return x.to(dtype)
+    return roundtrip_for_wire(x, payload_format(name, x.dtype), dtype)
+
+
 def roundtrip_for_wire(x: torch.Tensor, fmt: PayloadFormat, dtype: torch.dtype) -> torch.Tensor:
     """What a token looks like after a quantized wire: quantize_for_wire then dequantize to `dtype`."""
     if not fmt.is_quantized or x.shape[0] == 0:

@@ -153,3 +153,24 @@ def test_codec_errors():
         codec.dequantize_activation(x, torch.float32)
     with pytest.raises(ValueError, match="multiple of the block size 16"):
         codec.quantize_activation(torch.randn(2, 40), codec.NVFP4)
+
+
+def test_roundtrip_activation_per_token_fp8_for_humming():
+    """act_format "fp8" (FlashInfer's Humming W4A8) rounds each token with ONE scale (amax / 448 of
+    the row), "fp8_block" with one scale per 1x128 group: checked against float64 arithmetic."""
+    from epmoe.quant.codec import roundtrip_activation
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 256, generator=g, dtype=torch.float64)
+    x[:, :128] *= 100.0  # one loud half: per-token and per-group scales differ
+    per_token = roundtrip_activation(x.float(), "fp8", torch.float64)
+    s = x.abs().amax(dim=1, keepdim=True).float() / 448.0
+    want = ((x.float() / s).to(torch.float8_e4m3fn).float() * s).double()  # dequantized in float32
+    assert torch.equal(per_token, want)
+    grouped = roundtrip_activation(x.float(), "fp8_block", torch.float64)
+    s2 = x.view(5, 2, 128).abs().amax(dim=2, keepdim=True).float() / 448.0
+    want2 = ((x.view(5, 2, 128).float() / s2).to(torch.float8_e4m3fn).float() * s2).double().view(5, 256)
+    assert torch.equal(grouped, want2)
+    assert not torch.equal(per_token, grouped)
+    assert torch.equal(roundtrip_activation(x.float(), "bf16", torch.float64), x.float().double())
+    assert roundtrip_activation(x[:0].float(), "fp8", torch.float64).shape == (0, 256)

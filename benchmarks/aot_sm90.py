@@ -35,7 +35,7 @@ from epmoe.config import MoEConfig  # noqa: E402
 from epmoe.core.availability import Availability  # noqa: E402
 from epmoe.dispatch.base import DispatchedTokens  # noqa: E402
 from tests import experts_testing as T  # noqa: E402
-from epmoe.experts import triton_experts as TE  # noqa: E402
+from epmoe.experts.triton import triton_experts as TE  # noqa: E402
 from epmoe.experts.base import ExpertsSpec  # noqa: E402
 from epmoe.quant.plan import QuantPlan  # noqa: E402
 
@@ -108,14 +108,14 @@ def record_routing_launches(config: MoEConfig, num_tokens: int, align_block_m: i
 def to_source(launch: Launch):
     from triton.compiler import ASTSource
 
-    if launch.kernel.startswith("w4a16_"):  # Gluon kernels (epmoe.experts.gluon_w4a16)
+    if launch.kernel.startswith("w4a16_"):  # Gluon kernels (epmoe.experts.triton.gluon_w4a16)
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
-        from epmoe.experts import gluon_w4a16 as module
+        from epmoe.experts.triton import gluon_w4a16 as module
     elif launch.kernel.startswith("route_"):  # the fused routing (epmoe.routing_kernels)
         from epmoe import routing_kernels as module
     else:
-        from epmoe.experts import triton_kernels as module
+        from epmoe.experts.triton import triton_kernels as module
     fn = getattr(module, launch.kernel)
     kwargs = dict(launch.kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}

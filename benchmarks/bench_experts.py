@@ -141,7 +141,7 @@ def build_plan(args) -> List[Run]:
                 else:
                     presets = SWEEP[(mode, phase)]
                 if args.presets and backend == "triton":
-                    from epmoe.experts.triton_experts import presets_for
+                    from epmoe.experts.triton.triton_experts import presets_for
 
                     known = set(presets_for(mode)) | {"auto"} | set(FP4_CONVERT_PRESETS)
                     presets = [p for p in args.presets.split(",")
@@ -256,7 +256,7 @@ def grouped_stage_ms(ex, tokens) -> dict:
     after one full pass has filled its inputs."""
     import torch
 
-    from epmoe.experts.grouped_mm import grouped_mm_steps
+    from epmoe.experts.triton.grouped_mm import grouped_mm_steps
 
     if ex.name == "grouped_mm":
         params, il, launch = ex.parameters(), False, ex._launch
@@ -452,11 +452,11 @@ def run_plan(args, plan: List[Run]) -> int:
     from tests import experts_testing as T
     from epmoe.experts.base import ExpertsSpec
     from epmoe.experts.graphs import CapturedExperts
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     GLUON_DEFAULTS = (TE.GLUON_W4A16_UNROLL, TE.GLUON_W4A16_MAXNREG, TE.GLUON_W4A16_BLOCK_N, TE.GLUON_W4A16_WARPS)
     GLUON_WORDS_TILES = dict(TE.GLUON_W4A16_WORDS_TILES)
-    from epmoe.experts.triton_experts import FP4_CONVERT, pick_config, presets_for
+    from epmoe.experts.triton.triton_experts import FP4_CONVERT, pick_config, presets_for
     from epmoe.quant.plan import QuantPlan
 
     dev = torch.device("cuda")

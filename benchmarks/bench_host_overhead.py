@@ -464,7 +464,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="--cpu-host: print a cProfile breakdown to stderr")
     args = p.parse_args(argv)
     if args.align_single_max is not None:
-        from epmoe.experts import align
+        from epmoe.experts.triton import align
 
         align.SINGLE_LAUNCH_MAX_ENTRIES = args.align_single_max
     if args.cpu_host:

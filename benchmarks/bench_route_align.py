@@ -21,8 +21,8 @@ import torch
 
 def measure(routing: str, E: int, K: int, T: int, block_m: int, reps: int) -> dict:
     from epmoe.config import MoEConfig
-    from epmoe.experts import align as A
-    from epmoe.experts.launch import KernelLauncher
+    from epmoe.experts.triton import align as A
+    from epmoe.experts.triton.launch import KernelLauncher
     from epmoe.routing import Router
 
     extra = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5) if routing == "sigmoid_grouped" else {}

@@ -11,7 +11,7 @@ import cProfile, io, pstats, statistics, sys, time, torch, os
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_host_overhead as B
 from epmoe import MoEConfig
-from epmoe.experts import launch as L
+from epmoe.experts.triton import launch as L
 
 cfg = MoEConfig(num_experts=128, top_k=8, hidden_size=7168, intermediate_size=2048, dtype=torch.bfloat16)
 dev = torch.device("cuda")

@@ -11,7 +11,7 @@ the mode), and the device time of each launch of one forward from the torch prof
 forwards), in launch order. Every variant's output is compared with the mode's first variant's
 (`equal` bit for bit, else the largest absolute difference).
 
-Variants (module knobs of `epmoe.experts.triton_experts`, set for the variant and restored after):
+Variants (module knobs of `epmoe.experts.triton.triton_experts`, set for the variant and restored after):
   base             the defaults
   register_scales  the wgmma kernel's scales loaded from global memory one K step ahead into registers
                    (WGMMA_SCALE_RING off) instead of through its cp.async ring
@@ -43,14 +43,14 @@ class knobs:
     ops) for a with-block, restore them after."""
 
     def __init__(self, values: dict, ex=None):
-        from epmoe.experts import triton_experts as TE
+        from epmoe.experts.triton import triton_experts as TE
 
         self.mod, self.values, self.saved, self.ex = TE, values, {}, ex
 
     def __enter__(self):
         for k, v in self.values.items():
             if k == "_torch_permute":
-                from epmoe.experts.gluon_w4a16 import permute_k
+                from epmoe.experts.triton.gluon_w4a16 import permute_k
 
                 self.ex._permute_k = permute_k
             else:

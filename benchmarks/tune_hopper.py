@@ -23,7 +23,7 @@ Output (compact; everything also in $OUT/tune_hopper.json, or --json):
          (bf16 ceiling for bf16, fp8 ceiling for fp8), % of the HBM weight-read limit (decode),
          relative error of the verification run (fresh data), or FAILED / SKIPPED (budget)
   STAGE  time per stage (quant, align, gemm1, gemm2, reduce) of each prefill winner
-  WINNER the best variant per (mode, phase), and UPDATE lines for epmoe/experts/triton_experts.py
+  WINNER the best variant per (mode, phase), and UPDATE lines for epmoe/experts/triton/triton_experts.py
          (AUTO_PRESETS / GATE_UP_LAYOUT) where the winner is not the current default
 FLOPs counted: 2 * entries * 3 * H * I (useful work; padding rows not counted).
 """
@@ -173,7 +173,7 @@ def measure_ceilings(rt: Runtime) -> dict:
 def expert_weights_f(ex, w, e: int, dtype):
     """Expert e's (w13 [2I, H] as [gate; up], w2 [H, I]) in `dtype`: the canonical float weights for
     bf16; for fp8_block, the kernel's own e4m3 bytes times their 128x128 scales."""
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
 
     if ex.mode == "fp8_block":
         p = ex.parameters()
@@ -186,7 +186,7 @@ def expert_weights_f(ex, w, e: int, dtype):
 def reference(rt: Runtime, ex, w, x, ids, tw, x_deq=None):
     """out [N, H] in rt.ref_dtype (fp32 on GPU, TF32 off; float64 on CPU). fp8_block: x quantized by
     the torch codec (or `x_deq`, already dequantized), the intermediate round-tripped 1x128."""
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
     from tests import experts_testing as T
 
     dt = rt.ref_dtype
@@ -271,7 +271,7 @@ def diag_cvt(rt: Runtime) -> dict:
 
 
 def diag_quant(rt: Runtime, ex, N: int, H: int) -> dict:
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
 
     g = torch.Generator(device=rt.device).manual_seed(_seed())
     x = torch.randn(N, H, generator=g, device=rt.device).bfloat16()
@@ -288,9 +288,9 @@ def diag_quant(rt: Runtime, ex, N: int, H: int) -> dict:
 
 def diag_e2e(rt: Runtime, ex, w, N: int, legacy: bool) -> dict:
     from epmoe.dispatch.base import DispatchedTokens
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
     from tests import experts_testing as T
-    from epmoe.experts.triton_experts import FP8_BLOCK_PAYLOAD
+    from epmoe.experts.triton.triton_experts import FP8_BLOCK_PAYLOAD
     from epmoe.quant.payload import QuantizedActivation
 
     seed = _seed()
@@ -319,9 +319,9 @@ def diag_e2e(rt: Runtime, ex, w, N: int, legacy: bool) -> dict:
 
 def diag_gemm1(rt: Runtime, ex, preset: str, N: int, max_check_rows: int = 1024) -> dict:
     """gemm1's fp8 output (bytes, 1x128 scales) vs float64 math on the same quantized operands."""
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
     from tests import experts_testing as T
-    from epmoe.experts.triton_experts import presets_for
+    from epmoe.experts.triton.triton_experts import presets_for
 
     cfg = presets_for("fp8_block")[preset]
     seed = _seed()
@@ -373,7 +373,7 @@ def make_inputs(rt: Runtime, T_: int, H: int, K: int, E: int, seed: int):
 
 def run_variant(rt: Runtime, ex, w, res: Result, ceilings: dict, wbytes: int) -> None:
     from epmoe.experts.graphs import CapturedExperts
-    from epmoe.experts.triton_experts import presets_for
+    from epmoe.experts.triton.triton_experts import presets_for
 
     ex.config_override = presets_for(res.mode)[res.preset]
     res.describe = ex.config_override.describe()
@@ -411,7 +411,7 @@ def run_variant(rt: Runtime, ex, w, res: Result, ceilings: dict, wbytes: int) ->
 
 def stage_times(rt: Runtime, ex, res: Result) -> dict:
     """Each forward stage timed alone on one input set (the winner's preset)."""
-    from epmoe.experts.triton_experts import presets_for
+    from epmoe.experts.triton.triton_experts import presets_for
 
     cfg = presets_for(res.mode)[res.preset]
     H, K, E = ex.hidden_size, ex.config.top_k, ex.num_experts
@@ -467,7 +467,7 @@ def main(argv=None) -> int:
 
     from epmoe.config import MoEConfig
     from tests import experts_testing as T
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
     from epmoe.experts.base import ExpertsSpec
     from epmoe.quant.plan import QuantPlan
 

@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 
 from epmoe.config import MoEConfig
-from epmoe.experts.align import single_launch_alignment, single_launch_applies, single_launch_layout
-from epmoe.experts.launch import LaunchOptions
+from epmoe.experts.triton.align import single_launch_alignment, single_launch_applies, single_launch_layout
+from epmoe.experts.triton.launch import LaunchOptions
 
 ROUTING_IMPLS = ("auto", "torch", "triton")
 FUSED_MAX_EXPERTS = 1024  # one program holds whole rows of E logits in registers
@@ -243,7 +243,7 @@ class Router:
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches)."""
         if self._launcher is None:
-            from epmoe.experts.launch import KernelLauncher
+            from epmoe.experts.triton.launch import KernelLauncher
 
             self._launcher = KernelLauncher(self.device, kernels=_kernel_module)
         self._launcher(kernel_name, grid, args, kwargs)

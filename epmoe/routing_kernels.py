@@ -11,14 +11,14 @@ weight + correction bias), ties by ascending id; a row whose values
 are all NaN gets id -1 and weight 0.
 
 `route_align_kernel` (decode, one rank): the routing of all rows and then the block alignment of the
-ids for the grouped expert GEMMs (`epmoe.experts.align`, one program) in one launch.
+ids for the grouped expert GEMMs (`epmoe.experts.triton.align`, one program) in one launch.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from epmoe.experts.triton_kernels import align_small
+from epmoe.experts.triton.triton_kernels import align_small
 
 NEG_INF = tl.constexpr(float("-inf"))
 

@@ -66,7 +66,7 @@ def layouts(max_terms: int = 3):
 
 
 def main() -> int:
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
 
     shipped_rest = frozenset(s + 16 * h for s in kf.FP4_WORD_SOURCE[3] for h in (0, 1))
     found = list(layouts())

@@ -13,8 +13,8 @@ EXPERTS.register("masked_reference", "epmoe.experts.masked:MaskedReferenceExpert
 EXPERTS.register("flashinfer_cutlass", "epmoe.experts.flashinfer_cutlass:FlashInferCutlassExperts")
 EXPERTS.register("flashinfer_cutedsl", "epmoe.experts.flashinfer_sm100:FlashInferCuteDslExperts")
 EXPERTS.register("flashinfer_trtllm", "epmoe.experts.flashinfer_sm100:FlashInferTrtllmExperts")
-EXPERTS.register("triton", "epmoe.experts.triton_experts:TritonExperts")
-EXPERTS.register("grouped_mm", "epmoe.experts.grouped_mm:GroupedMMExperts")
+EXPERTS.register("triton", "epmoe.experts.triton.triton_experts:TritonExperts")
+EXPERTS.register("grouped_mm", "epmoe.experts.triton.grouped_mm:GroupedMMExperts")
 
 
 def get_experts_class(name: str):

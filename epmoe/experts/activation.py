@@ -1,4 +1,5 @@
-"""The expert activation of `epmoe.config` in plain torch (any float dtype; no rounding of its own)."""
+"""The expert activation of `epmoe.config` in plain torch (any float dtype; no rounding of its own), and
+the same activation as the arguments the Triton kernels take."""
 
 from __future__ import annotations
 
@@ -22,3 +23,20 @@ def apply_activation(config: MoEConfig, g: torch.Tensor, u: Optional[torch.Tenso
         g = g.clamp(max=lim)
         u = u.clamp(-lim, lim)
     return g * torch.sigmoid(a * g) * (u + b)
+
+
+def kernel_activation_args(config: MoEConfig) -> tuple:
+    """The same activation as the Triton kernels' arguments: (ACT, HAS_LIMIT, alpha, beta, limit), ACT
+    as `epmoe.experts.triton.triton_kernels`' ACT_SILU / ACT_SWIGLU_CLAMP / ACT_RELU2."""
+    if config.activation == "relu2":
+        return 2, False, 1.0, 0.0, 0.0
+    a, b, lim = config.swiglu_alpha, config.swiglu_beta, config.swiglu_limit
+    if a is None and b is None and lim is None:
+        return 0, False, 1.0, 0.0, 0.0
+    return (
+        1,
+        lim is not None,
+        1.0 if a is None else float(a),
+        0.0 if b is None else float(b),
+        0.0 if lim is None else float(lim),
+    )

@@ -154,14 +154,14 @@ class Experts(abc.ABC):
         ...
 
     def __call__(self, tokens, *, alignment=None) -> torch.Tensor:
-        """alignment: the `epmoe.experts.align.BlockAlignment` of tokens.topk_ids that the caller computed
+        """alignment: the `epmoe.experts.triton.align.BlockAlignment` of tokens.topk_ids that the caller computed
         (fused into the routing launch) because `fused_alignment` asked for it; None: none."""
         if alignment is None:
             return self.forward(tokens)
         return self.forward(tokens, alignment=alignment)
 
     def fused_alignment(self, num_entries: int) -> Optional[int]:
-        """block_m of the block alignment (`epmoe.experts.align.align_blocks`) a forward over
+        """block_m of the block alignment (`epmoe.experts.triton.align.align_blocks`) a forward over
         `num_entries` routed (row, slot) entries would compute first, when this backend takes it
         computed by the routing launch instead (forward(tokens, alignment=...)); None (default): it
         takes none for that size."""

@@ -150,7 +150,7 @@ def _proj_names(config: MoEConfig, style: str) -> Dict[str, str]:
 def _quantized_projection(fmt: str, w: torch.Tensor, role: str, e: int) -> Dict[str, torch.Tensor]:
     """One projection [out, in] -> its stored tensors (suffix -> tensor), the way its producer writes them."""
     if fmt == "fp8":
-        from epmoe.experts.kernel_formats import quantize_fp8_block
+        from epmoe.experts.triton.kernel_formats import quantize_fp8_block
 
         q, s = quantize_fp8_block(w)
         return ckf.canonical_to_projection(fmt, q, s, None, None)

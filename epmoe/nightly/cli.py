@@ -13,7 +13,13 @@ it printed, and the suite goes on):
   bench/experts                    expert stage vs the matmul ceiling measured in the same run (GPU)
   soak/short                       benchmarks/soak.py: random T per rank, invalid inputs, memory growth
 Outputs under --out: junit.xml, nightly.json (every figure, machine, versions, date), layer_vs_tokens.png
-(or .svg), logs/. Exit 0 when every step passed and no figure is beyond its noise band, else 1.
+(or .svg), logs/. Exit 0 when every step passed and none of our figures is beyond its noise band, else 1
+(peers' figures are reported as context).
+
+Baselines from several runs (bands from their spread):
+    python -m epmoe.nightly --update-baseline            # the first run
+    python -m epmoe.nightly --add-to-baseline            # each further run (another night, another host)
+    python -m epmoe.nightly --baseline-from a/nightly.json b/nightly.json ...   # from earlier runs' JSON
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from epmoe.nightly.baseline import (
+    Baseline,
     Figure,
+    RecordedRun,
+    add_run,
     compare,
     load_baseline,
     make_baseline,
@@ -121,19 +130,42 @@ def _git_commit() -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------- figures from step outputs
+# bench_experts backends that are not ours: a Python loop of per-expert matmuls, host-bound (it ran at
+# 21-46 ms on the DeepSeek-V3 prefill shape in 11 H200 runs, docs/nightly.md "Bands")
+PEER_EXPERTS = ("torch_loop",)
+
+
+def figure_role(name: str) -> str:
+    """Whose figure `name` is (`epmoe.nightly.baseline` ROLES): "peer" for a peer's own figures (the
+    torch loop's, the plain EP MoE's times `layer.*.baseline_ms`), "vs_peer" for ours relative to a
+    peer (`*.vs_torch_loop`), else "ours". Also reads figures of files written before roles existed."""
+    parts = name.split(".")
+    if parts[0] == "experts" and len(parts) > 1 and parts[1] in PEER_EXPERTS:
+        return "peer"
+    if parts[0] == "layer" and parts[-1] == "baseline_ms":
+        return "peer"
+    if parts[-1].startswith("vs_") and parts[-1][3:] in PEER_EXPERTS:
+        return "vs_peer"
+    return "ours"
+
+
+def _fig(name: str, value: float, unit: str, better: str, kind: str, step: str) -> Figure:
+    return Figure(name, value, unit, better, kind, step, figure_role(name))
+
+
 def bench_figures(data: Dict, step: str = "bench/layer/torch") -> List[Figure]:
     out = []
     for r in data.get("rows", []):
         p = f"layer.{r['dispatcher']}.T{r['tokens_per_rank']}"
-        out.append(Figure(f"{p}.vs_baseline", r["layer_vs_baseline"], "x", "lower", "ratio", step))
-        out.append(Figure(f"{p}.ms", r["layer_ms"], "ms", "lower", "time", step))
-        out.append(Figure(f"{p}.baseline_ms", r["baseline_ms"], "ms", "lower", "time", step))
+        out.append(_fig(f"{p}.vs_baseline", r["layer_vs_baseline"], "x", "lower", "ratio", step))
+        out.append(_fig(f"{p}.ms", r["layer_ms"], "ms", "lower", "time", step))
+        out.append(_fig(f"{p}.baseline_ms", r["baseline_ms"], "ms", "lower", "time", step))
         d = f"dispatch.{r['dispatcher']}.T{r['tokens_per_rank']}"
-        out.append(Figure(f"{d}.dispatch_us", r["dispatch_us"], "us", "lower", "time", step))
-        out.append(Figure(f"{d}.combine_us", r["combine_us"], "us", "lower", "time", step))
-        out.append(Figure(f"{d}.bytes", r["dispatch_bytes_max_rank"], "B", "lower", "bytes", step))
+        out.append(_fig(f"{d}.dispatch_us", r["dispatch_us"], "us", "lower", "time", step))
+        out.append(_fig(f"{d}.combine_us", r["combine_us"], "us", "lower", "time", step))
+        out.append(_fig(f"{d}.bytes", r["dispatch_bytes_max_rank"], "B", "lower", "bytes", step))
         if r["dispatch_bytes_max_rank"] > 0:
-            out.append(Figure(f"{d}.GBps", r["dispatch_gbps"], "GB/s", "higher", "throughput", step))
+            out.append(_fig(f"{d}.GBps", r["dispatch_gbps"], "GB/s", "higher", "throughput", step))
     return out
 
 
@@ -146,19 +178,19 @@ def experts_figures(data: Dict, step: str = "bench/experts") -> List[Figure]:
         p = f"experts.{run['backend']}.{run['mode']}.{run['phase']}"
         if run.get("preset", "auto") != "auto":
             p += f".{run['preset']}"
-        out.append(Figure(f"{p}.ms", r["ms"], "ms", "lower", "time", step))
-        out.append(Figure(f"{p}.pct_matmul", r["pct_matmul"], "%", "higher", "ratio", step))
-        if run["backend"] != "torch_loop" and run["phase"] in loop and loop[run["phase"]] > 0:
-            out.append(Figure(f"{p}.vs_torch_loop", r["ms"] / loop[run["phase"]], "x", "lower", "ratio", step))
+        out.append(_fig(f"{p}.ms", r["ms"], "ms", "lower", "time", step))
+        out.append(_fig(f"{p}.pct_matmul", r["pct_matmul"], "%", "higher", "ratio", step))
+        if run["backend"] not in PEER_EXPERTS and run["phase"] in loop and loop[run["phase"]] > 0:
+            out.append(_fig(f"{p}.vs_torch_loop", r["ms"] / loop[run["phase"]], "x", "lower", "ratio", step))
     return out
 
 
 def soak_figures(data: Dict, step: str = "soak/short") -> List[Figure]:
-    return [Figure("soak.ms_per_step", data["ms_per_step"], "ms", "lower", "time", step)]
+    return [_fig("soak.ms_per_step", data["ms_per_step"], "ms", "lower", "time", step)]
 
 
 def check_figures(data: Dict, step: str) -> List[Figure]:
-    return [Figure(f"{step.replace('/', '.')}.max_err", data["max_err"], "", "lower", "info", step)]
+    return [_fig(f"{step.replace('/', '.')}.max_err", data["max_err"], "", "lower", "info", step)]
 
 
 def _reader(fn, path: str, step: str):
@@ -323,8 +355,96 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
 def count_figures(results: Sequence[StepResult]) -> List[Figure]:
     """1 per correctness case that passed, 0 otherwise: a case that passed in the baseline and is
     skipped now (its backend stopped being runnable here) fails the gate."""
-    return [Figure(r.name.replace("/", ".") + ".passed", 1.0 if r.status == "passed" else 0.0, "", "higher", "count", r.name)
+    return [_fig(r.name.replace("/", ".") + ".passed", 1.0 if r.status == "passed" else 0.0, "", "higher", "count", r.name)
             for r in results if r.step.group == "correctness"]
+
+
+# ---------------------------------------------------------------------------- recording baselines
+def run_info(machine: Dict, source: str) -> Dict:
+    """Where a recorded run came from, as the baseline file lists it."""
+    return {"date": machine.get("date"), "commit": machine.get("epmoe_commit"), "host": machine.get("host"),
+            "fingerprint": machine.get("fingerprint"), "source": source}
+
+
+def _planted_steps(data: Dict) -> List[str]:
+    """The steps of a nightly.json that ran with a planted slowdown (files written before nightly.json
+    named them: the plant's dispatcher, else the first layer benchmark that ran, as plan_steps picks)."""
+    if "planted" in data:
+        return list(data["planted"])
+    args = data.get("args", {})
+    if not args.get("plant_sleep_ms"):
+        return []
+    if args.get("plant_dispatcher"):
+        return [f"bench/layer/{args['plant_dispatcher']}"]
+    ran = [st["name"] for st in data.get("steps", []) if st["name"].startswith("bench/layer/") and st.get("status") != "skipped"]
+    return ran[:1]
+
+
+def recorded_run(data: Dict, source: str) -> RecordedRun:
+    """A run to record from its nightly.json: every figure but those of planted steps. ValueError
+    (naming the file and the steps) when a step failed in it."""
+    if not isinstance(data, dict) or not isinstance(data.get("figures"), dict) or "machine" not in data:
+        raise ValueError(f"{source}: not a nightly.json (no 'figures' / 'machine'); pass the nightly.json of a run")
+    bad = [st["name"] for st in data.get("steps", []) if st.get("status") in ("failed", "timed out")]
+    if bad:
+        raise ValueError(f"{source}: steps {bad} failed in that run; record only runs whose steps passed")
+    planted = set(_planted_steps(data))
+    figs = tuple(Figure.from_json(n, f, role=figure_role(n)) for n, f in data["figures"].items()
+                 if f.get("value") is not None and f.get("step") not in planted)
+    return RecordedRun(figs, run_info(data["machine"], source))
+
+
+def baseline_from_files(paths: Sequence[str], out_path: Optional[str]) -> int:
+    """--baseline-from: write the baseline of these runs' machine kind from their nightly.json."""
+    runs, machines = [], []
+    for path in paths:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            runs.append(recorded_run(data, path))
+        except (OSError, json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
+            print(f"error: --baseline-from {path}: {e}", file=sys.stderr)
+            return 2
+        machines.append(data["machine"])
+    kinds = sorted({str(m.get("machine_kind")) for m in machines})
+    if len(kinds) != 1:
+        print(f"error: --baseline-from: runs of machine kinds {kinds}; a baseline is per machine kind: pass runs of one",
+              file=sys.stderr)
+        return 2
+    kind = kinds[0]
+    path = out_path or str(REPO / "benchmarks" / "baselines" / f"{kind}.json")
+    try:
+        previous = load_baseline(path)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if previous is not None and previous.machine_kind != kind:
+        print(f"error: {path} is the baseline of machine kind {previous.machine_kind}, these runs are {kind}; "
+              "pass --baseline for a file of their kind", file=sys.stderr)
+        return 2
+    latest = max(machines, key=lambda m: str(m.get("date", "")))
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    new = make_baseline(runs, kind, latest, now, previous=previous)
+    save_baseline(new, path)
+    print(f"wrote {path}: {len(new.figures)} figures from {len(runs)} runs")
+    print(describe_bands(new))
+    return 0
+
+
+def describe_bands(baseline: Baseline, widest: int = 10) -> str:
+    """How the bands of our gated ratio / time / throughput figures were set, and the widest of those
+    set by their spread."""
+    rows = []
+    for f in baseline.figures.values():
+        band, basis = baseline.band_and_basis(f)
+        if f.role == "ours" and band is not None and f.kind in ("ratio", "time", "throughput"):
+            rows.append((band, f.name, basis))
+    floor = [r for r in rows if r[2].startswith("floor")]
+    wide = sorted((r for r in rows if " x spread " in r[2]), reverse=True)
+    lines = [f"bands of {len(rows)} gated ratio / time / throughput figures: {len(floor)} at their floor, "
+             f"{len(wide)} wider from their spread, {len(rows) - len(floor) - len(wide)} from one run or an override"]
+    lines += [f"  {band * 100:5.0f}%  {name} ({basis})" for band, name, basis in wide[:widest]]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- main
@@ -338,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default=None,
                    help="baseline file (default: benchmarks/baselines/<machine kind>.json in this checkout)")
     p.add_argument("--update-baseline", action="store_true", help="write this run's figures as the new baseline")
+    p.add_argument("--add-to-baseline", action="store_true",
+                   help="add this run's figures to the baseline as one more run (bands follow the runs' spread)")
+    p.add_argument("--baseline-from", nargs="+", default=None, metavar="NIGHTLY_JSON",
+                   help="write the baseline from the nightly.json of earlier good runs of one machine kind; runs no steps")
     p.add_argument("--only", default=None, help="comma list of step groups: correctness,launch,bench,experts,soak")
     p.add_argument("--dispatchers", default=None, help="comma list (default: every registered one on GPU, torch on CPU)")
     p.add_argument("--modes", default=None, help="comma list of expert modes, '+nvfp4' for NVFP4 dispatch "
@@ -392,6 +516,16 @@ def _stop(signum, frame) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     t0 = time.monotonic()
+    if args.baseline_from:
+        if args.update_baseline or args.add_to_baseline:
+            print("error: --baseline-from writes the baseline from earlier runs; leave out --update-baseline / "
+                  "--add-to-baseline", file=sys.stderr)
+            return 2
+        return baseline_from_files(args.baseline_from, args.baseline)
+    if args.update_baseline and args.add_to_baseline:
+        print("error: --update-baseline starts a new baseline, --add-to-baseline adds to one; pass one of them",
+              file=sys.stderr)
+        return 2
     import torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -411,6 +545,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.plant_sleep_ms = os.environ.get("EPMOE_NIGHTLY_PLANT_SLEEP_MS") or None
     if args.plant_dispatcher is None:
         args.plant_dispatcher = os.environ.get("EPMOE_NIGHTLY_PLANT_DISPATCHER") or None
+    if args.plant_sleep_ms and (args.update_baseline or args.add_to_baseline):
+        print(f"error: a planted slowdown ({args.plant_sleep_ms} ms) would be recorded into the baseline; "
+              "run --update-baseline / --add-to-baseline without --plant-sleep-ms and EPMOE_NIGHTLY_PLANT_SLEEP_MS",
+              file=sys.stderr)
+        return 2
     args.availability = dispatcher_availability
     args.mode_refusal = mode_refusal
     machine = machine_info(args.gpus, args.ranks_per_gpu)
@@ -422,12 +561,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.add_to_baseline and baseline is not None and baseline.machine_kind != machine["machine_kind"]:
+        print(f"error: {baseline_path} is the baseline of machine kind {baseline.machine_kind}, this machine is "
+              f"{machine['machine_kind']}; pass --baseline for a file of this kind", file=sys.stderr)
+        return 2
 
     steps = plan_steps(args, machine, out_dir)
     print(f"epmoe nightly: {machine['fingerprint']} | torch {machine['torch']} | triton {machine['triton']} | "
           f"flashinfer {machine['flashinfer']} | epmoe {machine['epmoe']} ({machine['epmoe_commit']}) | {machine['date']}")
     print(f"machine kind {machine['machine_kind']}; baseline {baseline_path} "
-          f"({'recorded ' + baseline.created if baseline else 'none yet'}); {len(steps)} steps "
+          f"({f'{max(1, len(baseline.runs))} run(s), recorded ' + baseline.created if baseline else 'none yet'}); "
+          f"{len(steps)} steps "
           f"({sum(bool(s.skip) for s in steps)} not runnable here); output in {out_dir}")
     if args.list:
         for i, st in enumerate(steps, 1):
@@ -450,6 +594,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     figures = [f for r in results for f in r.figures] + count_figures(results)
     same_machine = bool(baseline) and baseline.machine.get("fingerprint") == machine["fingerprint"]
+    full_baseline = baseline
     if baseline is not None:  # judge only what this run set out to measure (--only, --dispatchers, --modes)
         planned = {s.name for s in steps} | {s.group for s in steps}
         baseline = replace(baseline, figures={n: f for n, f in baseline.figures.items() if f.step in planned})
@@ -457,20 +602,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     steps_ok = all(r.status in ("passed", "skipped") for r in results)
     gate_ok = not any(c.failed for c in comparisons)
     baseline_note = ""
-    if args.update_baseline:
-        if steps_ok:
-            new = make_baseline(figures, machine["machine_kind"], machine, machine["date"], previous=baseline)
+    if args.update_baseline or args.add_to_baseline:
+        run = RecordedRun(tuple(figures), run_info(machine, os.path.join(out_dir, "nightly.json")))
+        adding = args.add_to_baseline and full_baseline is not None
+        if not steps_ok:
+            baseline_note = "NOT updating the baseline: some steps failed (fix them first)"
+        elif adding and not gate_ok:  # a regression must not widen the bands that should catch it
+            baseline_note = (f"NOT adding this run to {baseline_path}: {sum(c.failed for c in comparisons)} figures "
+                             "beyond their band (fix them, or start a new baseline with --update-baseline)")
+        elif adding:
+            new = add_run(full_baseline, run, machine, machine["date"])
             save_baseline(new, baseline_path)
-            baseline_note = f"wrote a new baseline ({len(new.figures)} figures) to {baseline_path}"
+            baseline_note = (f"added this run to {baseline_path}: {len(new.runs)} runs, {len(new.figures)} "
+                             "figures; bands follow the runs' spread")
+        else:
+            new = make_baseline([run], machine["machine_kind"], machine, machine["date"], previous=full_baseline)
+            save_baseline(new, baseline_path)
+            baseline_note = f"wrote a new baseline ({len(new.figures)} figures, 1 run) to {baseline_path}"
             comparisons = []
             gate_ok = True
-        else:
-            baseline_note = "NOT updating the baseline: some steps failed (fix them first)"
     elif baseline is None:
         baseline_note = f"no baseline at {baseline_path}: nothing compared; record one with --update-baseline"
     else:
-        baseline_note = (f"compared with {baseline_path} (recorded {baseline.created} on {baseline.machine.get('fingerprint')}"
-                         f"{'' if same_machine else '; other hardware: absolute figures not gated'})")
+        baseline_note = (f"compared with {baseline_path} ({max(1, len(baseline.runs))} run(s), recorded {baseline.created} "
+                         f"on {baseline.machine.get('fingerprint')}"
+                         f"{'' if same_machine else '; other hardware: absolute figures not gated'}); "
+                         "peers' figures are context, not gated")
     verdict = "passed" if steps_ok and gate_ok else "failed"
 
     bench_rows = []
@@ -485,7 +642,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     vargs = {k: v for k, v in vars(args).items() if not callable(v)}
     write_json(os.path.join(out_dir, "nightly.json"), machine=machine, args=vargs, results=results, figures=figures,
                comparisons=comparisons, baseline_path=baseline_path, baseline_note=baseline_note, verdict=verdict,
-               extra={"plot": plot_path, "plot_note": plot_note, "elapsed_s": round(time.monotonic() - t0, 1)})
+               extra={"plot": plot_path, "plot_note": plot_note, "elapsed_s": round(time.monotonic() - t0, 1),
+                      "planted": [st.name for st in steps if st.planted]})
     print()
     print(format_table(results, comparisons, verdict, time.monotonic() - t0))
     print(baseline_note)

@@ -47,7 +47,7 @@ def write_junit(path: str, results: Sequence[StepResult], comparisons: Sequence[
         if c.failed:
             n_fail += 1
             ET.SubElement(tc, "failure", message=_clean(c.describe()), type=c.verdict)
-        elif c.verdict == "not gated":
+        elif c.verdict in ("not gated", "context"):
             n_skip += 1
             ET.SubElement(tc, "skipped", message=_clean(c.describe()))
         else:
@@ -76,10 +76,11 @@ def write_json(path: str, *, machine: Mapping, args: Mapping, results: Sequence[
                    "message": r.message, "fault_report": r.fault_report, "log": r.log_path,
                    "figures": len(r.figures)} for r in results],
         "figures": {f.name: {"value": _finite(f.value), "unit": f.unit, "better": f.better, "kind": f.kind,
-                             "step": f.step} for f in figures},
+                             "step": f.step, "role": f.role} for f in figures},
         "comparison": [{"name": c.name, "verdict": c.verdict, "current": _finite(c.current),
-                        "baseline": _finite(c.baseline), "band": c.band, "worse": _finite(c.worse),
-                        "kind": c.kind, "note": c.note} for c in comparisons],
+                        "baseline": _finite(c.baseline), "band": c.band, "band_basis": c.basis,
+                        "worse": _finite(c.worse), "kind": c.kind, "role": c.role, "note": c.note}
+                       for c in comparisons],
     }
     if extra:
         data.update(extra)
@@ -104,9 +105,12 @@ def format_table(results: Sequence[StepResult], comparisons: Sequence[Comparison
         lines.append("")
         lines.append("gate: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())))
         bad = [c for c in comparisons if c.failed]
-        shown = bad + [c for c in comparisons if c.verdict == "improved"][: max(0, max_gate_lines - len(bad))]
+        # then peers' figures that moved beyond their band (context: why a ratio against them moved), then
+        # our improvements
+        moved = [c for c in comparisons if c.verdict == "context" and c.beyond_band]
+        shown = bad + (moved + [c for c in comparisons if c.verdict == "improved"])[: max(0, max_gate_lines - len(bad))]
         for c in shown:
-            lines.append(("  FAIL " if c.failed else "  note ") + c.describe())
+            lines.append(("  FAIL " if c.failed else "  peer " if c.verdict == "context" else "  note ") + c.describe())
     lines.append("")
     n_steps_bad = sum(r.status in ("failed", "timed out") for r in results)
     lines.append(f"NIGHTLY {verdict.upper()} in {elapsed_s:.0f} s: {sum(r.status == 'passed' for r in results)} steps "

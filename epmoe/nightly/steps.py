@@ -50,6 +50,11 @@ class Step:
     def group(self) -> str:
         return self.name.split("/", 1)[0]
 
+    @property
+    def planted(self) -> bool:
+        """Does this step run with a planted slowdown (its figures are wrong on purpose)?"""
+        return any(k == "EPMOE_NIGHTLY_PLANT_SLEEP_MS" for k, _ in self.env)
+
 
 @dataclass
 class StepResult:

@@ -11,8 +11,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from tests.cpu.interpret import report_cases  # noqa: E402
-from epmoe.experts import align as A  # noqa: E402
-from epmoe.experts import triton_kernels as TK  # noqa: E402
+from epmoe.experts.triton import align as A  # noqa: E402
+from epmoe.experts.triton import triton_kernels as TK  # noqa: E402
 
 
 def launch(name, grid, args, kwargs):

@@ -13,8 +13,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from tests.cpu.interpret import report_cases  # noqa: E402
-from epmoe.experts import kernel_formats as kf  # noqa: E402
-from epmoe.experts import triton_kernels as K  # noqa: E402
+from epmoe.experts.triton import kernel_formats as kf  # noqa: E402
+from epmoe.experts.triton import triton_kernels as K  # noqa: E402
 from epmoe.quant.e2m1 import e2m1_codes_to_float  # noqa: E402
 from tests.triton_interpret import match_gpu_rounding  # noqa: E402
 
@@ -83,7 +83,7 @@ def forward_case(mode: str, seed: int) -> dict:
     from epmoe.dispatch.base import DispatchedTokens
     from tests import experts_testing as T
     from epmoe.experts.base import ExpertsSpec
-    from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts
+    from epmoe.experts.triton.triton_experts import GemmConfig, TritonConfig, TritonExperts
     from epmoe.quant.plan import QuantPlan
 
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, has_bias=True,
@@ -111,7 +111,7 @@ def _same_outputs(a, b, hidden: int, seed: int, res: dict) -> dict:
     at decode and prefill sizes (invalid slots included); per size into res: outputs equal bit for bit,
     a's preset, the largest difference, a's nonzero outputs."""
     from epmoe.dispatch.base import DispatchedTokens
-    from epmoe.experts.triton_experts import GemmConfig, TritonConfig
+    from epmoe.experts.triton.triton_experts import GemmConfig, TritonConfig
     from tests import experts_testing as T
 
     tiny = TritonConfig("tiny", 16, GemmConfig(32, 64, 4, 1, 2), GemmConfig(32, 64, 4, 1, 2))
@@ -136,9 +136,9 @@ def tiles_case(mode: str, seed: int) -> dict:
     prefill sizes (biases, clamped swiglu, invalid slots)."""
     from epmoe.config import MoEConfig
     from tests import experts_testing as T
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
     from epmoe.experts.base import ExpertsSpec
-    from epmoe.experts.triton_experts import TritonExperts
+    from epmoe.experts.triton.triton_experts import TritonExperts
     from epmoe.quant.plan import QuantPlan
 
     cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, intermediate_size=64, has_bias=True,
@@ -164,9 +164,9 @@ def pairs_case(mode: str, seed: int) -> dict:
     padding) and I = 64 (1 step), a small forced preset and the auto presets at decode and prefill sizes."""
     from epmoe.config import MoEConfig
     from tests import experts_testing as T
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
     from epmoe.experts.base import ExpertsSpec
-    from epmoe.experts.triton_experts import TritonExperts
+    from epmoe.experts.triton.triton_experts import TritonExperts
     from epmoe.quant.plan import QuantPlan
 
     H, I = 192, 64

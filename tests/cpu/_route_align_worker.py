@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from epmoe.config import MoEConfig  # noqa: E402
-from epmoe.experts import align as A  # noqa: E402
+from epmoe.experts.triton import align as A  # noqa: E402
 from epmoe.routing import Router  # noqa: E402
 from tests.cpu.interpret import report_cases  # noqa: E402
 

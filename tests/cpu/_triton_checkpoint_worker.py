@@ -14,10 +14,10 @@ import torch  # noqa: E402
 from epmoe.checkpoint import load_expert_weights  # noqa: E402
 from epmoe.config import MoEConfig  # noqa: E402
 from epmoe.dispatch.base import DispatchedTokens  # noqa: E402
-from epmoe.experts import kernel_formats as kf  # noqa: E402
+from epmoe.experts.triton import kernel_formats as kf  # noqa: E402
 from tests import experts_testing as T  # noqa: E402
 from epmoe.experts.base import ExpertsSpec  # noqa: E402
-from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts  # noqa: E402
+from epmoe.experts.triton.triton_experts import GemmConfig, TritonConfig, TritonExperts  # noqa: E402
 from tests.triton_interpret import match_gpu_rounding  # noqa: E402
 from epmoe.launch.synthetic import write_checkpoint  # noqa: E402
 from epmoe.quant.plan import QuantPlan  # noqa: E402

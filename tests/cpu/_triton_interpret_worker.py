@@ -13,12 +13,12 @@ import torch  # noqa: E402
 from tests.cpu.interpret import report_cases  # noqa: E402
 from epmoe.config import MoEConfig  # noqa: E402
 from epmoe.dispatch.base import DispatchedTokens  # noqa: E402
-from epmoe.experts import kernel_formats as kf  # noqa: E402
+from epmoe.experts.triton import kernel_formats as kf  # noqa: E402
 from tests import experts_testing as T  # noqa: E402
 from epmoe.experts.base import ExpertsSpec  # noqa: E402
 from epmoe.core.availability import Availability  # noqa: E402
-from epmoe.experts.grouped_mm import GroupedMMExperts  # noqa: E402
-from epmoe.experts.triton_experts import GemmConfig, TritonConfig, TritonExperts  # noqa: E402
+from epmoe.experts.triton.grouped_mm import GroupedMMExperts  # noqa: E402
+from epmoe.experts.triton.triton_experts import GemmConfig, TritonConfig, TritonExperts  # noqa: E402
 from tests.triton_interpret import match_gpu_rounding  # noqa: E402
 from epmoe.quant.plan import QuantPlan  # noqa: E402
 
@@ -67,7 +67,7 @@ def _nonuniform(w, x, g):
 def _fp8_stage_check(ex, cfg, x, ids, w) -> dict:
     """The in-kernel input quantizer against the torch codec (bit for bit), and gemm1's fp8 output
     (bytes and 1x128 scales) against float64 math on the same quantized operands."""
-    from epmoe.experts.align import align_blocks, sort_by_expert
+    from epmoe.experts.triton.align import align_blocks, sort_by_expert
 
     N, K = ids.shape
     E, I = ex.num_experts, ex.intermediate_size
@@ -181,7 +181,7 @@ def run_case(mode: str, shape: str, opts: tuple, seed: int) -> dict:
     finite = bool(torch.isfinite(out).all())
     res = dict(err=err, empty_rows_zero=empty_zero, finite=finite, shape=list(out.shape), dtype=str(out.dtype))
     if "split" in opts:
-        from epmoe.experts.align import align_blocks, sort_by_expert
+        from epmoe.experts.triton.align import align_blocks, sort_by_expert
 
         rows = align_blocks(sort_by_expert(ids.to(torch.int32), E), tcfg.block_m).block_rows
         res["tiles_full"] = int((rows > tcfg.block_m // 2).sum())

@@ -363,7 +363,7 @@ def test_checkpoint_the_plan_cannot_read_is_refused_and_old_weights_stay(checkpo
 
 # ----------------------------------------------------------------------------- pieces
 def test_shared_gate_up_global_scale_keeps_values():
-    from epmoe.experts.kernel_formats import quantize_expert_weights
+    from epmoe.experts.triton.kernel_formats import quantize_expert_weights
     from tests.cpu.helpers import random_weights
 
     cfg = MoEConfig(num_experts=4, top_k=1, hidden_size=64, intermediate_size=32, dtype=torch.float32)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from epmoe.experts.align import align_blocks, max_blocks_for, sort_by_expert
+from epmoe.experts.triton.align import align_blocks, max_blocks_for, sort_by_expert
 
 
 def _check(ids: torch.Tensor, E: int, bm: int, seed) -> None:

@@ -117,7 +117,7 @@ def test_asm_conversion_text_builds_the_packed_bits():
     low nibble -> outputs $0 / $1, high nibble -> $2 / $3 (PTX model, see `_run_ptx`)."""
     import random
 
-    from epmoe.experts.triton_kernels import _E2M1_BF16_ASM
+    from epmoe.experts.triton.triton_kernels import _E2M1_BF16_ASM
 
     asm = _E2M1_BF16_ASM.value if hasattr(_E2M1_BF16_ASM, "value") else _E2M1_BF16_ASM
 
@@ -146,8 +146,8 @@ def test_words_conversion_text_builds_the_same_words_from_permuted_bits():
 
     import torch
 
-    from epmoe.experts import kernel_formats as kf
-    from epmoe.experts.triton_kernels import _E2M1_BF16_ASM, _E2M1_BF16_WORDS_ASM
+    from epmoe.experts.triton import kernel_formats as kf
+    from epmoe.experts.triton.triton_kernels import _E2M1_BF16_ASM, _E2M1_BF16_WORDS_ASM
 
     def text(a):
         return a.value if hasattr(a, "value") else a
@@ -172,7 +172,7 @@ def test_permute_fp4_words_in_place_equals_the_copy():
     refused."""
     import torch
 
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
 
     x = torch.randint(0, 256, (3, 7, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     want = kf.permute_fp4_words(x)
@@ -187,7 +187,7 @@ def test_permute_fp4_words_in_place_equals_the_copy():
 def test_permute_fp4_words_rejects_rows_of_partial_words():
     import torch
 
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
 
     with pytest.raises(ValueError, match="K/2 % 4 == 0"):
         kf.permute_fp4_words(torch.zeros(2, 6, dtype=torch.uint8))
@@ -200,7 +200,7 @@ def test_tile_fp4_rows_places_each_byte_where_the_tiled_decode_kernel_reads_it()
     inverse; shapes that do not tile and in-place calls on non-contiguous tensors are refused."""
     import torch
 
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
 
     E, R, KB = 3, 48, 96  # K = 192: three 64-element steps of 32 bytes
     w = torch.randint(0, 256, (E, R, KB), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
@@ -231,7 +231,7 @@ def test_pair_fp4_scales_places_each_scale_where_the_kernels_read_it(group, K):
     so; `unpair_fp4_scales` is the inverse; bad dtypes, groups and partial K steps are refused."""
     import torch
 
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
 
     E, R = 3, 40
     G = K // group
@@ -264,7 +264,7 @@ def test_normalize_nvfp4_scales_keeps_every_weight_value():
     of scales that were positive and nonzero are untouched bytes; NaN scales are refused naming the group."""
     import torch
 
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import kernel_formats as kf
     from epmoe.quant import nvfp4
 
     g = torch.Generator().manual_seed(11)
@@ -305,7 +305,7 @@ def test_gluon_scale_pair_bit_trick_gives_the_scale_times_a_power_of_two():
     permute and the hardware e4m3 -> f16 conversion run only on the GPU: tests/gpu.)"""
     import torch
 
-    from epmoe.experts.gluon_w4a16 import NV_SCALE_EPILOGUE
+    from epmoe.experts.triton.gluon_w4a16 import NV_SCALE_EPILOGUE
 
     assert NV_SCALE_EPILOGUE == 2.0**14  # s * 2^112 times the weights' value * 2^-126
     e4 = torch.arange(0, 0x7F, dtype=torch.uint8)  # +0 .. 448, no NaN
@@ -336,8 +336,8 @@ def test_gluon_scale_pair_conversion_text():
 
     import torch
 
-    from epmoe.experts import gluon_w4a16 as G
-    from epmoe.experts import kernel_formats as kf
+    from epmoe.experts.triton import gluon_w4a16 as G
+    from epmoe.experts.triton import kernel_formats as kf
 
     def text(a):
         return a.value if hasattr(a, "value") else a

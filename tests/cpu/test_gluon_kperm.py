@@ -15,7 +15,7 @@ def _position(n: int) -> int:  # _permuted_k's formula
 
 
 def test_permute_k_matches_the_epilogue_positions():
-    from epmoe.experts.gluon_w4a16 import permute_k
+    from epmoe.experts.triton.gluon_w4a16 import permute_k
 
     x = torch.arange(3 * 96).reshape(3, 96)
     y = permute_k(x)
@@ -30,13 +30,13 @@ def test_permute_k_matches_the_epilogue_positions():
 
 _KERNEL_CHECK = r"""
 import torch
-from epmoe.experts import triton_experts as TE
-from epmoe.experts.gluon_w4a16 import permute_k
+from epmoe.experts.triton import triton_experts as TE
+from epmoe.experts.triton.gluon_w4a16 import permute_k
 
 class Backend:  # the launch path of TritonExperts._permute_k, without weights
     _permute_k = TE.TritonExperts._permute_k
     def __init__(self):
-        from epmoe.experts.launch import KernelLauncher
+        from epmoe.experts.triton.launch import KernelLauncher
         self.launcher = KernelLauncher(torch.device("cpu"))
     def _launch(self, name, grid, args, kwargs):
         self.launcher(name, grid, args, kwargs)

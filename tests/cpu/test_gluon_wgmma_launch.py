@@ -19,8 +19,8 @@ def _recorded(kernel, mode, preset, num_tokens, monkeypatch):
     """(tile preset, the recorded launches of `kernel` (gemm1, gemm2), its runtime parameter names, its
     constexpr names) for a small DeepSeek-like layer (nvfp4: K / 16 % 16 == 0) with the Gluon kernels on."""
     from epmoe.config import MoEConfig
-    from epmoe.experts import gluon_w4a16 as G
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import gluon_w4a16 as G
+    from epmoe.experts.triton import triton_experts as TE
 
     monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(TE, "_gluon_available", lambda: True)
@@ -62,7 +62,7 @@ def test_wgmma_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
 def test_decode_launch_arguments_match_the_kernel(mode, preset, monkeypatch):
     """The same for the Gluon decode kernel (`w4a16_swap_kernel`): its tile rows (block_rows, read by
     SPLIT_M) sit between the routing tables and the scalars; the register cap is a launch option."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     tiles, launches, runtime, constexpr = _recorded("w4a16_swap_kernel", mode, preset, 6, monkeypatch)
     for launch in launches:
@@ -96,8 +96,8 @@ def test_tail_tiles_launch_arguments(mode, monkeypatch):
     half-split tiles at the table's rows, ROW_TABLE; gemm1 on the tokens in their natural K order, not the
     wgmma kernel's permuted copy); the same preset without tail_rows launches neither."""
     from epmoe.config import MoEConfig
-    from epmoe.experts import gluon_w4a16 as G
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import gluon_w4a16 as G
+    from epmoe.experts.triton import triton_experts as TE
 
     monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(TE, "_gluon_available", lambda: True)
@@ -144,9 +144,9 @@ def test_fp4_row_tiles_option_tiles_the_weights_and_every_launch_reads_them(mode
     from epmoe.config import MoEConfig
     from epmoe.core.availability import Availability
     from epmoe.dispatch.base import DispatchedTokens
-    from epmoe.experts import gluon_w4a16 as G
-    from epmoe.experts import kernel_formats as kf
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import gluon_w4a16 as G
+    from epmoe.experts.triton import kernel_formats as kf
+    from epmoe.experts.triton import triton_experts as TE
     from epmoe.experts.base import ExpertsSpec
     from epmoe.quant.plan import QuantPlan
     from tests import experts_testing as T

@@ -14,11 +14,11 @@ from epmoe.core.availability import Availability
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.dispatch.base import DispatchedTokens
 from epmoe.experts import EXPERTS
-from epmoe.experts import kernel_formats as kf
+from epmoe.experts.triton import kernel_formats as kf
 from tests import experts_testing as T
 from epmoe.experts.base import ExpertsSpec
-from epmoe.experts.grouped_mm import GroupedMMExperts
-from epmoe.experts.triton_experts import AUTO_PRESETS, TritonExperts, pick_config, presets_for
+from epmoe.experts.triton.grouped_mm import GroupedMMExperts
+from epmoe.experts.triton.triton_experts import AUTO_PRESETS, TritonExperts, pick_config, presets_for
 from epmoe.quant.plan import QuantPlan
 
 CPU = torch.device("cpu")
@@ -43,7 +43,7 @@ def test_registry_and_lazy_import():
     assert EXPERTS.get("triton") is TritonExperts
     assert EXPERTS.get("grouped_mm") is GroupedMMExperts
     code = (
-        "import sys, epmoe, epmoe.experts, epmoe.experts.triton_experts, epmoe.experts.grouped_mm, "
+        "import sys, epmoe, epmoe.experts, epmoe.experts.triton.triton_experts, epmoe.experts.triton.grouped_mm, "
         "epmoe.experts.graphs; assert 'triton' not in sys.modules, 'triton imported eagerly'"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,7 +88,7 @@ def test_w4a16_prefill_wgmma_preset_falls_back_where_gluon_cannot_run(force_avai
     """The auto presets for W4A16 prefill and decode run the Gluon kernels (wgmma; 16-row half tiles);
     where those cannot run (no Gluon, the Triton interpreter, shapes they do not tile) the forward takes
     WGMMA_FALLBACK's / SPLIT_FALLBACK_WIDE's Triton tiles instead; a forced preset stays as given."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     ex = TritonExperts(_spec(mode))
     auto = pick_config(mode, 4096 * 8, 128)
@@ -228,7 +228,7 @@ def test_bf16_prefill_preference_hook(force_available, monkeypatch):
     """The triton backend runs bf16 forwards with >= GROUPED_MM_MIN_ROWS mean rows per local expert
     through torch._grouped_mm + fused epilogues (option triton_grouped_mm = auto | on | off); never
     in quantized modes, never on CPU without the interpreter. Selection logic only (no kernels run)."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU counts as a place the path can run
     ex = TritonExperts(_spec())
@@ -292,7 +292,7 @@ def test_words_conversion_stores_bit_permuted_words(force_available, monkeypatch
     unchanged; the kernels get conversion 3 (`WORDS` for the Gluon kernels). Under the interpreter
     the bytes stay plain. This checks the layout and the kernel choice only; the kernels' results
     are GPU tests."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(TE, "_gluon_available", lambda: True)
@@ -326,7 +326,7 @@ def test_auto_fp4_conversion_by_mode_and_shape(force_available, monkeypatch):
     """triton_fp4_convert=auto (the default) runs words for every mode and shape (GPT-OSS's 2880, which
     GLUON_W4A16_WORDS_TILES' rows do not divide, included); a conversion given explicitly stays as
     given; an unknown one is refused naming the choices."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     assert TE.FP4_CONVERT == "auto"
     assert TE.resolve_fp4_convert("auto") == "words"
@@ -345,7 +345,7 @@ def test_words_conversion_refuses_a_reload_that_changes_the_layout(force_availab
     """mxfp4 in convert mode "words": a first load with scale exponents > 128 keeps plain bytes (legacy
     conversion); a reload in the packed range would need the permuted words, which the loaded
     backend (and its captured graphs) do not read: refused with the fix, weights unchanged."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     monkeypatch.setattr(TE, "interpreter_enabled", lambda: False)
     spec = _spec("mxfp4_w4a16")
@@ -367,7 +367,7 @@ def test_tile_plan_follows_the_decode_kernel_choice(force_available, monkeypatch
     """The per-preset launch plan (`_tile_plan`, kept between calls) follows what may change after it is
     built: switching `w4a16_decode` or GLUON_W4A16_BLOCK_N gives a new plan whose kernel choice is
     `uses_gluon_w4a16`'s at that moment, not the cached one."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     ex = TritonExperts(_spec(mode))
     monkeypatch.setattr(TE, "_gluon_available", lambda: True)
@@ -388,7 +388,7 @@ def test_decode_split_runs_on_the_gluon_decode_kernel_only(force_available, monk
     plan takes that kernel where it can run; where the Triton kernels would run it (their half tiles
     need >= 16 rows: `triton_w4a16_decode=triton`, or the interpreter) it is refused before any launch,
     naming the preset and where it runs."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     ex = TritonExperts(_spec(mode))
     monkeypatch.setattr(TE, "_gluon_available", lambda: True)

@@ -16,7 +16,7 @@ def _cpu_availability(monkeypatch):
     """The triton backend constructs on CPU as under the interpreter, without setting TRITON_INTERPRET:
     a Triton first imported with it set stays in interpreter mode for the process (Gluon then fails
     to import, and the sm90 compile tests after these would lose the Gluon kernels)."""
-    monkeypatch.setattr("epmoe.experts.triton_experts.interpreter_enabled", lambda: True)
+    monkeypatch.setattr("epmoe.experts.triton.triton_experts.interpreter_enabled", lambda: True)
 
 
 def _bench():
@@ -115,7 +115,7 @@ def test_triton_experts_host_code_has_no_host_sync(monkeypatch, mode, N):
     from epmoe.config import MoEConfig
     from epmoe.dispatch.base import DispatchedTokens
     from epmoe.experts.base import ExpertsSpec
-    from epmoe.experts.triton_experts import TritonExperts
+    from epmoe.experts.triton.triton_experts import TritonExperts
     from epmoe.quant.plan import QuantPlan
 
     _cpu_availability(monkeypatch)  # nothing is launched

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from epmoe.config import MoEConfig
-from epmoe.experts import kernel_formats as kf
+from epmoe.experts.triton import kernel_formats as kf
 from tests import experts_testing as T
 from epmoe.quant import fp8_block
 from epmoe.quant.e2m1 import pack_nibbles, unpack_nibbles

@@ -1,4 +1,4 @@
-"""epmoe.experts.launch.KernelLauncher against a STAND-IN Triton kernel (a recording fake: this proves
+"""epmoe.experts.triton.launch.KernelLauncher against a STAND-IN Triton kernel (a recording fake: this proves
 the cache keys and the argument assembly of the direct launch only; tests/gpu/test_host_overhead_gpu.py
 checks the direct launches against Triton's own path on a GPU, bit for bit)."""
 
@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from epmoe.experts import launch as L
+from epmoe.experts.triton import launch as L
 
 
 def kern(x, y, n, stride, alpha, BLOCK=16, FLAG=False):  # the fake kernel's signature

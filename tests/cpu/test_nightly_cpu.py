@@ -1,7 +1,7 @@
 """`python -m epmoe.nightly` on CPU, end to end, as a user's CI runs it: the CPU subset (2 gloo ranks,
-reference experts, tiny shapes) records a baseline and writes JUnit XML, the JSON of figures and the
-plot; a planted slowdown in one dispatcher's layer then fails the gate; a rank that hangs is reported
-with epmoe's fault report and the suite goes on."""
+reference experts, tiny shapes) records a baseline of two runs and writes JUnit XML, the JSON of
+figures and the plot; a planted slowdown in one dispatcher's layer then fails the gate; a rank that
+hangs is reported with epmoe's fault report and the suite goes on."""
 
 from __future__ import annotations
 
@@ -46,6 +46,17 @@ def test_cpu_subset_records_a_baseline_then_a_planted_slowdown_fails_the_gate(tm
     assert suite.get("failures") == "0" and suite.find("testcase[@name='correctness/torch/bf16']") is not None
     saved = json.loads(base.read_text())
     assert saved["machine_kind"] == "cpu" and "layer.torch.T64.vs_baseline" in saved["figures"]
+
+    # a second run added: every figure has both runs' values, the bands follow their spread. A run beyond
+    # the baseline's bands is not added (test_nightly_gate.py); the 2-core box's noise must not refuse this
+    # one, so the one-run ratio band is widened first, as a person may tune it in the file.
+    base.write_text(json.dumps(dict(saved, bands=dict(saved["bands"], ratio=3.0))))
+    r = _nightly("--out", str(tmp_path / "c"), "--baseline", str(base), "--add-to-baseline", *quick)
+    log = r.stdout + r.stderr[-3000:]
+    assert r.returncode == 0 and "added this run to" in r.stdout and "2 runs" in r.stdout, log
+    saved = json.loads(base.read_text())
+    assert len(saved["runs"]) == 2 and len(saved["figures"]["layer.torch.T64.vs_baseline"]["values"]) == 2
+    assert saved["runs"][1]["source"] == str(tmp_path / "c" / "nightly.json")
 
     # the planted sleep must fail the gate. The tiny layer takes a few ms (T = 64: ~6.5 ms, the plain
     # baseline as much), but on a loaded 2-core box both sides take several times that and the CPU band

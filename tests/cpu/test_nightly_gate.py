@@ -4,9 +4,11 @@ and reported with the fault report it printed; JUnit XML is well formed and coun
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 import time
@@ -79,7 +81,7 @@ def test_missing_new_info_nonfinite_and_overrides():
 def test_baseline_round_trip_and_bad_files(tmp_path):
     figs = [B.Figure("a", 1.5, "x", "lower", "ratio", "bench/layer"), B.Figure("z", float("inf")),
             B.Figure("b", 7.0, "GB/s", "higher", "throughput", "bench/layer")]
-    base = B.make_baseline(figs, "cpu", {"fingerprint": "m"}, "2026-12-01")
+    base = B.make_baseline([B.RecordedRun(tuple(figs))], "cpu", {"fingerprint": "m"}, "2026-12-01")
     assert set(base.figures) == {"a", "b"} and base.bands == B.DEFAULT_BANDS["cpu"]  # non-finite left out
     path = str(tmp_path / "sub" / "cpu.json")
     B.save_baseline(base, path)
@@ -87,7 +89,7 @@ def test_baseline_round_trip_and_bad_files(tmp_path):
     assert again == base
     # bands a person tuned survive an update
     tuned = B.Baseline.from_json(dict(base.to_json(), bands={"ratio": 0.1}))
-    assert B.make_baseline(figs, "cpu", {}, "d", previous=tuned).bands == {"ratio": 0.1}
+    assert B.make_baseline([B.RecordedRun(tuple(figs))], "cpu", {}, "d", previous=tuned).bands == {"ratio": 0.1}
     assert B.load_baseline(str(tmp_path / "none.json")) is None
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="bad.json.*--update-baseline"):
@@ -287,3 +289,247 @@ def test_committed_cpu_baseline_matches_the_cpu_plan(tmp_path):
     assert base is not None and base.machine_kind == "cpu" and base.bands == B.DEFAULT_BANDS["cpu"]
     assert {f.step for f in base.figures.values()} == names
     assert any(f.kind == "ratio" for f in base.figures.values())
+
+
+# ---------------------------------------------------------------------------- bands from runs, peers
+def _run(*figs, **info):
+    return B.RecordedRun(tuple(figs), info)
+
+
+def _verdict(base, fig, same_machine=True):
+    return next(c.verdict for c in B.compare([fig], base, same_machine) if c.name == fig.name)
+
+
+def test_band_from_the_spread_of_recorded_runs(tmp_path):
+    """A figure recorded in several runs gets max(floor, 2 x spread) around the runs' median; one recorded
+    once keeps its kind's band; bytes and counts stay exact; an override wins; the file keeps it all."""
+    runs = [_run(B.Figure("r", r), B.Figure("tight", t), B.Figure("b", 100.0, kind="bytes"),
+                 B.Figure("t", ms, unit="ms", kind="time"), date=f"d{i}")
+            for i, (r, t, ms) in enumerate(((1.0, 1.0, 1.0), (1.2, 1.01, 3.0), (1.1, 1.005, 2.0)))]
+    runs[0] = _run(*runs[0].figures, B.Figure("once", 1.0), date="d0")
+    base = B.make_baseline(runs, "h200x1", {"fingerprint": "m"}, "2026-12-04")
+    assert base.values("r") == (1.0, 1.2, 1.1) and base.figures["r"].value == 1.1 and len(base.runs) == 3
+    band, basis = base.band_and_basis(base.figures["r"])
+    assert math.isclose(band, 0.4) and basis == "2 x spread 20.0% over 3 runs"
+    assert _verdict(base, B.Figure("r", 1.1 * 1.39), True) == "ok"
+    assert _verdict(base, B.Figure("r", 1.1 * 1.41), True) == "regressed"
+    # 1 % apart: the floor (GPU ratio 0.15)
+    band, basis = base.band_and_basis(base.figures["tight"])
+    assert band == B.DEFAULT_SPREAD_RULES["gpu"]["floor"]["ratio"] == 0.15 and basis.startswith("floor; spread 1.0%")
+    assert _verdict(base, B.Figure("tight", 1.005 * 1.14), True) == "ok"
+    assert _verdict(base, B.Figure("tight", 1.005 * 1.16), True) == "regressed"
+    # time 1 / 2 / 3 ms: spread 2.0 -> band 4.0 on the same machine, not gated on other hardware
+    assert math.isclose(base.band_for(base.figures["t"]), 4.0)
+    assert _verdict(base, B.Figure("t", 9.9, kind="time"), True) == "ok"
+    assert _verdict(base, B.Figure("t", 10.1, kind="time"), True) == "regressed"
+    assert _verdict(base, B.Figure("t", 10.1, kind="time"), False) == "not gated"
+    assert base.band_and_basis(base.figures["once"]) == (0.25, "one run")  # no spread: the one-run band
+    assert base.band_for(base.figures["b"]) == 0.0
+    loose = B.Baseline.from_json(dict(base.to_json(), band_overrides={"r": 0.05}))
+    assert loose.band_and_basis(loose.figures["r"]) == (0.05, "override")
+    # a run added later widens what it moves
+    wider = B.add_run(base, _run(B.Figure("tight", 1.3), date="d3"), {"fingerprint": "m"}, "2026-12-05")
+    assert wider.values("tight") == (1.0, 1.01, 1.005, 1.3) and len(wider.runs) == 4 and wider.values("r") == base.values("r")
+    assert math.isclose(wider.band_for(wider.figures["tight"]), 0.6)
+    path = str(tmp_path / "b.json")
+    B.save_baseline(wider, path)
+    again = B.load_baseline(path)
+    assert again == wider and json.loads(open(path).read())["format"] == B.FORMAT
+    # spreads need positive finite values; a bad spread rule in a file is refused
+    assert B.spread([1.0]) is None and B.spread([0.0, 1.0]) is None and B.spread([2.0, 1.0]) == 1.0
+    with pytest.raises(ValueError, match="spread_rule.floor has unknown kinds"):
+        B.Baseline.from_json(dict(base.to_json(), spread_rule={"factor": 2, "floor": {"speed": 0.1}}))
+    with pytest.raises(ValueError, match="noise band of -1"):
+        B.Baseline.from_json(dict(base.to_json(), spread_rule={"factor": -1, "floor": {}}))
+    with pytest.raises(ValueError, match="values"):
+        B.Baseline.from_json(dict(base.to_json(), figures={"r": {"value": 1.0, "values": []}}))
+    with pytest.raises(ValueError, match="newer than this epmoe"):
+        B.Baseline.from_json(dict(base.to_json(), format=B.FORMAT + 1))
+
+
+def test_one_run_baseline_files_still_read(tmp_path):
+    """A baseline file of the first format (one run: no values, runs or spread rule) reads as one run:
+    the kind's bands, as before."""
+    from epmoe.nightly.cli import REPO
+
+    old = B.load_baseline(str(REPO / "benchmarks" / "baselines" / "cpu.json"))
+    assert "format" not in json.loads((REPO / "benchmarks" / "baselines" / "cpu.json").read_text())
+    f = old.figures["layer.torch.T64.vs_baseline"]
+    assert old.values(f.name) == (f.value,) and old.band_and_basis(f) == (1.0, "one run")
+    assert old.spread_rule == B.DEFAULT_SPREAD_RULES["cpu"] and old.runs == ()
+
+
+def _experts_json(loop_scale=1.0, triton_scale=1.0):
+    """A bench_experts.json of the nightly's backends: triton and the torch loop, decode and prefill."""
+    rows = []
+    for backend, scale in (("triton", triton_scale), ("torch_loop", loop_scale)):
+        for phase, ms, pct in (("decode", 1.0, 14.0), ("prefill", 3.0, 66.0)):
+            if backend == "torch_loop":
+                ms, pct = ms * 6, pct / 6
+            rows.append({"run": {"backend": backend, "mode": "bf16", "phase": phase, "preset": "auto"},
+                         "ms": ms * scale, "pct_matmul": pct / scale})
+    return {"results": rows}
+
+
+def test_a_peers_slowdown_alone_does_not_fail_the_gate():
+    """The torch loop (a peer, host-bound) 31% slower or 2x faster, and so our figures relative to it 2x
+    worse: reported as context, the gate passes. Our own figure 30% slower fails it."""
+    base = B.make_baseline([_run(*experts_figures(_experts_json())), _run(*experts_figures(_experts_json(1.02)))],
+                           "h200x1", {"fingerprint": "m"}, "d")
+    roles = {f.name: f.role for f in base.figures.values()}
+    assert roles["experts.torch_loop.bf16.prefill.pct_matmul"] == "peer"
+    assert roles["experts.triton.bf16.prefill.vs_torch_loop"] == "vs_peer"
+    assert roles["experts.triton.bf16.prefill.pct_matmul"] == "ours"
+    # the loop 31% slower: its own figures move; 2x faster: ours relative to it look 2x worse
+    for loop_scale, moved in ((1.31, "experts.torch_loop.bf16.prefill.pct_matmul"),
+                              (0.5, "experts.triton.bf16.prefill.vs_torch_loop")):
+        comps = B.compare(experts_figures(_experts_json(loop_scale=loop_scale)), base, True)
+        assert not any(c.failed for c in comps), [c.describe() for c in comps if c.failed]
+        ctx = {c.name: c for c in comps if c.verdict == "context"}
+        assert set(ctx) == {n for n, r in roles.items() if r != "ours"}
+        assert ctx[moved].beyond_band and "beyond its band, not gated" in ctx[moved].note
+        table = format_table([], comps, "passed", 1.0)
+        assert f"  peer {moved}" in table and table.rstrip().endswith("0 figures beyond their band")
+    # a peer's figure that this run did not measure is context, not missing
+    ours_only = [f for f in experts_figures(_experts_json()) if f.role == "ours"]
+    assert {c.verdict for c in B.compare(ours_only, base, True) if c.role != "ours"} == {"context"}
+    comps = B.compare(experts_figures(_experts_json(loop_scale=1.31, triton_scale=1.3)), base, True)
+    assert {c.name for c in comps if c.failed} == {"experts.triton.bf16.decode.pct_matmul",
+                                                   "experts.triton.bf16.prefill.pct_matmul"}  # times: band 50%
+    # the plain EP MoE's own times are a peer's too; our layer against it gates
+    rows = {"rows": [{"dispatcher": "torch", "tokens_per_rank": 64, "baseline_ms": 2.0, "layer_ms": 1.0,
+                      "layer_vs_baseline": 0.5, "dispatch_us": 10.0, "combine_us": 5.0,
+                      "dispatch_bytes_max_rank": 4096, "dispatch_gbps": 0.4}]}
+    assert {f.name: f.role for f in bench_figures(rows)}["layer.torch.T64.baseline_ms"] == "peer"
+    assert {f.name: f.role for f in bench_figures(rows)}["layer.torch.T64.vs_baseline"] == "ours"
+
+
+def _nightly_figures(path):
+    from epmoe.nightly.cli import figure_role
+
+    data = json.loads(path.read_text())
+    return [B.Figure.from_json(n, f, role=figure_role(n)) for n, f in data["figures"].items() if f["value"] is not None]
+
+
+def test_committed_h200_baseline_catches_the_planted_slowdown_and_passes_clean_runs():
+    """benchmarks/baselines/h200x1-4ranks.json (three H200 runs, docs/nightly.md): the recorded run
+    with a 50 ms planted sleep in the torch dispatcher's layer fails it; a clean later run passes, also
+    with the torch loop's prefill at 21.07 % of matmul (the 2026-12-04 figure that failed the
+    one-run baseline)."""
+    from epmoe.nightly.cli import REPO
+
+    base = B.load_baseline(str(REPO / "benchmarks" / "baselines" / "h200x1-4ranks.json"))
+    assert len(base.runs) == 3 and all((REPO / r["source"]).exists() for r in base.runs)
+    results = REPO / "docs" / "results"
+
+    def judge(figs):
+        steps = {f.step for f in figs}
+        b = dataclasses.replace(base, figures={n: f for n, f in base.figures.items() if f.step in steps})
+        return B.compare(figs, b, same_machine=True)
+
+    planted = judge(_nightly_figures(results / "h200-2026-12-01" / "nightly" / "plant_nightly.json"))
+    assert {c.name for c in planted if c.failed} == {f"layer.torch.T{t}.{k}" for t in (64, 256, 1024)
+                                                     for k in ("ms", "vs_baseline")}
+    later = _nightly_figures(results / "h200-2026-12-01b" / "nightly" / "nightly.json")
+    assert not [c.describe() for c in judge(later) if c.failed]
+    dec4 = [dataclasses.replace(f, value=21.07) if f.name == "experts.torch_loop.bf16.prefill.pct_matmul" else f
+            for f in later]
+    comps = judge(dec4)
+    assert not [c.describe() for c in comps if c.failed]
+    c = next(c for c in comps if c.name == "experts.torch_loop.bf16.prefill.pct_matmul")
+    assert c.verdict == "context" and c.beyond_band and c.role == "peer"
+
+
+def _nightly_json(path, kind="h200x1", figures=None, steps=(), planted=None, args=None):
+    data = {"machine": {"machine_kind": kind, "date": path.stem, "epmoe_commit": "abc", "host": "h", "fingerprint": "m"},
+            "figures": figures or {}, "steps": [{"name": n, "status": st} for n, st in steps], "args": args or {}}
+    if planted is not None:
+        data["planted"] = planted
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_baseline_from_earlier_runs(tmp_path, capsys):
+    """--baseline-from: the baseline of N runs' nightly.json, without the figures of planted steps;
+    runs with failed steps, of several machine kinds, or files that are not a nightly.json are refused
+    with the file named, and nothing is written."""
+    from epmoe.nightly.cli import main
+
+    def figs(v, torch_ms=1.0):
+        return {"layer.torch.T64.vs_baseline": {"value": v, "unit": "x", "kind": "ratio", "step": "bench/layer/torch"},
+                "layer.flashinfer.T64.vs_baseline": {"value": v, "unit": "x", "kind": "ratio", "step": "bench/layer/flashinfer"},
+                "layer.torch.T64.baseline_ms": {"value": torch_ms, "unit": "ms", "kind": "time", "step": "bench/layer/torch"},
+                "dispatch.torch.T64.GBps": {"value": None, "unit": "GB/s", "better": "higher", "kind": "throughput",
+                                            "step": "bench/layer/torch"}}
+
+    bench = [("bench/layer/torch", "passed"), ("bench/layer/flashinfer", "passed")]
+    a = _nightly_json(tmp_path / "2026-12-01T1", figures=figs(1.0), steps=bench)
+    b = _nightly_json(tmp_path / "2026-12-01T2", figures=figs(1.2), steps=bench)
+    # a planted run written before nightly.json named its planted steps: the first layer benchmark
+    p = _nightly_json(tmp_path / "2026-12-01T3", figures=figs(9.0), steps=bench, args={"plant_sleep_ms": "50"})
+    out = tmp_path / "base.json"
+    assert main(["--baseline-from", a, b, p, "--baseline", str(out)]) == 0
+    assert "from 3 runs" in capsys.readouterr().out
+    base = B.load_baseline(str(out))
+    assert base.values("layer.torch.T64.vs_baseline") == (1.0, 1.2)
+    assert base.values("layer.flashinfer.T64.vs_baseline") == (1.0, 1.2, 9.0)
+    assert base.figures["layer.torch.T64.baseline_ms"].role == "peer"  # roles of files written before roles
+    assert "dispatch.torch.T64.GBps" not in base.figures  # no finite value
+    assert [r["source"] for r in base.runs] == [a, b, p] and base.machine["date"] == "2026-12-01T3"
+    named = _nightly_json(tmp_path / "2026-12-01T4", figures=figs(9.0), steps=bench, planted=["bench/layer/flashinfer"],
+                          args={"plant_sleep_ms": "50"})
+    assert main(["--baseline-from", a, named, "--baseline", str(out)]) == 0
+    assert B.load_baseline(str(out)).values("layer.torch.T64.vs_baseline") == (1.0, 9.0)
+    assert B.load_baseline(str(out)).values("layer.flashinfer.T64.vs_baseline") == (1.0,)
+
+    before = out.read_text()
+    failed = _nightly_json(tmp_path / "f", figures=figs(1.0), steps=[("bench/layer/torch", "timed out")])
+    other = _nightly_json(tmp_path / "o", kind="cpu", figures=figs(1.0), steps=bench)
+    (tmp_path / "junk.json").write_text(json.dumps({"verdict": "passed"}))
+    for argv, msg in (([a, failed], r"f: steps \['bench/layer/torch'\] failed in that run"),
+                      ([a, other], r"machine kinds \['cpu', 'h200x1'\]"),
+                      ([a, str(tmp_path / "junk.json")], "junk.json: not a nightly.json"),
+                      ([a, str(tmp_path / "absent.json")], "absent.json")):
+        assert main(["--baseline-from", *argv, "--baseline", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --baseline-from") and re.search(msg, err), err
+    assert out.read_text() == before  # nothing written
+    assert main(["--baseline-from", a, "--update-baseline"]) == 2
+    assert "leave out --update-baseline" in capsys.readouterr().err
+
+
+def test_recording_a_planted_run_or_both_record_flags_is_refused(tmp_path, capsys):
+    from epmoe.nightly.cli import main
+
+    out = str(tmp_path / "out")
+    assert main(["--gpus", "0", "--update-baseline", "--plant-sleep-ms", "5", "--out", out]) == 2
+    assert "planted slowdown (5 ms) would be recorded" in capsys.readouterr().err
+    assert main(["--gpus", "0", "--add-to-baseline", "--plant-sleep-ms", "5", "--out", out]) == 2
+    assert main(["--gpus", "0", "--update-baseline", "--add-to-baseline", "--out", out]) == 2
+    assert "pass one of them" in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
+def test_add_to_baseline_adds_a_clean_run_and_refuses_one_beyond_its_bands(tmp_path, capsys):
+    """--add-to-baseline compares first: a run whose figures regressed (here: a figure of the planned
+    expert step that this CPU run cannot measure, so it is missing) is not added; a clean one is."""
+    from epmoe.nightly.cli import main
+
+    path = tmp_path / "cpu.json"
+    seeded = B.make_baseline([_run(B.Figure("experts.triton.bf16.decode.pct_matmul", 10.0, "%", "higher", "ratio",
+                                            "bench/experts"), date="d0")], "cpu", {"fingerprint": "m"}, "d0")
+    B.save_baseline(seeded, str(path))
+    argv = ["--gpus", "0", "--only", "experts", "--baseline", str(path), "--add-to-baseline"]
+    assert main(argv + ["--out", str(tmp_path / "a")]) == 1
+    out = capsys.readouterr().out
+    assert "NOT adding this run" in out and "1 figures beyond their band" in out
+    assert B.load_baseline(str(path)) == seeded
+    clean = dataclasses.replace(seeded, figures={}, samples={})
+    B.save_baseline(clean, str(path))
+    assert main(argv + ["--out", str(tmp_path / "b")]) == 0
+    assert "added this run to" in capsys.readouterr().out
+    assert [r.get("source") for r in B.load_baseline(str(path)).runs][-1] == str(tmp_path / "b" / "nightly.json")
+    other = dataclasses.replace(clean, machine_kind="h200x1")
+    B.save_baseline(other, str(path))
+    assert main(argv + ["--out", str(tmp_path / "c")]) == 2
+    assert "baseline of machine kind h200x1, this machine is cpu" in capsys.readouterr().err

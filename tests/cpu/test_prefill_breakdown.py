@@ -17,7 +17,7 @@ def test_unknown_variant_is_refused_with_the_known_ones(capsys):
 
 
 def test_variant_knobs_exist_and_are_restored():
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     pb = load_benchmark("prefill_breakdown")
 

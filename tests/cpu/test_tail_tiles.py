@@ -6,7 +6,7 @@ Triton form equals it bit for bit under the interpreter: tests/cpu/test_align_tr
 import pytest
 import torch
 
-from epmoe.experts import align as A
+from epmoe.experts.triton import align as A
 
 
 def _covered(blocks, tails):

@@ -121,7 +121,7 @@ def test_sm90_compile_alignment_kernels_both_paths():
     import torch
     from triton.backends.compiler import GPUTarget
 
-    from epmoe.experts import align as A
+    from epmoe.experts.triton import align as A
 
     launches = []
     rec = lambda name, grid, args, kwargs: launches.append(aot.Launch(name, args, tuple(kwargs.items())))  # noqa: E731
@@ -173,7 +173,7 @@ def test_sm90_compile_fp4_row_tiles(mode, preset, monkeypatch):
     from triton.experimental.gluon import language as gl
 
     from epmoe.config import MoEConfig
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     if preset.startswith("wgmma") and not hasattr(gl, "thread_barrier"):
         pytest.skip(f"the Gluon wgmma kernel is written for Triton 3.6's Gluon API (this is {triton.__version__})")

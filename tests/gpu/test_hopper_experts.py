@@ -32,10 +32,10 @@ import torch
 
 from epmoe.config import MoEConfig
 from epmoe.dispatch.base import DispatchedTokens
-from epmoe.experts import kernel_formats as kf
+from epmoe.experts.triton import kernel_formats as kf
 from tests import experts_testing as T
 from epmoe.experts.base import ExpertsSpec
-from epmoe.experts.triton_experts import FP8_BLOCK_PAYLOAD
+from epmoe.experts.triton.triton_experts import FP8_BLOCK_PAYLOAD
 from epmoe.quant.payload import QuantizedActivation
 from epmoe.quant.plan import QuantPlan
 
@@ -351,7 +351,7 @@ def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
     # which sum K in another order: test_w4a16_gluon_decode)
     tk = (("triton_w4a16_decode", "triton"),)
     default, w = _backend("triton", mode, cfg_kwargs, ep, seed, tk)
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     conv = TE.resolve_fp4_convert("auto")
     assert default.fp4_packed and default.fp4_convert == conv, "auto (words) is the default for bf16 models"
@@ -436,7 +436,7 @@ def test_w4a16_gluon_decode(mode, shape, N):
     relu2 is not gated."""
     cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
     ex, x, ids, tw, out = _run_case("triton", mode, cfg_kwargs, ep, N)
-    from epmoe.experts.triton_experts import pick_config
+    from epmoe.experts.triton.triton_experts import pick_config
 
     cfg = pick_config(mode, N * ex.config.top_k, ex.spec.num_local_experts)
     assert ex.uses_gluon_w4a16(cfg), f"{mode} {shape} N={N}: {cfg.describe()} should run the Gluon kernels"
@@ -460,7 +460,7 @@ def test_w4a16_gluon_decode_split(mode, shape, N):
     against the float64 math, and bit for bit against `decode` (each routed row is an mma column,
     computed alike whether its tile runs 8 or 16 rows). N = 1: every tile half; DeepSeek N = 60 (~11
     rows per local expert), GPT-OSS N = 40 (~7.5) and relu2 (not gated) N = 30 (~2.8): both kinds."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
     ex, _ = _backend("triton", mode, cfg_kwargs, ep, _seed())
@@ -485,7 +485,7 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
     """The Gluon W4A16 kernel's variants (K steps per iteration, 8- or 16-row tiles, 64 to 256 weight
     rows per program over 2 to 16 warps) against the float64 math, DeepSeek and GPT-OSS shapes (45 K steps: the
     unroll falls back to one)."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     monkeypatch.setattr(TE, "GLUON_W4A16_UNROLL", unroll)
     monkeypatch.setattr(TE, "GLUON_W4A16_BLOCK_N", block_n)
@@ -576,7 +576,7 @@ def test_w4a16_gluon_wgmma(mode, preset):
     hence the bound; the pending-wgmma pipeline (the auto preset) gives the output of `wgmma_w4r128_kp`
     (the same K steps in the same order) bit for bit."""
     from epmoe.experts import EXPERTS
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     cfg_t = TE.presets_for(mode)[preset]
     for cfg_kwargs, ep, N in ((DS, DS_EP, 600), (RELU2, 8, 300), (GPTOSS, GPTOSS_EP, 700)):  # GPT-OSS: 2880 = 45 x 64
@@ -625,8 +625,8 @@ def test_w4a16_wgmma_tail_tiles(mode, tail):
     without tails (both kernels sum K in the decode kernel's order: H200 2026-12-02, relative difference 0
     in every run), skewed routing (tails of every size, empty experts, invalid slots); the GPU tail split
     equals the torch one; deterministic."""
-    from epmoe.experts import align as A
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import align as A
+    from epmoe.experts.triton import triton_experts as TE
 
     seed = _seed()
     ex, w = _backend("triton", mode, DS, DS_EP, seed)
@@ -672,7 +672,7 @@ def test_w4a16_wgmma_scale_ring(mode, preset, monkeypatch):
     the scales loaded from global memory one K step ahead bit for bit (the same values, the same math), and
     stay within the float64 bound: DeepSeek shape (skewed routing: tiles of every size, invalid slots) and
     relu2 (not gated: the MMA tile's rows one projection)."""
-    from epmoe.experts import triton_experts as TE
+    from epmoe.experts.triton import triton_experts as TE
 
     for cfg_kwargs, ep, N in ((DS, DS_EP, 900), (RELU2, 8, 300)):
         seed = _seed()
@@ -724,8 +724,8 @@ def test_w4a16_tail_tiles_in_cuda_graph(mode):
 @pytest.mark.parametrize("E,K,N,block_m", [(32, 8, 4096, 128), (128, 8, 4096, 16), (128, 8, 128, 16), (16, 4, 1, 64)])
 def test_triton_alignment_equals_torch(E, K, N, block_m):
     """The routing alignment kernels (default) give the torch sort / padding bit for bit."""
-    from epmoe.experts import align as A
-    from epmoe.experts.triton_experts import kernel_module
+    from epmoe.experts.triton import align as A
+    from epmoe.experts.triton.triton_experts import kernel_module
 
     def launch(name, grid, args, kwargs):
         getattr(kernel_module(torch.device("cuda")), name)[grid](*args, **kwargs)

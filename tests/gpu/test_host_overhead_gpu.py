@@ -1,7 +1,7 @@
 """The eager ep = 1 layer on the GPU, host side: no host sync in the forward (torch.cuda's sync debug
 mode raises on any), for the torch and flashinfer dispatchers at a decode and a prefill shape (scaled
 down: 16 experts, top-8; T = 512 gives 256 rows per expert, the triton backend's grouped_mm path),
-results against the float64 reference, and the direct Triton launches (`epmoe.experts.launch`) giving
+results against the float64 reference, and the direct Triton launches (`epmoe.experts.triton.launch`) giving
 the same bits as Triton's own launch path in every triton mode. Timing lives in
 benchmarks/bench_host_overhead.py, never here."""
 
@@ -11,8 +11,8 @@ import torch
 from epmoe import EPMoE, MoEConfig, reference_moe
 from epmoe.dispatch.base import DispatchedTokens
 from epmoe.experts.base import ExpertsSpec
-from epmoe.experts.launch import launch_keys
-from epmoe.experts.triton_experts import TritonExperts
+from epmoe.experts.triton.launch import launch_keys
+from epmoe.experts.triton.triton_experts import TritonExperts
 from epmoe.quant.plan import QuantPlan
 from tests import experts_testing as ET
 from tests.cpu.helpers import fresh_seed, max_rel_err, random_inputs, random_weights

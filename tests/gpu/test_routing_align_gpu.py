@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from epmoe import EPMoE, MoEConfig
-from epmoe.experts import align as A
-from epmoe.experts.launch import KernelLauncher
+from epmoe.experts.triton import align as A
+from epmoe.experts.triton.launch import KernelLauncher
 from epmoe.routing import Router, route_torch
 from tests.cpu.helpers import fresh_seed, max_rel_err, random_inputs, random_weights
 

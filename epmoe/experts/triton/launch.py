@@ -146,12 +146,46 @@ class LaunchOptions(dict):
     __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _read_only
 
 
+# --------------------------------------------------------------------------- kernels by name
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_module(device: torch.device):
+    """The Triton kernels (imports triton). CPU tensors run only under the Triton interpreter, which
+    must be switched on (TRITON_INTERPRET=1) before triton is first imported in the process."""
+    if device.type != "cuda" and not interpreter_enabled():
+        raise RuntimeError(
+            f"Triton kernels on device {device} need the interpreter: set TRITON_INTERPRET=1 before "
+            "importing triton (tests do this in a subprocess)"
+        )
+    from epmoe.experts.triton import triton_kernels
+
+    return triton_kernels
+
+
+def kernel_function(device: torch.device, name: str):
+    """A kernel by name: the Gluon W4A16 kernels (`gluon_w4a16`, GPU only) or a Triton kernel."""
+    if name.startswith("w4a16_"):
+        if device.type != "cuda":
+            raise RuntimeError(f"Gluon kernel {name} needs a CUDA device (the Triton interpreter cannot run it)")
+        from epmoe.experts.triton import gluon_w4a16
+
+        return getattr(gluon_w4a16, name)
+    return getattr(kernel_module(device), name)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
 class KernelLauncher:
-    """Launches the kernels of `epmoe.experts.triton_kernels` by name (see the module docstring)."""
+    """Launches the kernels of `epmoe.experts.triton.triton_kernels` by name (see the module docstring)."""
 
     def __init__(self, device: torch.device, kernels: Optional[Callable[[], Any]] = None):
         """kernels: returns the module whose plain Triton kernels this launcher launches by name
-        (default: the experts backends' `triton_experts.kernel_function`, Gluon kernels included)."""
+        (default: `kernel_function`: the experts backends' kernels, Gluon kernels included)."""
         self.device = torch.device(device)
         self._module = kernels
         self.fast = FAST_LAUNCH and self.device.type == "cuda"
@@ -211,20 +245,18 @@ class KernelLauncher:
 
     def _resolve(self, kernel_name: str) -> tuple:
         """(kernel, direct launch allowed): `kernel_function`'s kernel; only plain JITFunctions of
-        `epmoe.experts.triton_kernels` launch directly (Gluon kernels keep Triton's path)."""
+        `epmoe.experts.triton.triton_kernels` launch directly (Gluon kernels keep Triton's path)."""
         if self._module is not None:
             fn = getattr(self._module(), kernel_name)
-            if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            if interpreter_enabled():
                 self.fast = False
                 return fn, False
             return fn, plain_jit(fn)
-        from epmoe.experts import triton_experts as te
-
-        fn = te.kernel_function(self.device, kernel_name)
-        if te.interpreter_enabled():
+        fn = kernel_function(self.device, kernel_name)
+        if interpreter_enabled():
             self.fast = False
             return fn, False
-        return fn, getattr(te.kernel_module(self.device), kernel_name, None) is fn and plain_jit(fn)
+        return fn, getattr(kernel_module(self.device), kernel_name, None) is fn and plain_jit(fn)
 
     def _direct(self, fn, kernel, args: tuple, kwargs: dict) -> Optional[_Direct]:
         """The direct launch of `kernel`, or None where this Triton does not bind as expected."""

@@ -46,8 +46,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from epmoe.experts.kernel_formats import NV_SCALE_CODE_BIAS
-from epmoe.experts.triton_kernels import _E2M1_BF16_ASM, _E2M1_BF16_WORDS_ASM
+from epmoe.experts.triton.kernel_formats import NV_SCALE_CODE_BIAS
+from epmoe.experts.triton.triton_kernels import _E2M1_BF16_ASM, _E2M1_BF16_WORDS_ASM
 
 # The bf16 factors of a K step's two scales of a thread's row (low half, high half), with 2^126 folded in:
 # $2 the step's scale word, $3 a byte-permute selector whose low two nibbles pick the two scale bytes

@@ -14,7 +14,7 @@ Forward (no host sync, fixed shapes for a fixed N, so it can be captured in a CU
   3. gemm2: act @ w2[e].T (+ b2), times the routing weight, stored by entry -> y [N*K, H].
   4. reduce: out[n] = sum_k y[n*K + k] over valid k in fixed k order (deterministic, no atomics).
 
-Modes (kernel-facing weight layouts; canonical formats in `epmoe.experts.kernel_formats`):
+Modes (kernel-facing weight layouts; canonical formats in `epmoe.experts.triton.kernel_formats`):
   bf16         w13 [E, R, H], w2 [E, H, I] in the model dtype (R = 2I: rows gate j, up j interleaved
                (default, GATE_UP_LAYOUT) or gate-then-up (option triton_gate_up=blocked); I for relu2)
   fp8_block    W8A8: w13/w2 e4m3 with 128x128 fp32 block scales (gate and up each their own grid);
@@ -29,7 +29,6 @@ Biases are kept in float32: b13 [E, R], b2 [E, H].
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
@@ -38,11 +37,12 @@ import torch
 from epmoe.core.availability import Availability
 from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
-from epmoe.experts import kernel_formats as kf
-from epmoe.experts.align import (BlockAlignment, TailTiles, align_blocks, align_blocks_triton, max_blocks_for,
-                                 single_launch_applies, sort_by_expert, split_tail_tiles, split_tail_tiles_triton)
+from epmoe.experts.activation import kernel_activation_args
 from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
-from epmoe.experts.launch import LaunchOptions
+from epmoe.experts.triton import kernel_formats as kf
+from epmoe.experts.triton.align import (BlockAlignment, TailTiles, align_blocks, align_blocks_triton, max_blocks_for,
+                                        single_launch_applies, sort_by_expert, split_tail_tiles, split_tail_tiles_triton)
+from epmoe.experts.triton.launch import LaunchOptions, interpreter_enabled, kernel_module
 from epmoe.quant.codec import FP8_BLOCK
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
@@ -221,7 +221,7 @@ SPLIT_FALLBACK_WIDE = ((16, SPLIT_FALLBACK), (None, "small"))  # ... by mean row
 GATE_UP_LAYOUT = "interleaved"
 # Per-phase backend preference, bf16 only: from this many mean rows per local expert (N*K/E) on, the
 # forward runs torch._grouped_mm (CUTLASS grouped GEMMs) with the fused gather / activation / combine
-# kernels (`epmoe.experts.grouped_mm.fused_grouped_mm_forward`) on this backend's own weights, instead
+# kernels (`epmoe.experts.triton.grouped_mm.fused_grouped_mm_forward`) on this backend's own weights, instead
 # of the Triton GEMMs; None = never. Spec option `triton_grouped_mm`: auto (this threshold) | on | off.
 # A forced tile preset (`config_override` / `triton_config`) keeps the Triton GEMMs under auto.
 GROUPED_MM_MIN_ROWS: Optional[float] = 128.0
@@ -241,7 +241,7 @@ GROUPED_MM_CHOICES = ("auto", "on", "off")
 # 0.80 vs 0.86 ms with GLUON_W4A16_MAXNREG (0.91 without it) / 3.57 vs 3.65).
 FP4_CONVERT = "auto"
 FP4_CONVERT_CHOICES = ("auto", "asm", "words", "packed", "legacy")
-# W4A16 decode tiles (block_m 8 or 16) with the asm or words conversion: "gluon" runs `epmoe.experts.gluon_w4a16`
+# W4A16 decode tiles (block_m 8 or 16) with the asm or words conversion: "gluon" runs `epmoe.experts.triton.gluon_w4a16`
 # (weights straight from global memory into the mma operand registers, no shared memory; swap-AB),
 # "triton" the Triton kernels. Spec option `triton_w4a16_decode` overrides. Under the Triton
 # interpreter (no Gluon) the Triton kernels run.
@@ -278,7 +278,7 @@ GLUON_WGMMA_BLOCK_MS = (64, 128)  # routed rows per tile of the Gluon wgmma kern
 # scale loads are too small for Triton's async copies). False: read them where they are used.
 FP4_SCALE_PREFETCH = True
 # Routing alignment (sort by expert, pad to BLOCK_M, tile list): "triton" (three small kernels,
-# `epmoe.experts.align.align_blocks_triton`) or "torch" (`align_blocks(sort_by_expert(...))`, ~15
+# `epmoe.experts.triton.align.align_blocks_triton`) or "torch" (`align_blocks(sort_by_expert(...))`, ~15
 # launches); the same outputs bit for bit. Spec option `triton_align` overrides (both backends).
 ALIGN = "triton"
 ALIGN_CHOICES = ("triton", "torch")
@@ -319,23 +319,6 @@ def pick_config(mode: str, num_entries: int, num_experts: int) -> TritonConfig:
 
 # --------------------------------------------------------------------------- kernels (lazy)
 
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def kernel_module(device: torch.device):
-    """The Triton kernels (imports triton). CPU tensors run only under the Triton interpreter, which
-    must be switched on (TRITON_INTERPRET=1) before triton is first imported in the process."""
-    if device.type != "cuda" and not interpreter_enabled():
-        raise RuntimeError(
-            f"Triton kernels on device {device} need the interpreter: set TRITON_INTERPRET=1 before "
-            "importing triton (tests do this in a subprocess)"
-        )
-    from epmoe.experts import triton_kernels
-
-    return triton_kernels
-
-
 _GLUON = None
 
 
@@ -347,23 +330,12 @@ def _gluon_available() -> bool:
         return False
     if _GLUON is None:
         try:
-            from epmoe.experts import gluon_w4a16  # noqa: F401
+            from epmoe.experts.triton import gluon_w4a16  # noqa: F401
 
             _GLUON = True
         except Exception:  # noqa: BLE001 - any import failure means: use the Triton kernels
             _GLUON = False
     return _GLUON
-
-
-def kernel_function(device: torch.device, name: str):
-    """A kernel by name: the Gluon W4A16 kernels (`gluon_w4a16`, GPU only) or a Triton kernel."""
-    if name.startswith("w4a16_"):
-        if device.type != "cuda":
-            raise RuntimeError(f"Gluon kernel {name} needs a CUDA device (the Triton interpreter cannot run it)")
-        from epmoe.experts import gluon_w4a16
-
-        return getattr(gluon_w4a16, name)
-    return getattr(kernel_module(device), name)
 
 
 # --------------------------------------------------------------------------- backend
@@ -392,22 +364,6 @@ def _owned(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
 def _mx_scales_packable(params: Dict[str, torch.Tensor]) -> bool:
     """Every mxfp4 e8m0 scale exponent <= 128 (the packed conversion's range; one host sync, at load)."""
     return all(int(params[k].max()) <= 128 for k in ("w13_scale", "w2_scale") if params[k].numel())
-
-
-def _activation_args(config):
-    """(ACT, HAS_LIMIT, alpha, beta, limit) for the kernels."""
-    if config.activation == "relu2":
-        return 2, False, 1.0, 0.0, 0.0
-    a, b, lim = config.swiglu_alpha, config.swiglu_beta, config.swiglu_limit
-    if a is None and b is None and lim is None:
-        return 0, False, 1.0, 0.0, 0.0
-    return (
-        1,
-        lim is not None,
-        1.0 if a is None else float(a),
-        0.0 if b is None else float(b),
-        0.0 if lim is None else float(lim),
-    )
 
 
 @dataclass(frozen=True)
@@ -509,7 +465,7 @@ class TritonExperts(Experts):
         self.hidden_size = cfg.hidden_size
         self.intermediate_size = cfg.intermediate_size
         self.gated = cfg.is_gated
-        self.act_args = _activation_args(cfg)
+        self.act_args = kernel_activation_args(cfg)
         self._params: Dict[str, torch.Tensor] = {}
         self._gmm_params: Dict[str, torch.Tensor] = {}  # _params and the transposed views grouped_mm reads
         self._wops: Optional[tuple] = None  # _weight_operands
@@ -789,7 +745,7 @@ class TritonExperts(Experts):
 
         x, x_scale = self._input_activations(hidden)
         if self.uses_grouped_mm(N * K):
-            from epmoe.experts.grouped_mm import fused_grouped_mm_forward
+            from epmoe.experts.triton.grouped_mm import fused_grouped_mm_forward
 
             return fused_grouped_mm_forward(
                 x, topk_ids, topk_weights, self._grouped_mm_params(), self.config, E, self.gate_up_interleaved, self._launch,
@@ -930,7 +886,7 @@ class TritonExperts(Experts):
         return cfg.split_m and cfg.block_m < 32 and not self.uses_gluon_w4a16(cfg)
 
     def uses_gluon_w4a16(self, cfg: TritonConfig) -> bool:
-        """Do this tile preset's GEMMs run the Gluon W4A16 kernels (`epmoe.experts.gluon_w4a16`)?"""
+        """Do this tile preset's GEMMs run the Gluon W4A16 kernels (`epmoe.experts.triton.gluon_w4a16`)?"""
         conv = self._fp4_kernel_convert
         if conv not in (2, 3) or not _gluon_available():  # W4A16, bf16, asm / words, no interpreter
             return False
@@ -1031,8 +987,8 @@ class TritonExperts(Experts):
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
         """Every kernel launch goes through here (tools replace it to record the launches);
-        `epmoe.experts.launch.KernelLauncher` (kernels by `kernel_function`) keeps its host cost small."""
-        from epmoe.experts.launch import launch
+        `epmoe.experts.triton.launch.KernelLauncher` (kernels by `kernel_function`) keeps its host cost small."""
+        from epmoe.experts.triton.launch import launch
 
         launch(self, kernel_name, grid, args, kwargs)
 

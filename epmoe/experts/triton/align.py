@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from epmoe.experts.launch import LaunchOptions
+from epmoe.experts.triton.launch import LaunchOptions
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
 
 
 # --------------------------------------------------------------------------- on the GPU (Triton)
-# The same outputs from Triton kernels (`epmoe.experts.triton_kernels`) instead of ~15 torch launches:
+# The same outputs from Triton kernels (`epmoe.experts.triton.triton_kernels`) instead of ~15 torch launches:
 # the block alignment from three (align_count, align_plan, align_scatter), or one program
 # (align_small_kernel) for few entries; the sort alone from one launch (align_sort_kernel).
 # `launch(kernel_name, grid, args, kwargs)` runs one kernel (the backends' launcher). Index tensors

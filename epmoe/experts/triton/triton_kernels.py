@@ -1,8 +1,8 @@
 """Triton kernels of the `triton` experts backend. Imported only when that backend runs (this module
-imports triton at the top); `epmoe.experts.triton_experts` holds the launch code and the layouts.
+imports triton at the top); `epmoe.experts.triton.triton_experts` holds the launch code and the layouts.
 
 Pipeline for the flat layout (rows n, slots k, entry j = n * K + k, all sorted by expert and padded
-to BLOCK_M per expert by `epmoe.experts.align`):
+to BLOCK_M per expert by `epmoe.experts.triton.align`):
 
     moe_gemm1_kernel   act[p, :]  = act_fn(x[tok(p)] @ w13[e].T + b13[e])     [P, I] (bf16, or fp8 +
                                                                                1x128 scales)
@@ -12,7 +12,7 @@ to BLOCK_M per expert by `epmoe.experts.align`):
 fp32 accumulation everywhere; no atomics (deterministic). Weight formats (W_FMT): 0 bf16/fp16,
 1 fp8 e4m3 with 128x128 fp32 block scales and per-token 1x128 fp8 activations (W8A8),
 2 nvfp4 W4A16 (e4m3 scale per 16 + fp32 global scale), 3 mxfp4 W4A16 (e8m0 scale per 32); fp4
-weights are in the k64-interleaved layout of `epmoe.experts.kernel_formats`.
+weights are in the k64-interleaved layout of `epmoe.experts.triton.kernel_formats`.
 
 Tile options (constexpr): GATE_UP_IL (bf16/fp16, gated): w13 rows interleaved gate j / up j, one
 [BLOCK_M, 2*BLOCK_N] dot per K step instead of two [BLOCK_M, BLOCK_N] dots. SPLIT_M: a tile whose real
@@ -24,7 +24,7 @@ is bit-identical to the torch codec; plain `/` is div.full.f32 (<= 2 ulp) on NVI
 import triton
 import triton.language as tl
 
-from epmoe.experts.kernel_formats import NV_SCALE_CODE_BIAS
+from epmoe.experts.triton.kernel_formats import NV_SCALE_CODE_BIAS
 
 W_DENSE = 0
 W_FP8 = 1
@@ -679,7 +679,7 @@ def quant_fp8_rows_kernel(
 # --------------------------------------------------------------------------- grouped_mm epilogues
 # Around torch._grouped_mm (CUTLASS grouped GEMMs on contiguous expert-sorted rows): one pass each,
 # bf16 in / bf16 out with fp32 math, no atomics. Rows are the sorted positions p of
-# `epmoe.experts.align.sort_by_expert` (entries by expert; invalid entries last, skipped).
+# `epmoe.experts.triton.align.sort_by_expert` (entries by expert; invalid entries last, skipped).
 
 
 @triton.jit
@@ -817,7 +817,7 @@ def grouped_combine_kernel(
 
 
 # --------------------------------------------------------------------------- routing alignment
-# `epmoe.experts.align` on the GPU: the same outputs bit for bit (stable order by expert, invalid
+# `epmoe.experts.triton.align` on the GPU: the same outputs bit for bit (stable order by expert, invalid
 # entries last), no atomics, no host sync, fixed shapes. Program e of a grid over experts (plus one
 # for the invalid bin, key num_experts) scans the entries in j order.
 

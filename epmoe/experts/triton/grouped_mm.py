@@ -32,9 +32,9 @@ import torch
 from epmoe.core.availability import Availability
 from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
-from epmoe.experts.align import sort_by_expert, sort_by_expert_triton
+from epmoe.experts.activation import apply_activation, kernel_activation_args
 from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
-from epmoe.experts.activation import apply_activation
+from epmoe.experts.triton.align import sort_by_expert, sort_by_expert_triton
 from epmoe.quant.payload import QuantizedActivation
 from epmoe.quant.weights import ExpertWeights
 
@@ -55,10 +55,10 @@ def fused_grouped_mm_forward(
     act_args: Optional[tuple] = None,
 ) -> torch.Tensor:
     """bf16 experts forward: torch._grouped_mm GEMMs + the fused Triton gather / activation / combine
-    (`epmoe.experts.triton_kernels`). params: w13 [E, R, H] (rows gate-then-up, or gate j / up j
+    (`epmoe.experts.triton.triton_kernels`). params: w13 [E, R, H] (rows gate-then-up, or gate j / up j
     interleaved), w2 [E, H, I], optional fp32 biases b13 [>=E, R] (gate then up), b2 [>=E, H], optional
     w13_t / w2_t (w13 / w2 .transpose(1, 2), made once by the caller). act_args: the kernels'
-    activation arguments (`triton_experts._activation_args(config)`, computed once by the caller).
+    activation arguments (`epmoe.experts.activation.kernel_activation_args(config)`, computed once by the caller).
     `launch(kernel_name, grid, args, kwargs)` runs one kernel. No host sync, fixed shapes."""
     state: Dict[str, torch.Tensor] = {}
     for _, step in grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts,
@@ -76,9 +76,7 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
     gemm1, act, gemm2, combine."""
     take = state.get if keep else state.pop
     if act_args is None:
-        from epmoe.experts.triton_experts import _activation_args
-
-        act_args = _activation_args(config)
+        act_args = kernel_activation_args(config)
 
     N, H = hidden.shape
     K = topk_ids.shape[1]
@@ -151,7 +149,7 @@ def grouped_mm_steps(hidden, topk_ids, topk_weights, params, config, num_experts
 def _triton_can_run(device: torch.device) -> bool:
     import importlib.util
 
-    from epmoe.experts.triton_experts import interpreter_enabled
+    from epmoe.experts.triton.launch import interpreter_enabled
 
     if importlib.util.find_spec("triton") is None:
         return False
@@ -289,7 +287,7 @@ class GroupedMMExperts(Experts):
     def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:
         self.check_local_weights(weights)
         if weights.is_quantized:
-            from epmoe.experts.kernel_formats import dequantize_expert_weights
+            from epmoe.experts.triton.kernel_formats import dequantize_expert_weights
 
             weights = dequantize_expert_weights(weights)
         dev, dt, E = self.device, torch.bfloat16, self.num_experts
@@ -342,6 +340,6 @@ class GroupedMMExperts(Experts):
                                         align=self.align_impl)  # fmt: skip
 
     def _launch(self, kernel_name: str, grid: tuple, args: tuple, kwargs: dict) -> None:
-        from epmoe.experts.launch import launch
+        from epmoe.experts.triton.launch import launch
 
         launch(self, kernel_name, grid, args, kwargs)

@@ -133,7 +133,7 @@ def build_plan(args) -> List[Run]:
                 if T <= 0:
                     continue
                 if backend == "flashinfer_cutlass":
-                    presets = ["autotuned"] if args.quick else CUTLASS_PRESETS
+                    presets = CUTLASS_PRESETS  # both: the layer runs the default tactics
                 elif args.quick or backend != "triton":
                     presets = QUICK_SWEEP.get((backend, mode, phase), ["auto"])
                     if not args.quick and backend == "grouped_mm":

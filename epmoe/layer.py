@@ -207,6 +207,7 @@ class EPMoE(torch.nn.Module):
                     config, dispatcher=dispatcher_name, experts=experts, quant=quant, dispatch_dtype=dispatch_dtype,
                     humming=humming, mxfp8_act_scaling=mxfp8_act_scaling,
                     environment=detect_environment(self.device), ep_size=self.ep_size,
+                    max_tokens_per_rank=max_num_tokens_per_rank,
                 )
             d_cls = DISPATCHERS.get(plan.dispatcher)
             if plan.layout != getattr(d_cls, "layout", "flat"):  # a hand-built plan: the class says

@@ -51,6 +51,51 @@ _PREFERENCE: Dict[str, Tuple[str, ...]] = {
 _FALLBACKS = ("masked_reference", "reference")
 
 
+@dataclass(frozen=True)
+class MeasuredChoice:
+    """One row of the measured `experts="auto"` table: up to `max_tokens` tokens per rank per forward
+    (None: any larger batch) the fastest backend that was also checked correct was `backend`; `evidence`
+    is the measurement (machine, date, times) that `--plan` quotes."""
+
+    max_tokens: Optional[int]
+    backend: str
+    evidence: str
+
+
+# experts="auto": per arch and expert mode, the backend measured fastest (and checked correct) at each
+# batch size, from `benchmarks/bench_experts.py` (DeepSeek-V3 expert shape, 128 local experts, decode
+# T=128 and prefill T=4096 per rank, same run; docs/benchmarks.md "FlashInfer CUTLASS fused MoE"). The
+# batch is the layer's max tokens per rank. FlashInfer's module there was a FAST_BUILD (one tile shape).
+_H200 = "H200 2026-12-04 (docs/results/h200-2026-12-04)"
+MEASURED_AUTO: Dict[Tuple[str, str], Tuple[MeasuredChoice, ...]] = {
+    ("sm90", "bf16"): (
+        MeasuredChoice(128, "triton", f"{_H200}: T=128 triton 2.528 ms, flashinfer_cutlass 2.584 ms"),
+        MeasuredChoice(None, "triton", f"{_H200}: T=4096 triton 6.76 ms, flashinfer_cutlass 7.69 ms"),
+    ),
+    ("sm90", "fp8_block"): (
+        MeasuredChoice(128, "triton", f"{_H200}: T=128 triton 1.352 ms, flashinfer_cutlass 1.742 ms"),
+        MeasuredChoice(None, "triton", f"{_H200}: T=4096 triton 5.244 ms, flashinfer_cutlass 5.683 ms"),
+    ),
+    ("sm90", "mxfp4_w4a16"): (
+        MeasuredChoice(128, "triton", f"{_H200}: T=128 triton 0.939 ms, flashinfer_cutlass 43.0 ms"),
+        MeasuredChoice(None, "triton", f"{_H200}: T=4096 triton 6.390 ms, flashinfer_cutlass 109.2 ms"),
+    ),
+    ("sm90", "mxfp4_w4a8"): (
+        MeasuredChoice(128, "flashinfer_cutlass", f"{_H200}: T=128 0.889 ms (the one sm90 kernel of this mode)"),
+        MeasuredChoice(None, "flashinfer_cutlass", f"{_H200}: T=4096 4.189 ms (the one sm90 kernel of this mode)"),
+    ),
+}
+
+
+def measured_choice(arch: str, mode: str, max_tokens_per_rank: Optional[int]) -> Optional[MeasuredChoice]:
+    """The MEASURED_AUTO row for a layer of `max_tokens_per_rank` (None: the largest batch row)."""
+    rows = MEASURED_AUTO.get((arch, mode), ())
+    for row in rows:
+        if row.max_tokens is not None and max_tokens_per_rank is not None and max_tokens_per_rank <= row.max_tokens:
+            return row
+    return rows[-1] if rows else None
+
+
 def experts_preference(arch: str, registered: Optional[Sequence[str]] = None) -> List[str]:
     """Experts backend names in the order `experts="auto"` tries them on `arch`."""
     names = list(EXPERTS.names() if registered is None else registered)
@@ -140,6 +185,7 @@ def resolve_plan(
     mxfp8_act_scaling: bool = False,
     environment: Optional[Environment] = None,
     ep_size: int = 1,
+    max_tokens_per_rank: Optional[int] = None,
 ) -> QuantPlan:
     """Resolve the plan once. Raises ValueError naming the conflicting settings and the fix.
 
@@ -150,6 +196,7 @@ def resolve_plan(
     environment:    what to assume (default: `Environment()`, a CPU without optional packages;
                     EPMoE passes `detect_environment(device)`)
     ep_size:        ranks in the EP group
+    max_tokens_per_rank: the batch `experts="auto"` picks for (MEASURED_AUTO); None: the largest
     """
     env = environment or Environment()
     _check_choice("dispatch dtype", dispatch_dtype, DISPATCH_DTYPES)
@@ -180,6 +227,9 @@ def resolve_plan(
         )
 
     order = experts_preference(md.arch) if experts == "auto" else [experts]
+    measured = measured_choice(md.arch, md.mode, max_tokens_per_rank) if experts == "auto" else None
+    if measured is not None and measured.backend in order:
+        order = [measured.backend] + [n for n in order if n != measured.backend]
     skipped: List[str] = []
     chosen: Optional[_Candidate] = None
     for name in order:
@@ -206,8 +256,13 @@ def resolve_plan(
         if chosen.name in _FALLBACKS and md.arch != "cpu":
             notes.append(f"experts auto -> {chosen.name}: no fast kernel runs {md.mode} ({base.layout} layout, "
                          f"dispatch {chosen.wire}) on {md.arch} here (emulation in float32; slow)")
+        elif measured is not None and chosen.name == measured.backend:
+            batch = f"<= {measured.max_tokens}" if measured.max_tokens is not None else "above the smaller rows"
+            notes.append(f"experts auto -> {chosen.name}: measured fastest and checked for {md.mode} at {batch} "
+                         f"tokens/rank ({measured.evidence})")
         else:
-            notes.append(f"experts auto -> {chosen.name}" + (f" (skipped {len(skipped)})" if skipped else ""))
+            why = f", not the measured {measured.backend} (it cannot run this plan)" if measured is not None else ""
+            notes.append(f"experts auto -> {chosen.name}" + (f" (skipped {len(skipped)})" if skipped else "") + why)
     return QuantPlan(
         expert_mode=md.mode, dispatch_dtype=chosen.wire, combine_dtype="bf16", experts_backend=chosen.name,
         dispatcher=dispatcher, arch=md.arch, act_format=md.act_format, checkpoint_quant=md.family,

@@ -468,11 +468,12 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
     try:
         env = (detect_environment(device) if args.arch is None
                else Environment.hypothetical(args.arch, installed_flashinfer_version() or "0.7.2.post1"))
+        max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
         plan = resolve_plan(cfg, dispatcher=args.dispatcher, experts=args.experts, quant=args.quant,
-                            dispatch_dtype=args.dispatch_dtype, environment=env, ep_size=ep)
+                            dispatch_dtype=args.dispatch_dtype, environment=env, ep_size=ep,
+                            max_tokens_per_rank=max_tokens)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
-    max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
     E_local = cfg.num_experts // ep
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "
           f"I={cfg.intermediate_size} activation={cfg.activation} routing={cfg.routing} "

@@ -236,7 +236,7 @@ def dispatcher_availability(name: str, gpus: int, ranks_per_gpu: int = 1) -> str
 _ENVIRONMENTS: Dict[str, object] = {}
 
 
-def mode_refusal(dispatcher: str, mode: str, arch: str, ep_size: int, shape: Dict) -> str:
+def mode_refusal(dispatcher: str, mode: str, arch: str, ep_size: int, shape: Dict, experts: str = "auto") -> str:
     """'' when epmoe's resolver accepts (dispatcher, mode[+dispatch dtype]) for this machine (its arch,
     FlashInfer version, installed packages and prebuilt modules) at the step's shape and EP size, else
     the resolver's reason (the backend classes answer: docs/support-matrix.md)."""
@@ -249,7 +249,7 @@ def mode_refusal(dispatcher: str, mode: str, arch: str, ep_size: int, shape: Dic
     cfg = MoEConfig(**shape)
     try:
         resolve_plan(cfg, dispatcher=dispatcher, quant=None if quant == "bf16" else quant, dispatch_dtype=dd,
-                     environment=_ENVIRONMENTS[arch], ep_size=ep_size)
+                     environment=_ENVIRONMENTS[arch], ep_size=ep_size, experts=experts)
     except ValueError as e:
         return str(e)
     return ""
@@ -294,6 +294,18 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
                                            "--quant", "none" if quant == "bf16" else quant, "--dispatch-dtype", dd,
                                            "--steps", "4", "--json", path] + common + shape
                 steps.append(Step(name, tuple(argv), (180 if gpu else 60) * scale, env, _reader(check_figures, path, name),
+                                  skip=why, parallel=True, json_path=path, skip_if_output=REFUSED))
+        # FlashInfer's CUTLASS fused MoE, every mode it runs here: skipped with the resolver's reason where
+        # its fused-MoE module is not prebuilt (or the arch has no such kernel)
+        for d in (dispatchers if gpu else ()):
+            for m in CUTLASS_MODES:
+                name = f"correctness/cutlass/{d}/{m}"
+                why = avail[d] or args.mode_refusal(d, m, arch, world, check_shape, "flashinfer_cutlass")
+                path = os.path.join(res, name.replace("/", "__") + ".json")
+                argv = _torchrun(world) + ["-m", "epmoe.nightly.worker", "check", "--dispatcher", d,
+                                           "--experts", "flashinfer_cutlass", "--quant", "none" if m == "bf16" else m,
+                                           "--steps", "4", "--json", path] + common + shape
+                steps.append(Step(name, tuple(argv), 180 * scale, env, _reader(check_figures, path, name),
                                   skip=why, parallel=True, json_path=path, skip_if_output=REFUSED))
     if "launch" in groups:
         launcher_rpg = _source_has("epmoe/launch/cli.py", "--ranks-per-gpu")
@@ -481,6 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 GROUPS = ("correctness", "launch", "bench", "experts", "soak")
+CUTLASS_MODES = ("bf16", "fp8_block", "mxfp4_w4a16", "mxfp4_w4a8")  # flashinfer_cutlass modes on sm90
 
 
 def validate_selection(dispatchers: Optional[str], modes: Optional[str], only: Optional[str]) -> str:

@@ -222,7 +222,7 @@ def test_junit_table_and_plot(tmp_path):
 def _args(**kw):
     d = dict(gpus=0, ranks_per_gpu=1, cpu_ranks=2, limit_scale=1.0, collective_timeout=60.0, only=None,
              dispatchers=None, modes=None, bench_tokens=None, iters=None, soak_steps=None, plant_sleep_ms=None,
-             plant_dispatcher=None, availability=lambda d, g, r: "", mode_refusal=lambda d, m, a, w, shape: "")
+             plant_dispatcher=None, availability=lambda d, g, r: "", mode_refusal=lambda d, m, a, w, shape, experts="auto": "")
     d.update(kw)
     return SimpleNamespace(**d)
 
@@ -237,7 +237,9 @@ def test_plan_steps_cpu_and_shared_gpu(tmp_path):
     # 4 ranks on one GPU: world 4 everywhere; unavailable dispatchers and refused modes skipped with the reason
     avail = {"torch": "", "flashinfer": "", "deepep": "unavailable: deep_ep is not installed", "deepep_ll": "unavailable: x"}
     steps = plan_steps(_args(gpus=1, ranks_per_gpu=4, plant_sleep_ms="7", availability=lambda d, g, r: avail[d],
-                             mode_refusal=lambda d, m, a, w, shape: "needs sm100" if m == "mxfp8" else ""),
+                             mode_refusal=lambda d, m, a, w, shape, experts="auto": (
+                                 "needs sm100" if m == "mxfp8" else "module not prebuilt"
+                                 if experts == "flashinfer_cutlass" and m == "fp8_block" else "")),
                        {"arch": "sm90"}, str(tmp_path))
     by = {s.name: s for s in steps}
     w = by["correctness/flashinfer/bf16+nvfp4"].argv
@@ -251,6 +253,12 @@ def test_plan_steps_cpu_and_shared_gpu(tmp_path):
     assert not any(k.startswith("EPMOE_NIGHTLY_PLANT") for k, _ in f.env)
     assert by["bench/layer/deepep"].skip.startswith("unavailable")
     assert not by["bench/experts"].skip or "not found" in by["bench/experts"].skip
+    # FlashInfer CUTLASS: every sm90 mode per dispatcher, the experts backend named, refusals skipped
+    c = by["correctness/cutlass/torch/mxfp4_w4a8"].argv
+    assert c[c.index("--experts") + 1] == "flashinfer_cutlass" and c[c.index("--quant") + 1] == "mxfp4_w4a8"
+    assert not by["correctness/cutlass/flashinfer/bf16"].skip
+    assert by["correctness/cutlass/torch/fp8_block"].skip == "module not prebuilt"
+    assert by["correctness/cutlass/deepep/bf16"].skip.startswith("unavailable")
 
 
 def test_count_figures_per_case():

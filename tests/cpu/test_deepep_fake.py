@@ -100,12 +100,21 @@ def test_normal_mode_matches_the_torch_dispatcher_bit_for_bit():
 
 def _fp8_worker(rank, world, seed):
     dd, _ = _install_fake()
+    from epmoe.dispatch.torch_a2a import TorchA2ADispatcher
+
     x, ids, w = _inputs(seed + rank, 7)
     fp8 = dd.fp8_block_format()
     out = {}
     for payload in (fp8, BF16):  # experts take FP8, or BF16 dequantized on arrival
         d = dd.DeepEPDispatcher(_spec(rank, world, payload=payload, wire=fp8))
+        ref = TorchA2ADispatcher(_spec(rank, world, payload=payload, wire=fp8))
         tok, h = d.dispatch(x, ids, w)
+        tok_r, _ = ref.dispatch(x, ids, w)
+        if payload == fp8:  # the FP8 rows the torch dispatcher delivers, byte for byte
+            assert torch.equal(tok.hidden.data.view(torch.uint8), tok_r.hidden.data.view(torch.uint8))
+            assert torch.equal(tok.hidden.scales, tok_r.hidden.scales), "FP8 scales differ from the torch dispatcher's"
+        else:
+            assert torch.equal(tok.hidden, tok_r.hidden), "dequantized rows differ from the torch dispatcher's"
         out[payload.name] = tok.hidden
         y = torch.zeros(h.num_recv_tokens, H, dtype=torch.bfloat16)
         assert d.combine(y, h).shape == (7, H)
@@ -119,11 +128,14 @@ def _fp8_worker(rank, world, seed):
     return q.data.view(torch.uint8), q.scales, x, ids
 
 
-def test_normal_mode_fp8_payload_and_dequantize_on_arrival():
+def test_normal_mode_fp8_sends_the_codec_bytes_like_the_torch_dispatcher():
+    """Stand-in for DeepEP (argument assembly and row bookkeeping; the kernels: tests/gpu/test_deepep.py):
+    the FP8 normal mode hands DeepEP `codec.quantize_for_wire`'s bytes, so a rank receives exactly what
+    the torch dispatcher's FP8 wire delivers, and BF16 experts get the same dequantized rows."""
+    from epmoe.quant import codec
+
     seed = fresh_seed()
     res = run_group(_fp8_worker, 2, seed, timeout=120)
-    import epmoe.dispatch.deepep as dd
-
     # rank r receives the FP8 rows of every token (source-rank-major) that has an expert on r
     for r, (data, scales, _, _) in enumerate(res):
         want = []
@@ -131,9 +143,8 @@ def test_normal_mode_fp8_payload_and_dequantize_on_arrival():
             x, ids = res[s][2], res[s][3]
             on_r = ((ids >= 0) & (ids.long() // (E // 2) == r)).any(dim=1)
             want.append(x[on_r])
-        want = torch.cat(want)
-        d_ref, s_ref = dd.fp8_block_quantize(want)
-        assert torch.equal(data, d_ref.view(torch.uint8)) and torch.equal(scales, s_ref), f"seed {seed} rank {r}"
+        q = codec.quantize_for_wire(torch.cat(want), codec.FP8_BLOCK)
+        assert torch.equal(data, q.data.view(torch.uint8)) and torch.equal(scales, q.scales), f"seed {seed} rank {r}"
 
 
 def _ll_worker(rank, world, seed, tokens_per_rank, fp8):

@@ -40,7 +40,7 @@ from epmoe.dispatch.base import Agreement, DispatchedTokens, DispatchHandle, Dis
 from epmoe.quant import codec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 
-INSTALL_HINT = "build DeepEP V1 for your GPU and put deep_ep on PYTHONPATH (docs/deepep.md)"
+from epmoe.dispatch.deepep_install import INSTALL_HINT, V1_BUFFER_METHODS
 
 # DeepEP's sizing facts live in epmoe.quant.deepep_sizing (the plan's workspace sizing uses them too)
 from epmoe.quant.deepep_sizing import (  # noqa: F401 - re-exported
@@ -155,9 +155,10 @@ def fp8_block_dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.
 
 # ---------------------------------------------------------------------------------- import, buffer
 def _import_deep_ep():
-    """Import DeepEP, or raise BackendUnavailableError saying why and how to fix it."""
+    """Import DeepEP, or raise BackendUnavailableError saying why and how to fix it (also when it has
+    no V1 `Buffer` with the methods this module calls)."""
     try:
-        return importlib.import_module("deep_ep")
+        mod = importlib.import_module("deep_ep")
     except ModuleNotFoundError as e:
         if e.name in ("deep_ep", None):
             raise BackendUnavailableError("deepep", "deep_ep is not installed", INSTALL_HINT) from e
@@ -168,6 +169,12 @@ def _import_deep_ep():
         raise BackendUnavailableError(
             "deepep", f"deep_ep is installed but failed to import ({type(e).__name__}: {e})", INSTALL_HINT
         ) from e
+    missing = [m for m in V1_BUFFER_METHODS if not hasattr(getattr(mod, "Buffer", None), m)]
+    if missing:
+        raise BackendUnavailableError(
+            "deepep", f"deep_ep at {getattr(mod, '__file__', '?')} has no V1 API (deep_ep.Buffer lacks {missing})",
+            INSTALL_HINT)
+    return mod
 
 
 def _device_problem(device: torch.device) -> Optional[Availability]:

@@ -253,3 +253,15 @@ class Buffer:
                 _check(hit.numel() == 1, "one slot per (token, expert)")
                 result[t] += topk_weights[t, k] * y_o[e, begin + int(hit[0])].float()
         return result.to(torch.bfloat16), _Event(), None
+
+
+def install():
+    """Make `import deep_ep` give this stand-in in this process, and let epmoe's DeepEP dispatchers run
+    it on CPU. Returns epmoe.dispatch.deepep."""
+    import sys
+
+    import epmoe.dispatch.deepep as dd
+
+    sys.modules["deep_ep"] = sys.modules[__name__]
+    dd._device_problem = lambda device: None  # the stand-in runs on CPU
+    return dd

@@ -6,7 +6,6 @@ by tests/gpu/test_deepep.py."""
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -16,19 +15,16 @@ from epmoe.dispatch.base import DispatchSpec
 from epmoe.quant.payload import PayloadFormat
 from epmoe.routing import Routing
 from tests.cpu.helpers import fresh_seed, max_rel_err, random_weights
-from tests.cpu.mp import run_group
+from tests.cpu.mp import assert_checks, run_group
 
 BF16 = PayloadFormat.unquantized(torch.bfloat16)
 E, K, H, M = 8, 3, 2048, 8
 
 
 def _install_fake():
-    import epmoe.dispatch.deepep as dd
     from tests.cpu import fake_deep_ep
 
-    sys.modules["deep_ep"] = fake_deep_ep
-    dd._device_problem = lambda device: None  # the fake runs on CPU
-    return dd, fake_deep_ep
+    return fake_deep_ep.install(), fake_deep_ep
 
 
 def _spec(rank, world, payload=BF16, wire=None, **options):
@@ -290,3 +286,35 @@ def test_epmoe_layer_over_deepep_matches_reference(dispatcher, experts):
         assert rounds == 3
         err = max_rel_err(y, reference_moe(cfg, x, w, logits))
         assert err < 1e-2, f"{dispatcher} seed {seed} rank {rank}: max rel err {err:.3g}"
+
+
+@pytest.mark.parametrize("worker", ["normal", "low_latency"])
+def test_gpu_shared_workers_run_on_the_stand_in(worker):
+    """tests/gpu/test_deepep.py's ep = 4 workers (uneven tokens, a rank at 0), run here with the stand-in
+    deep_ep on CPU: this checks the GPU test's own plumbing and references (the stand-in proves nothing
+    about DeepEP's kernels)."""
+    from tests.gpu import test_deepep as gpu
+
+    seed = fresh_seed()
+    if worker == "normal":
+        res = run_group(gpu._normal_worker, 4, seed, gpu.NM_COUNTS[4], False, True, timeout=240)
+        assert_checks(res, gpu.NORMAL_CHECKS, seed)
+    else:
+        res = run_group(gpu._ll_worker, 4, seed, gpu.LL_COUNTS[4], False, True, timeout=240)
+        assert_checks(res, gpu.LL_CHECKS, seed)
+
+
+def test_fp8_diag_script_runs_on_the_stand_in():
+    """tests/gpu/deepep_fp8_diag.py with the stand-in deep_ep: its plumbing (gathering the senders' rows,
+    ordering them through DeepEP's handle, the reports) works; on the GPU it reports on the real kernels."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "tests/gpu/deepep_fp8_diag.py", "--fake", "--ranks", "2"], cwd=repo,
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("A (arrived vs sent): bit for bit") == 6 and r.stdout.count("verdict: DeepEP moved") == 2
+    assert "scales float32 [200, 56] stride (1, 200)" in r.stdout  # the column-major case went in as such

@@ -56,3 +56,13 @@ def gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except OSError:
         return True
+
+
+def wait_for_text(path, needle: str, timeout_s: float = 90) -> str:
+    """Poll the file at `path` until it holds `needle` (assert it does by `timeout_s`); its text."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and needle not in open(path).read():
+        time.sleep(0.5)
+    text = open(path).read()
+    assert needle in text, text[-4000:]
+    return text

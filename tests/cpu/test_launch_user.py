@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from epmoe.launch import cli
-from tests.cpu.procs import gone, rank_of, start_job
+from tests.cpu.procs import gone, rank_of, start_job, wait_for_text
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
@@ -385,10 +385,7 @@ def test_sigterm_while_blocked_on_a_stuck_peer_reports_the_phase(tmp_path):
     with open(err_path, "w") as err_file:
         p, kids = _torchrun_two_ranks(120, subprocess.DEVNULL, err_file)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and "] step " not in err_path.read_text():  # in the step loop
-            time.sleep(0.5)
-        assert "] step " in err_path.read_text(), err_path.read_text()[-4000:]
+        wait_for_text(err_path, "] step ")  # in the step loop
         by_rank = {rank_of(k): k for k in kids}
         os.kill(by_rank[1], signal.SIGSTOP)  # stuck, not gone: rank 0 blocks in its next collective
         time.sleep(1.0)

@@ -13,7 +13,7 @@ and what runs on one GPU).
 
 Pure functions (testable without DeepEP or a GPU): `deepep_buffer_bytes` (DeepEP's own size hints,
 replicated), `deepep_wire_support`, `normal_mode_ep_support`, `low_latency_shape_problems`,
-`fp8_block_quantize` / `fp8_block_dequantize` (DeepEP's FP8 format).
+`fp8_block_quantize` (DeepEP's low-latency FP8 cast) / `fp8_block_dequantize` (the FP8 1x128 format).
 
 `deep_ep` is imported only in `availability()` and the constructors. A `DeepEPBuffer` is sized once
 and may be shared by the dispatchers of several layers (dispatcher option "deepep_buffer").
@@ -37,9 +37,10 @@ from epmoe.core.availability import Availability
 from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.dispatch.base import Agreement, DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
+from epmoe.quant import codec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 
-INSTALL_HINT = "build DeepEP V1 for your GPU and put deep_ep on PYTHONPATH (docs/deepep.md)"
+from epmoe.dispatch.deepep_install import INSTALL_HINT, V1_BUFFER_METHODS
 
 # DeepEP's sizing facts live in epmoe.quant.deepep_sizing (the plan's workspace sizing uses them too)
 from epmoe.quant.deepep_sizing import (  # noqa: F401 - re-exported
@@ -123,15 +124,25 @@ def required_qp_depth(max_tokens_per_rank: int) -> int:
 
 # ---------------------------------------------------------------------------------- FP8 format
 def fp8_block_quantize(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """[T, H] float -> (data [T, H] float8_e4m3fn, scales [T, H/128] float32), DeepEP's format:
-    per 1x128 block scale = max(amax, 1e-4) / 448, data = x * 448 / max(amax, 1e-4)."""
+    """[T, H] float -> (data [T, H] float8_e4m3fn, scales [T, H/128] float32): the cast DeepEP's
+    low-latency kernels apply to BF16 input (`calculate_fp8_scales` without round_scale), replicated
+    for checks of what `deepep_ll` delivers: per 1x128 block a = max(amax, 1e-4),
+    scale = a * fl32(1/448), data = e4m3(x * fl32(448 / a)). Both divisions are by tensors: CUDA
+    computes `t / 448.0` (a Python number) as `t * fl32(1/448)` and Python's `448.0 / t` is
+    `t.reciprocal() * 448`, either of which would make CPU and GPU, or ours and DeepEP's, differ in
+    the last bit.
+
+    The normal mode (`deepep`) does not use it: there DeepEP moves the bytes it is given, and the
+    dispatcher quantizes with `epmoe.quant.codec.quantize_for_wire`, as every other dispatcher and
+    the float64 reference do."""
     T, H = x.shape
     if H % FP8_BLOCK:
         raise ValueError(f"FP8 block quantization needs hidden_size % {FP8_BLOCK} == 0 (got {H})")
     blocks = x.float().view(T, H // FP8_BLOCK, FP8_BLOCK)
     amax = blocks.abs().amax(dim=2).clamp(min=FP8_AMAX_FLOOR)
-    data = (blocks * (FP8_E4M3_MAX / amax).unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
-    return data, amax / FP8_E4M3_MAX
+    e4m3_max = torch.tensor(FP8_E4M3_MAX, dtype=torch.float32, device=amax.device)
+    data = (blocks * (e4m3_max / amax).unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
+    return data, amax * (torch.ones_like(e4m3_max) / e4m3_max)
 
 
 def fp8_block_dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -144,9 +155,10 @@ def fp8_block_dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.
 
 # ---------------------------------------------------------------------------------- import, buffer
 def _import_deep_ep():
-    """Import DeepEP, or raise BackendUnavailableError saying why and how to fix it."""
+    """Import DeepEP, or raise BackendUnavailableError saying why and how to fix it (also when it has
+    no V1 `Buffer` with the methods this module calls)."""
     try:
-        return importlib.import_module("deep_ep")
+        mod = importlib.import_module("deep_ep")
     except ModuleNotFoundError as e:
         if e.name in ("deep_ep", None):
             raise BackendUnavailableError("deepep", "deep_ep is not installed", INSTALL_HINT) from e
@@ -157,6 +169,12 @@ def _import_deep_ep():
         raise BackendUnavailableError(
             "deepep", f"deep_ep is installed but failed to import ({type(e).__name__}: {e})", INSTALL_HINT
         ) from e
+    missing = [m for m in V1_BUFFER_METHODS if not hasattr(getattr(mod, "Buffer", None), m)]
+    if missing:
+        raise BackendUnavailableError(
+            "deepep", f"deep_ep at {getattr(mod, '__file__', '?')} has no V1 API (deep_ep.Buffer lacks {missing})",
+            INSTALL_HINT)
+    return mod
 
 
 def _device_problem(device: torch.device) -> Optional[Availability]:
@@ -513,8 +531,10 @@ class DeepEPDispatcher(_DeepEPBase):
         buf = self._buffer.raw
         n_per_rank, _, n_per_expert, in_rank, _ = buf.get_dispatch_layout(idx, s.num_experts)
         if self._fp8:
-            data, scales = fp8_block_quantize(x)
-            x_in: Any = (data, scales)
+            # the one quantizer of the torch / FlashInfer dispatchers and the float64 reference, so the
+            # FP8 rows DeepEP delivers are those bytes; DeepEP moves data and scales as given
+            q = codec.quantize_for_wire(x, self._wire)
+            x_in: Any = (q.data, q.scales)
         else:
             x_in = x
         recv_x, recv_idx, recv_w, per_expert, raw, _ = buf.dispatch(

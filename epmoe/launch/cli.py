@@ -7,7 +7,8 @@ which must be empty or written by us before) and loads back through the real loa
 loop of batches with a progress bar and a summary table.
 
 Errors are one line per job (rank 0 prints; every rank exits with the same code): 2 for usage errors,
-found before any weights are written or loaded; 1 for faults and failed checks.
+found before any weights are written or loaded; 1 for faults and failed checks. Under mpirun, errors
+found before the ranks have met are printed by every rank (mpirun kills the others when one exits).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import torch
 
 from epmoe.config import MoEConfig, dtype_name, parse_dtype
 from epmoe.core import dist as edist
-from epmoe.launch.env import available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown
+from epmoe.launch.env import (available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown,
+                               sigkill_delay_s)
 from epmoe.launch.presets import PRESETS
 from epmoe.launch import synthetic as synth
 from epmoe.layer import EPMoE
@@ -75,9 +77,7 @@ class _Help(argparse.HelpFormatter):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line per job, exit 2 (argparse's own code for usage errors)
-        if detect_launch_env().rank == 0:
-            sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
-        sys.exit(2)
+        _job_error(self.prog, f"{message} (see --help)", 2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -646,7 +646,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return _main(argv)
     except UsageError as e:
-        _die(f"epmoe: error: {e}" if rank == 0 else "", 2)
+        _job_error("epmoe", str(e), 2)
     except CollectiveFailure as e:
         _die(e.report.format() if e.report is not None else f"epmoe: rank {rank}: {e}", 1)
     except (ConfigMismatchError, BackendUnavailableError) as e:  # agreed at construction: usage
@@ -669,6 +669,7 @@ class LoadError(Exception):
 
 
 SIGTERM_GRACE_S = 10.0  # > the fault report's wait for the peers' states (at most 5 s); torchrun waits 30 s
+MPI_EXIT_DELAY_S = 2.0  # how long a rank that found an error before the group exists stays, under mpirun
 _DYING = threading.Lock()  # one message and one exit code, whichever thread gets there first
 
 
@@ -677,7 +678,8 @@ def _sigterm_grace(rank: int) -> None:
     before they notice the lost peer; with this one they get SIGTERM_GRACE_S seconds to reach their
     next collective and print the fault report (then exit 1). A rank still blocked then (in a collective
     whose peer is stuck rather than gone, which no error ends) prints the report of the phase it is in,
-    "stopped by SIGTERM", and exits 143.
+    "stopped by SIGTERM", and exits 143. Open MPI's mpirun SIGKILLs 1 s after its SIGTERM (unless
+    odls_base_sigkill_timeout says otherwise): there both waits shrink to fit in half of that.
 
     Why a wakeup fd: a Python signal handler runs only when the main thread returns to the interpreter,
     never while it blocks in a collective's wait; the interpreter's C handler writes the signal's number
@@ -688,6 +690,11 @@ def _sigterm_grace(rank: int) -> None:
 
     if threading.current_thread() is not threading.main_thread():  # embedded use: keep the default
         return
+    grace_s, report_grace_s = SIGTERM_GRACE_S, 1.0
+    kill_s = sigkill_delay_s(detect_launch_env())
+    if kill_s is not None and kill_s < SIGTERM_GRACE_S + 2:
+        # Open MPI SIGKILLs kill_s after its SIGTERM (1 s by default): report within half of it
+        grace_s, report_grace_s = 0.3 * kill_s, 0.2 * kill_s
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # handled (not fatal); the thread acts
@@ -700,16 +707,30 @@ def _sigterm_grace(rank: int) -> None:
                 return
             if signal.SIGTERM in got:
                 break
-        time.sleep(SIGTERM_GRACE_S)
-        report = stopped_report()
-        _die(report or f"epmoe: rank {rank}: stopped by SIGTERM (torchrun stops every rank when one fails)", 143)
+        time.sleep(grace_s)
+        report = stopped_report(report_grace_s)
+        _die(report or f"epmoe: rank {rank}: stopped by SIGTERM (the launcher stops every rank when one fails)", 143)
 
     threading.Thread(target=watch_for_sigterm, name="epmoe-sigterm", daemon=True).start()
 
 
-def _die(text: str, code: int) -> None:
-    """Print once and leave without tearing down process groups (a peer may be gone). The first thread
-    to call it prints and exits; a later one waits here for that exit."""
+def _job_error(prog: str, message: str, code: int) -> None:
+    """Leave with an error that every rank found alike: rank 0 prints `prog: error: message` once.
+    Under mpirun before the process group exists every rank prints it, naming its rank, and stays
+    MPI_EXIT_DELAY_S before leaving: mpirun kills all ranks as soon as one exits with an error, so a
+    rank 0 a little behind would otherwise die before printing anything. (Once the group exists the
+    ranks have agreed on the error first, and rank 0's SIGTERM grace lets it print.)"""
+    import torch.distributed as dist
+
+    le = detect_launch_env()
+    if le.launcher == "mpirun" and le.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        _die(f"{prog}: error: rank {le.rank}: {message}", code, linger_s=MPI_EXIT_DELAY_S)
+    _die(f"{prog}: error: {message}" if le.rank == 0 else "", code)
+
+
+def _die(text: str, code: int, linger_s: float = 0.0) -> None:
+    """Print once and leave without tearing down process groups (a peer may be gone), after linger_s
+    seconds. The first thread to call it prints and exits; a later one waits here for that exit."""
     if os.environ.get("EPMOE_DEBUG"):
         raise
     _DYING.acquire()
@@ -717,6 +738,7 @@ def _die(text: str, code: int) -> None:
         sys.stderr.write(text.rstrip() + "\n")
     sys.stderr.flush()
     sys.stdout.flush()
+    time.sleep(linger_s)
     os._exit(code)
 
 

@@ -66,8 +66,9 @@ PACKAGES: Tuple[PackageProbe, ...] = (
     PackageProbe("flashinfer", ("flashinfer-python", "flashinfer"),
                  "dispatcher 'flashinfer' (MoE all-to-all), experts 'flashinfer_cutlass'",
                  "pip install flashinfer-python (or pip install 'epmoe[gpu]')"),
-    PackageProbe("deep_ep", ("deep_ep", "deep-ep"), "dispatchers 'deepep', 'deepep_ll'",
-                 "build DeepEP from source against NVSHMEM (github.com/deepseek-ai/DeepEP)", importable=False),
+    PackageProbe("deep_ep", ("sgl-deep-ep", "deep_ep", "deep-ep"), "dispatchers 'deepep', 'deepep_ll'",
+                 "pip install 'epmoe[deepep]' (sgl-deep-ep, for its torch), or build DeepEP V1 (docs/deepep.md)",
+                 importable=False),
     PackageProbe("triton", ("triton", "pytorch-triton"), "experts 'triton'", "pip install triton"),
     PackageProbe("mpi4py", ("mpi4py",), "mpirun rendezvous without MASTER_ADDR/MASTER_PORT",
                  "pip install 'epmoe[mpi]' (or export MASTER_ADDR and MASTER_PORT)"),
@@ -153,6 +154,7 @@ class DoctorReport:
     backend_context: str
     requested: RequestedConfig
     notes: Tuple[str, ...] = field(default_factory=tuple)
+    deepep: Any = None  # epmoe.dispatch.deepep_install.DeepEPInstall
 
     @property
     def exit_code(self) -> int:
@@ -576,7 +578,42 @@ def collect(args: argparse.Namespace) -> DoctorReport:
         torch=torch.__version__, distributed=distributed, cuda=cuda,
         packages=tuple(probe_package(p) for p in PACKAGES), launch=launch, env=probe_env(),
         backends=tuple(backends), backend_context=context, requested=requested, notes=tuple(notes),
+        deepep=probe_deepep(cuda.available),
     )
+
+
+def probe_deepep(cuda_available: bool):
+    """Which DeepEP, from its metadata and sources; on a CUDA host also whether `import deep_ep` works
+    (in a child process: the import initialises DeepEP's runtime)."""
+    from epmoe.dispatch import deepep_install
+
+    info = deepep_install.probe()
+    if info.found and cuda_available:
+        info = dataclasses.replace(info, import_error=deepep_install.import_check())
+    return info
+
+
+def _deepep_lines(d) -> List[str]:
+    if d is None:
+        return []
+    L = ["", "DeepEP (read from its metadata and sources; imported only in a child process on a CUDA host)"]
+    if not d.found:
+        return L + [f"  not installed  -> {d.problems()[0].split('; ', 1)[1]}"]
+    if d.torch_requirement:
+        torch_row = (f"built for {d.torch_requirement}; this torch is {d.torch_version}: "
+                     + {True: "ok", False: "MISMATCH", None: "cannot tell"}[d.torch_ok])
+    else:
+        torch_row = ("no torch pin in its metadata (a source build runs with the torch it was compiled against; "
+                     "the import below tells)")
+    rows = [("found", d.describe()), ("V1 API", ("yes: " if d.v1_api else "NO: ") + d.v1_detail), ("torch", torch_row)]
+    if d.cuda_major is not None:
+        rows.append(("CUDA", f"built for CUDA {d.cuda_major}; this torch: CUDA {d.torch_cuda or 'none (CPU build)'}: "
+                             + ("ok" if d.cuda_ok else "MISMATCH")))
+    rows.append(("import", "not tried (no CUDA GPU here)" if d.import_error is None
+                 else "ok" if d.import_error == "" else f"FAILED: {d.import_error}"))
+    L += _table(rows)
+    L += [f"  - {p}" for p in d.problems()]
+    return L
 
 
 # ---------------------------------------------------------------------------- text
@@ -638,6 +675,7 @@ def format_report(r: DoctorReport) -> str:
         L += ["  nvidia-smi topo -m:"] + ["    " + line for line in c.topo.splitlines()]
     L += ["", "packages (probed, not imported)"]
     L += _table([(p.name, p.status, p.version or "-", p.detail + (f"  -> {p.hint}" if p.hint else "")) for p in r.packages])
+    L += _deepep_lines(r.deepep)
     la = r.launch
     L += ["", "launch"]
     L += _table([

@@ -41,16 +41,17 @@ def detect_launch_env() -> LaunchEnv:
 
 
 def _mpi_rendezvous(le: LaunchEnv) -> None:
-    """Under mpirun without MASTER_ADDR/PORT: rank 0 picks a port and mpi4py broadcasts it."""
+    """Under mpirun without MASTER_ADDR/PORT: rank 0 picks a port and mpi4py broadcasts it. Raises
+    SystemExit naming the fix (no mpi4py; a loopback address across hosts), the same on every rank."""
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         return
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise RuntimeError(
-            "launched by mpirun without MASTER_ADDR/MASTER_PORT and mpi4py is not installed; "
-            "pip install 'epmoe[mpi]' or export MASTER_ADDR and MASTER_PORT"
-        ) from e
+        raise SystemExit(
+            f"launched by mpirun without MASTER_ADDR/MASTER_PORT, and mpi4py cannot be imported ({e}); "
+            "pip install 'epmoe[mpi]', or export MASTER_ADDR and MASTER_PORT (mpirun -x MASTER_ADDR -x MASTER_PORT)"
+        ) from None
     comm = MPI.COMM_WORLD
     hosts = comm.allgather(socket.gethostname())
     addr = port = None
@@ -61,12 +62,25 @@ def _mpi_rendezvous(le: LaunchEnv) -> None:
             port = s.getsockname()[1]
     addr, port = comm.bcast((addr, port), root=0)
     if addr.startswith("127.") and len(set(hosts)) > 1:  # every rank sees the same values: all raise together
-        raise RuntimeError(
+        raise SystemExit(
             f"mpirun across hosts {sorted(set(hosts))}: rank 0's host name {hosts[0]!r} resolves to {addr}, which "
             f"the other hosts cannot reach; export MASTER_ADDR=<an address of {hosts[0]} they can reach> and "
             "MASTER_PORT=<a free port> (e.g. mpirun -x MASTER_ADDR -x MASTER_PORT)"
         )
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+
+
+def sigkill_delay_s(le: LaunchEnv) -> Optional[float]:
+    """Seconds between the SIGTERM a launcher sends the other ranks when one fails and its SIGKILL,
+    where this process can know it: Open MPI's mpirun waits `odls_base_sigkill_timeout` (default 1 s;
+    `mpirun --mca odls_base_sigkill_timeout S` or OMPI_MCA_odls_base_sigkill_timeout=S sets it).
+    None otherwise (torchrun waits 30 s)."""
+    if le.launcher != "mpirun" or "OMPI_COMM_WORLD_RANK" not in os.environ:
+        return None
+    try:
+        return max(0.0, float(os.environ.get("OMPI_MCA_odls_base_sigkill_timeout", "1")))
+    except ValueError:
+        return 1.0
 
 
 def check_ranks_per_gpu(ranks_per_gpu: int, device_kind: str) -> None:

@@ -60,7 +60,8 @@ def _fp8_cast(x: torch.Tensor):
     N, H = x.shape
     b = x.float().view(N, H // 128, 128)
     amax = b.abs().amax(dim=2).clamp(min=1e-4)
-    return (b * (_E4M3_MAX / amax).unsqueeze(2)).to(torch.float8_e4m3fn).view(N, H), amax / _E4M3_MAX
+    e4m3_max = torch.tensor(_E4M3_MAX)  # DeepEP: scale = 448 / amax, scale_inv = amax * (1.0f / 448)
+    return (b * (e4m3_max / amax).unsqueeze(2)).to(torch.float8_e4m3fn).view(N, H), amax * (1 / e4m3_max)
 
 
 class Buffer:
@@ -252,3 +253,15 @@ class Buffer:
                 _check(hit.numel() == 1, "one slot per (token, expert)")
                 result[t] += topk_weights[t, k] * y_o[e, begin + int(hit[0])].float()
         return result.to(torch.bfloat16), _Event(), None
+
+
+def install():
+    """Make `import deep_ep` give this stand-in in this process, and let epmoe's DeepEP dispatchers run
+    it on CPU. Returns epmoe.dispatch.deepep."""
+    import sys
+
+    import epmoe.dispatch.deepep as dd
+
+    sys.modules["deep_ep"] = sys.modules[__name__]
+    dd._device_problem = lambda device: None  # the stand-in runs on CPU
+    return dd

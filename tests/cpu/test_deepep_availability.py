@@ -58,23 +58,29 @@ def test_importing_the_module_does_not_import_deep_ep():
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-def test_missing_deep_ep_is_reported_with_the_build_hint(cls, monkeypatch):
+def test_missing_deep_ep_is_reported_with_the_install_hint(cls, monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # `import deep_ep` -> ModuleNotFoundError
     a = cls.availability(torch.device("cuda", 0), 2)
-    assert a == Availability.no("deep_ep is not installed", "build DeepEP V1 for your GPU and put deep_ep on PYTHONPATH (docs/deepep.md)")
+    assert a == Availability.no("deep_ep is not installed", dd.INSTALL_HINT)
+    assert "pip install 'epmoe[deepep]'" in dd.INSTALL_HINT and "docs/deepep.md" in dd.INSTALL_HINT
     assert not a and "unavailable: deep_ep is not installed" in a.describe()
     with pytest.raises(BackendUnavailableError, match="deep_ep is not installed.*docs/deepep.md"):
         cls(_spec())
 
 
-@pytest.mark.parametrize("cls", CLASSES)
-def test_deep_ep_that_raises_on_import_is_unavailable_not_a_crash(cls, monkeypatch, tmp_path):
+def _plant_deep_ep(tmp_path, monkeypatch, init_text: str) -> None:
+    """A `deep_ep` package whose __init__.py is `init_text`, first on sys.path, on a host judged as a GPU one."""
     pkg = tmp_path / "deep_ep"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("raise RuntimeError('NCCL version check failed')\n")
+    (pkg / "__init__.py").write_text(init_text)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
     monkeypatch.setattr(dd, "_device_problem", lambda device: None)  # as on a GPU machine
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_deep_ep_that_raises_on_import_is_unavailable_not_a_crash(cls, monkeypatch, tmp_path):
+    _plant_deep_ep(tmp_path, monkeypatch, "raise RuntimeError('NCCL version check failed')\n")
     a = cls.availability(torch.device("cuda", 0), 2)
     assert not a
     assert "failed to import" in a.reason and "RuntimeError: NCCL version check failed" in a.reason
@@ -84,14 +90,17 @@ def test_deep_ep_that_raises_on_import_is_unavailable_not_a_crash(cls, monkeypat
 
 
 def test_deep_ep_with_a_missing_native_library_is_reported_as_broken(monkeypatch, tmp_path):
-    pkg = tmp_path / "deep_ep"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("import deep_ep_cpp_missing_native_part\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
-    monkeypatch.setattr(dd, "_device_problem", lambda device: None)  # as on a GPU machine
+    _plant_deep_ep(tmp_path, monkeypatch, "import deep_ep_cpp_missing_native_part\n")
     a = dd.DeepEPLowLatencyDispatcher.availability(torch.device("cuda", 0), 1)
     assert not a and "installed but failed to import" in a.reason and "deep_ep_cpp_missing_native_part" in a.reason
+
+
+def test_deep_ep_without_the_v1_buffer_api_is_unavailable(monkeypatch, tmp_path):
+    """A DeepEP whose deep_ep.Buffer lacks what the dispatchers call (a V2-only build): unavailable,
+    naming the missing methods, instead of an AttributeError in the first call."""
+    _plant_deep_ep(tmp_path, monkeypatch, "class ElasticBuffer:\n    pass\n")
+    a = dd.DeepEPDispatcher.availability(torch.device("cuda", 0), 2)
+    assert not a and "has no V1 API (deep_ep.Buffer lacks ['get_dispatch_layout'" in a.reason, a.reason
 
 
 @pytest.mark.parametrize("cls", CLASSES)

@@ -6,7 +6,6 @@ by tests/gpu/test_deepep.py."""
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -16,19 +15,16 @@ from epmoe.dispatch.base import DispatchSpec
 from epmoe.quant.payload import PayloadFormat
 from epmoe.routing import Routing
 from tests.cpu.helpers import fresh_seed, max_rel_err, random_weights
-from tests.cpu.mp import run_group
+from tests.cpu.mp import assert_checks, run_group
 
 BF16 = PayloadFormat.unquantized(torch.bfloat16)
 E, K, H, M = 8, 3, 2048, 8
 
 
 def _install_fake():
-    import epmoe.dispatch.deepep as dd
     from tests.cpu import fake_deep_ep
 
-    sys.modules["deep_ep"] = fake_deep_ep
-    dd._device_problem = lambda device: None  # the fake runs on CPU
-    return dd, fake_deep_ep
+    return fake_deep_ep.install(), fake_deep_ep
 
 
 def _spec(rank, world, payload=BF16, wire=None, **options):
@@ -100,12 +96,21 @@ def test_normal_mode_matches_the_torch_dispatcher_bit_for_bit():
 
 def _fp8_worker(rank, world, seed):
     dd, _ = _install_fake()
+    from epmoe.dispatch.torch_a2a import TorchA2ADispatcher
+
     x, ids, w = _inputs(seed + rank, 7)
     fp8 = dd.fp8_block_format()
     out = {}
     for payload in (fp8, BF16):  # experts take FP8, or BF16 dequantized on arrival
         d = dd.DeepEPDispatcher(_spec(rank, world, payload=payload, wire=fp8))
+        ref = TorchA2ADispatcher(_spec(rank, world, payload=payload, wire=fp8))
         tok, h = d.dispatch(x, ids, w)
+        tok_r, _ = ref.dispatch(x, ids, w)
+        if payload == fp8:  # the FP8 rows the torch dispatcher delivers, byte for byte
+            assert torch.equal(tok.hidden.data.view(torch.uint8), tok_r.hidden.data.view(torch.uint8))
+            assert torch.equal(tok.hidden.scales, tok_r.hidden.scales), "FP8 scales differ from the torch dispatcher's"
+        else:
+            assert torch.equal(tok.hidden, tok_r.hidden), "dequantized rows differ from the torch dispatcher's"
         out[payload.name] = tok.hidden
         y = torch.zeros(h.num_recv_tokens, H, dtype=torch.bfloat16)
         assert d.combine(y, h).shape == (7, H)
@@ -119,11 +124,14 @@ def _fp8_worker(rank, world, seed):
     return q.data.view(torch.uint8), q.scales, x, ids
 
 
-def test_normal_mode_fp8_payload_and_dequantize_on_arrival():
+def test_normal_mode_fp8_sends_the_codec_bytes_like_the_torch_dispatcher():
+    """Stand-in for DeepEP (argument assembly and row bookkeeping; the kernels: tests/gpu/test_deepep.py):
+    the FP8 normal mode hands DeepEP `codec.quantize_for_wire`'s bytes, so a rank receives exactly what
+    the torch dispatcher's FP8 wire delivers, and BF16 experts get the same dequantized rows."""
+    from epmoe.quant import codec
+
     seed = fresh_seed()
     res = run_group(_fp8_worker, 2, seed, timeout=120)
-    import epmoe.dispatch.deepep as dd
-
     # rank r receives the FP8 rows of every token (source-rank-major) that has an expert on r
     for r, (data, scales, _, _) in enumerate(res):
         want = []
@@ -131,9 +139,8 @@ def test_normal_mode_fp8_payload_and_dequantize_on_arrival():
             x, ids = res[s][2], res[s][3]
             on_r = ((ids >= 0) & (ids.long() // (E // 2) == r)).any(dim=1)
             want.append(x[on_r])
-        want = torch.cat(want)
-        d_ref, s_ref = dd.fp8_block_quantize(want)
-        assert torch.equal(data, d_ref.view(torch.uint8)) and torch.equal(scales, s_ref), f"seed {seed} rank {r}"
+        q = codec.quantize_for_wire(torch.cat(want), codec.FP8_BLOCK)
+        assert torch.equal(data, q.data.view(torch.uint8)) and torch.equal(scales, q.scales), f"seed {seed} rank {r}"
 
 
 def _ll_worker(rank, world, seed, tokens_per_rank, fp8):
@@ -279,3 +286,35 @@ def test_epmoe_layer_over_deepep_matches_reference(dispatcher, experts):
         assert rounds == 3
         err = max_rel_err(y, reference_moe(cfg, x, w, logits))
         assert err < 1e-2, f"{dispatcher} seed {seed} rank {rank}: max rel err {err:.3g}"
+
+
+@pytest.mark.parametrize("worker", ["normal", "low_latency"])
+def test_gpu_shared_workers_run_on_the_stand_in(worker):
+    """tests/gpu/test_deepep.py's ep = 4 workers (uneven tokens, a rank at 0), run here with the stand-in
+    deep_ep on CPU: this checks the GPU test's own plumbing and references (the stand-in proves nothing
+    about DeepEP's kernels)."""
+    from tests.gpu import test_deepep as gpu
+
+    seed = fresh_seed()
+    if worker == "normal":
+        res = run_group(gpu._normal_worker, 4, seed, gpu.NM_COUNTS[4], False, True, timeout=240)
+        assert_checks(res, gpu.NORMAL_CHECKS, seed)
+    else:
+        res = run_group(gpu._ll_worker, 4, seed, gpu.LL_COUNTS[4], False, True, timeout=240)
+        assert_checks(res, gpu.LL_CHECKS, seed)
+
+
+def test_fp8_diag_script_runs_on_the_stand_in():
+    """tests/gpu/deepep_fp8_diag.py with the stand-in deep_ep: its plumbing (gathering the senders' rows,
+    ordering them through DeepEP's handle, the reports) works; on the GPU it reports on the real kernels."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "tests/gpu/deepep_fp8_diag.py", "--fake", "--ranks", "2"], cwd=repo,
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("A (arrived vs sent): bit for bit") == 6 and r.stdout.count("verdict: DeepEP moved") == 2
+    assert "scales float32 [200, 56] stride (1, 200)" in r.stdout  # the column-major case went in as such

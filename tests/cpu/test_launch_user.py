@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from epmoe.launch import cli
+from tests.cpu.procs import gone, rank_of, start_job, wait_for_text
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
@@ -347,38 +348,11 @@ def test_nan_in_one_ranks_experts_fails_the_job_in_one_line(tmp_path, run_main):
     assert "/epmoe/" not in r.stderr and "step 1/" not in r.stderr, r.stderr  # no traceback, nothing ran
 
 
-def _children(pid: int):
-    kids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmd = f.read().split(b"\0")
-                if int(fields[1]) == pid and b"epmoe.launch" in cmd:
-                    kids.append(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return sorted(kids)
-
-
 def _torchrun_two_ranks(timeout_s: int, stdout, stderr):
     """(torchrun process, its two launcher workers' pids) of a long CPU run (its own process group)."""
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "epmoe.launch", "--steps", "100000", "--tokens", "8", "--timeout", str(timeout_s),
-                          "--device", "cpu"],
-                         env=_env(), cwd=REPO, stdout=stdout, stderr=stderr, text=True, start_new_session=True)
-    deadline = time.monotonic() + 90
-    kids = []
-    while time.monotonic() < deadline and len(kids) < 2:
-        time.sleep(0.5)
-        kids = _children(p.pid)
-    if len(kids) != 2:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait(timeout=60)
-    assert len(kids) == 2, kids
-    return p, kids
+    return start_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                      "-m", "epmoe.launch", "--steps", "100000", "--tokens", "8", "--timeout", str(timeout_s),
+                      "--device", "cpu"], _env(), REPO, stdout, stderr)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
@@ -400,20 +374,6 @@ def test_sigkill_under_torchrun_survivor_reports_before_torchrun_stops_it():
     assert "/epmoe/" not in err and "frame #" not in err, err[-4000:]
 
 
-def _rank_of(pid: int) -> int:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    return int(env[b"RANK"])
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers through /proc")
 def test_sigterm_while_blocked_on_a_stuck_peer_reports_the_phase(tmp_path):
     """A rank blocked in a collective whose peer is stuck (alive, so no connection error ends the wait)
@@ -425,16 +385,13 @@ def test_sigterm_while_blocked_on_a_stuck_peer_reports_the_phase(tmp_path):
     with open(err_path, "w") as err_file:
         p, kids = _torchrun_two_ranks(120, subprocess.DEVNULL, err_file)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and "] step " not in err_path.read_text():  # in the step loop
-            time.sleep(0.5)
-        assert "] step " in err_path.read_text(), err_path.read_text()[-4000:]
-        by_rank = {_rank_of(k): k for k in kids}
+        wait_for_text(err_path, "] step ")  # in the step loop
+        by_rank = {rank_of(k): k for k in kids}
         os.kill(by_rank[1], signal.SIGSTOP)  # stuck, not gone: rank 0 blocks in its next collective
         time.sleep(1.0)
         t0 = time.monotonic()
         os.kill(by_rank[0], signal.SIGTERM)
-        while not _gone(by_rank[0]) and time.monotonic() - t0 < SIGTERM_GRACE_S + 15:
+        while not gone(by_rank[0]) and time.monotonic() - t0 < SIGTERM_GRACE_S + 15:
             time.sleep(0.2)
         waited = time.monotonic() - t0
     finally:

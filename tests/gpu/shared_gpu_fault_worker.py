@@ -3,8 +3,10 @@
     RANK=r WORLD_SIZE=n MASTER_ADDR=.. MASTER_PORT=.. python shared_gpu_fault_worker.py DISPATCHER WHERE TIMEOUT OUT
 
 All ranks on cuda:0 with a gloo group and shared_gpu=True. The last rank SIGKILLs itself at step 3:
-WHERE="forward" on entering the step, "kernel" inside FlashInfer's dispatch (after the per-call
-agreement, so the others are already in the kernel). Every other rank writes one line to OUT:
+WHERE="forward" on entering the step, "kernel" inside the dispatcher's all-to-all call (FlashInfer's
+MoeAlltoAll.dispatch, DeepEP's Buffer.dispatch / low_latency_dispatch), after the per-call agreement,
+so the others are already in the kernel. DeepEP's low-latency mode needs one of its hidden sizes
+(2048) and the masked experts. Every other rank writes one line to OUT:
 "FAULT <error type> after=<s>s report=<bool> ..." or "ERROR ..." or "DONE", then leaves at once
 (os._exit: a peer is gone, so no collective teardown). With WHERE="kernel" the survivor's host cannot
 raise (its kernel spins on the dead peer): the watchdog prints the fault report to stderr and exits
@@ -31,9 +33,16 @@ def main() -> None:
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     victim = rank == world - 1
-    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16)
-    layer = EPMoE(cfg, dispatcher=dispatcher, device="cuda:0", experts="reference", max_num_tokens_per_rank=32,
-                  shared_gpu=True, timeout_s=timeout_s, name="fault-test")
+    hidden = 2048 if dispatcher == "deepep_ll" else 256
+    cfg = MoEConfig(num_experts=16, top_k=4, hidden_size=hidden, intermediate_size=128, dtype=torch.bfloat16)
+    kw = {"experts": "reference"}
+    if dispatcher == "deepep_ll":
+        from epmoe.resolve import resolve_quant_plan
+
+        kw = {"plan": resolve_quant_plan(cfg, dispatcher=dispatcher, experts_backend="masked_reference", arch="sm90",
+                                         ep_size=dist.get_world_size())}
+    layer = EPMoE(cfg, dispatcher=dispatcher, device="cuda:0", max_num_tokens_per_rank=32,
+                  shared_gpu=True, timeout_s=timeout_s, name="fault-test", **kw)
     layer.load_weights(random_weights(cfg, 5))
     x, logits = random_inputs(cfg, 24, 11 + rank)
     x, logits = x.cuda(), logits.cuda()
@@ -48,7 +57,13 @@ def main() -> None:
         if victim and step == 3:
             if where == "forward":
                 die()
-            layer.dispatcher._a2a.dispatch = die  # FlashInfer's MoeAlltoAll: after the agreement
+            # the all-to-all call itself, after the agreement
+            if dispatcher == "flashinfer":
+                layer.dispatcher._a2a.dispatch = die  # FlashInfer's MoeAlltoAll
+            elif dispatcher == "deepep":
+                layer.dispatcher.buffer.raw.dispatch = die  # deep_ep.Buffer
+            else:
+                layer.dispatcher.buffer.raw.low_latency_dispatch = die
         t0 = time.monotonic()
         try:
             layer(x, logits)

@@ -428,24 +428,38 @@ def test_rank_killed_inside_flashinfer_dispatch():
     call 4, phase 'dispatch/combine kernel' and the dead rank; nothing hangs and the memory comes back."""
     from epmoe.core.watchdog import WATCHDOG_EXIT_CODE
 
+    lines, codes, took, logs = run_kill_inside_dispatch("flashinfer", timeout=60)
+    assert codes[0] == WATCHDOG_EXIT_CODE, f"rank 0: rc {codes[0]}, {lines[0]}\n{logs[0]}"
+    assert took[0] is not None and KERNEL_TIMEOUT_S <= took[0] < KERNEL_TIMEOUT_S + KERNEL_GRACE_S + 5, took
+    assert_watchdog_report(logs[0])
+
+
+KERNEL_GRACE_S = min(5.0, max(1.0, KERNEL_TIMEOUT_S / 4))  # the watchdog's wait for the peers' states
+
+
+def run_kill_inside_dispatch(dispatcher, timeout):
+    """2 ranks sharing GPU 0, rank 1 SIGKILLed inside `dispatcher`'s all-to-all call: prints what
+    happened and asserts what holds for every dispatcher (nothing hung, the victim died of SIGKILL,
+    no process left on the GPU, the memory came back). -> (lines, return codes, step 3 -> exit, logs)."""
     free_before = torch.cuda.mem_get_info(0)[0]
-    lines, waited, hung, left, logs, codes, took = run_fault(2, "flashinfer", "kernel", timeout=60,
+    lines, waited, hung, left, logs, codes, took = run_fault(2, dispatcher, "kernel", timeout=timeout,
                                                              timeout_s=KERNEL_TIMEOUT_S)
     free_after = torch.cuda.mem_get_info(0)[0]
     print(f"[shared-gpu fault] free GPU memory before {free_before / 2**20:.0f} MiB, after {free_after / 2**20:.0f} MiB")
-    print(f"[shared-gpu fault] ep=2 flashinfer kill inside dispatch: waited {waited:.1f}s, hung {hung}, "
+    print(f"[shared-gpu fault] ep=2 {dispatcher} kill inside dispatch: waited {waited:.1f}s, hung {hung}, "
           f"return codes {codes}, step 3 -> exit {took}, GPU pids left {left}")
     for r, line in enumerate(lines):
         print(f"  rank {r}: {line}")
     print(logs[0][-1500:])
     assert not hung, f"ranks {hung} hung (killed by the harness after {waited:.0f}s)\n{logs[0]}"
     assert codes[1] == -9, f"the victim should have SIGKILLed itself: rc {codes[1]}\n{logs[1]}"
-    assert codes[0] == WATCHDOG_EXIT_CODE, f"rank 0: rc {codes[0]}, {lines[0]}\n{logs[0]}"
-    grace = min(5.0, max(1.0, KERNEL_TIMEOUT_S / 4))
-    assert took[0] is not None and KERNEL_TIMEOUT_S <= took[0] < KERNEL_TIMEOUT_S + grace + 5, took
-    reports = [ln for ln in logs[0].splitlines() if ln.startswith("epmoe fault report:")]
-    assert len(reports) == 1, logs[0]
-    assert ("layer 'fault-test#0', call 4, phase 'dispatch/combine kernel': rank 0 timed out after "
-            f"{KERNEL_TIMEOUT_S:g} s waiting on ranks [1]") in reports[0], reports[0]
     assert left == [] or left is None, f"processes still on the GPU: {left}"
     assert free_after >= free_before - 64 * 2**20, "GPU memory not returned after the processes exited"
+    return lines, codes, took, logs
+
+
+def assert_watchdog_report(log: str) -> None:
+    reports = [ln for ln in log.splitlines() if ln.startswith("epmoe fault report:")]
+    assert len(reports) == 1, log
+    assert ("layer 'fault-test#0', call 4, phase 'dispatch/combine kernel': rank 0 timed out after "
+            f"{KERNEL_TIMEOUT_S:g} s waiting on ranks [1]") in reports[0], reports[0]

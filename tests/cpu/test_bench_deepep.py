@@ -21,7 +21,8 @@ def _load():
     return mod
 
 
-def test_dry_run_plan_one_rank(tmp_path, capsys):
+def test_dry_run_plan_one_rank(tmp_path, capsys, monkeypatch):
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)  # another test file's stand-in, same worker
     bench = _load()
     out = tmp_path / "plan.json"
     assert bench.main(["--dry-run", "--json", str(out)]) == 0

@@ -24,7 +24,7 @@ from epmoe.core.placement import Placement
 from epmoe.core import watchdog as _watchdog
 from epmoe.dispatch import DISPATCHERS, Agreement, Dispatcher, DispatchSpec
 from epmoe.eplb.balancer import ExpertBalancer, RebalanceReport
-from epmoe.eplb.config import EPLBConfig
+from epmoe.eplb.config import EPLBConfig, slot_config as eplb_slot_config
 from epmoe.eplb.load import ExpertLoad
 from epmoe.eplb.planner import initial_placement
 from epmoe.experts import EXPERTS, Experts, ExpertsSpec
@@ -210,10 +210,8 @@ class EPMoE(torch.nn.Module):
                     f"use an EP group whose size divides {config.num_experts}, or redundant experts "
                     f"(eplb=EPLBConfig(num_redundant_experts=R) with (E + R) % ep == 0)"
                 )
-            if start is not None and start.num_slots != config.num_experts:
-                # routing happens before the slots: the backends see plain experts, one per slot
-                slot_config = config.replace(num_experts=start.num_slots, routing="softmax", n_group=None,
-                                             topk_group=None)
+            if start is not None:
+                slot_config = eplb_slot_config(config, start.num_slots)
             if timeout_s is not None and not timeout_s > 0:
                 raise ValueError(f"timeout_s={timeout_s!r}; pass a positive number of seconds or None")
             if not isinstance(watchdog, bool):

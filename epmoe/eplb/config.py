@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from epmoe.config import MoEConfig
+
 DEFAULT_STAGING_BYTES = 64 * 2 ** 20
 
 
@@ -54,3 +56,12 @@ class EPLBConfig:
 
     def fingerprint(self) -> str:
         return repr(self)
+
+
+def slot_config(config: MoEConfig, num_slots: int) -> MoEConfig:
+    """What dispatchers and experts see under a placement of `num_slots` slots: one expert per slot. The
+    routing happens before, on the logical experts, so the slot config routes plainly (a grouped
+    router's n_group need not divide the slots)."""
+    if num_slots == config.num_experts:
+        return config
+    return config.replace(num_experts=num_slots, routing="softmax", n_group=None, topk_group=None)

@@ -401,7 +401,8 @@ class EPMoE(torch.nn.Module):
 
     def _prepare(self, weights, prefix, layer_idx, e_score_correction_bias, update: bool):
         lo, hi = self.first_local_expert, self.first_local_expert + self.num_local_experts
-        if self._balancer is not None:  # this rank's slots: the logical experts of the placement in force
+        if self._balancer is not None and not self._balancer.placement.is_contiguous:
+            # this rank's slots: the logical experts of the placement in force
             local, corr = self._read_slots(weights, prefix, layer_idx)
             corr = e_score_correction_bias if e_score_correction_bias is not None else corr
         elif isinstance(weights, ExpertWeights):

@@ -198,8 +198,7 @@ class ExpertBalancer:
         rounds = transfer.schedule_rounds(moves, old.slots_per_rank, old.ep_size, row, cfg.staging_bytes)
         error = None
         with watch.phase("rebalance: move"):
-            staged, error = transfer.fetch_slots(tensors, moves, rounds, old, self.ep_rank, group, to,
-                                                 cfg.staging_bytes)
+            staged, error = transfer.fetch_slots(tensors, moves, rounds, old, self.ep_rank, group, to)
             if error is None:
                 try:
                     experts.check_moved_slots(staged.rows)

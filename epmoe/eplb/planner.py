@@ -11,17 +11,21 @@ layer's replica choice spreads a hot expert's tokens that way).
      least loaded ranks with a free slot, never two replicas of one expert on one rank. Before taking
      the least loaded ranks it checks that the remaining experts still fit (Gale-Ryser); when they
      would not, the expert goes to the ranks with the most free slots instead, which always keeps
-     them fitting. Then pairwise swaps with the busiest rank while they lower its load.
+     them fitting. Then pairwise swaps with the busiest rank while they lower its load, and, while
+     the busiest rank is more than 1 % above the mean, a few rounds of moving one replica between two
+     of its experts and packing again (`_replicate_and_pack`).
   3. Hierarchical (num_nodes > 1, ranks grouped by node as torchrun numbers them): expert groups
      (`expert_groups`, e.g. DeepSeek-V3's n_group, else single experts) are packed onto nodes first,
      then each node replicates and packs its own experts onto its ranks, so an expert's replicas stay
      within one node.
-  4. Keeping weights where they are: the packed rank contents are matched to the ranks of `previous`
-     by overlap (nodes first), and an expert that stays on a rank keeps its slot. Only the slots
-     whose expert changes need new weights.
+  4. Keeping weights where they are (`previous`): the previous layout adjusted to the new replica
+     counts (`_repack`: surplus copies leave the busiest ranks, new ones fill the freed slots, then
+     swaps) is kept when its busiest rank is within `tolerance` (1 %) of the fresh plan's; otherwise
+     the fresh plan's rank contents are matched to the previous ranks by overlap (nodes first). An
+     expert that stays on a rank keeps its slot: only slots whose expert changes need new weights.
 
 Deterministic: the same load (the same floats) gives the same placement on every rank; no randomness,
-ties broken by expert and rank id. Pure Python; about a millisecond for 256 experts on 32 ranks.
+ties broken by expert and rank id. Pure Python; 10-40 ms for 256 experts on 32-64 ranks.
 """
 
 from __future__ import annotations

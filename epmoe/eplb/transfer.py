@@ -112,12 +112,34 @@ def _unpack_row(buf: torch.Tensor, off: int, like: torch.Tensor, device) -> Tupl
     return piece, off + _padded(n)
 
 
+def _starts(splits: Sequence[int]) -> List[int]:
+    """Offsets of the peers' parts of a staging buffer (each: HEADER, then its rows)."""
+    out, at = [], 0
+    for n in splits:
+        out.append(at)
+        at += n
+    return out
+
+
+def _walk(splits: Sequence[int], moves_by_peer: Sequence[Sequence[SlotMove]], each) -> Optional[BaseException]:
+    """Call each(move, offset) -> next offset for every peer's moves, laid out after that peer's header;
+    the first exception is returned, not raised (it travels in the next header)."""
+    try:
+        for at, moves in zip(_starts(splits), moves_by_peer):
+            at += HEADER
+            for m in moves:
+                at = each(m, at)
+    except Exception as e:  # noqa: BLE001 - any failure on one rank becomes every rank's error
+        return e
+    return None
+
+
 def fetch_slots(
     tensors: Dict[str, torch.Tensor], moves: Sequence[SlotMove], rounds: Sequence[Sequence[SlotMove]],
-    placement: Placement, ep_rank: int, group: Any, timeout_s: Optional[float], staging_bytes: int,
+    placement: Placement, ep_rank: int, group: Any, timeout_s: Optional[float],
 ) -> Tuple[StagedSlots, Optional[BaseException]]:
-    """Collective: every rank calls it with the same moves and rounds. `tensors`: name -> [S_local, ...]
-    live rows (read only). Returns this rank's staged rows and its own error (None when it
+    """Collective: every rank calls it with the same moves and rounds (`schedule_rounds`, which bounds
+    the staging buffers). `tensors`: name -> [S_local, ...] live rows (read only). Returns this rank's staged rows and its own error (None when it
     succeeded); a failure reported by another rank's header ends the rounds early on every rank. The
     caller agrees on the outcome across ranks before committing."""
     per, ep = placement.slots_per_rank, placement.ep_size
@@ -145,49 +167,33 @@ def fetch_slots(
         in_moves = [[m for m in r if m.slot in mine and m.source // per == q] for q in range(ep)]
         in_splits = [HEADER + row_bytes * len(ms) for ms in out_moves]
         out_splits = [HEADER + row_bytes * len(ms) for ms in in_moves]
-        off = 0
-        for q in range(ep):
-            start = off
-            off += HEADER
-            if error is None:
-                try:
-                    for m in out_moves[q]:
-                        for t in tensors.values():
-                            off = _pack_row(send, off, t[m.source - mine.start])
-                except Exception as e:  # noqa: BLE001 - sent as this rank's status below
-                    error = e
-            off = start + in_splits[q]
-        # the status goes last, after any packing failure of this round
+
+        def pack(m, at):
+            for t in tensors.values():
+                at = _pack_row(send, at, t[m.source - mine.start])
+            return at
+
+        def unpack(m, at):
+            row = {}
+            for n, t in tensors.items():
+                row[n], at = _unpack_row(recv, at, t[0], any_device)
+            staged.rows[m.slot - mine.start] = row
+            staged.bytes_received += row_bytes
+            return at
+
+        if error is None:
+            error = _walk(in_splits, out_moves, pack)
         status = torch.tensor([0 if error is None else 1], dtype=torch.int64).view(torch.uint8)
-        off = 0
-        for q in range(ep):
-            send[off:off + 8].copy_(status)
-            off += in_splits[q]
+        for at in _starts(in_splits):  # every peer's header: this rank's status after packing
+            send[at:at + 8].copy_(status)
         run_collective(
             lambda: dist.all_to_all_single(recv[:sum(out_splits)], send[:sum(in_splits)], out_splits, in_splits,
                                            group=group, async_op=True),
             timeout_s, "expert weights transfer (rebalance)")
-        off, failed = 0, False
-        for q in range(ep):
-            failed |= bool(recv[off:off + 8].view(torch.int64).item())
-            off += out_splits[q]
-        if failed:
+        if any(bool(recv[at:at + 8].view(torch.int64).item()) for at in _starts(out_splits)):
             break  # every rank saw the same headers: all stop after this round
-        off = 0
-        for q in range(ep):
-            start = off
-            off += HEADER
-            if error is None:
-                try:
-                    for m in in_moves[q]:
-                        row = {}
-                        for n, t in tensors.items():
-                            row[n], off = _unpack_row(recv, off, t[0], any_device)
-                        staged.rows[m.slot - mine.start] = row
-                        staged.bytes_received += row_bytes
-                except Exception as e:  # noqa: BLE001 - reported in the next round or the final agreement
-                    error = e
-            off = start + out_splits[q]
+        if error is None:  # a failure here reaches the others in the next round or the final agreement
+            error = _walk(out_splits, in_moves, unpack)
     return staged, error
 
 

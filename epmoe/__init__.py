@@ -2,7 +2,7 @@
 
 Import direction (one way; nothing imports upwards):
 
-    nightly -> launch -> layer, resolve -> {dispatch, experts} -> quant -> core (epmoe.core, epmoe.config)
+    nightly -> launch -> layer, resolve -> {eplb, dispatch, experts} -> quant -> core (epmoe.core, epmoe.config)
     integrations (epmoe.integrations.transformers: transformers models) -> layer
 
 `dispatch` and `experts` never import each other: the experts backend declares the
@@ -13,6 +13,7 @@ transformers only by `epmoe.integrations.transformers`.
 Public API:
     MoEConfig                   shape and math of a layer (epmoe.config)
     EPMoE, MoEOutput, StepStats the layer (epmoe.layer)
+    Placement, EPLBConfig       where experts live; load balancing (epmoe.core.placement, epmoe.eplb)
     Routing, route              top-k routing (epmoe.routing)
     ExpertWeights               canonical expert tensors (epmoe.quant.weights)
     QuantPlan                   the one resolved plan per model (epmoe.quant.plan)
@@ -39,6 +40,8 @@ if _run_as_launcher():
 
 from epmoe.checkpoint import load_expert_weights
 from epmoe.config import MoEConfig
+from epmoe.core.placement import Placement
+from epmoe.eplb.config import EPLBConfig
 from epmoe.layer import EPMoE, MoEOutput, StepStats
 from epmoe.quant.plan import QuantPlan
 from epmoe.quant.weights import ExpertWeights
@@ -49,10 +52,12 @@ from epmoe.routing import Routing, route
 __version__ = "0.1.0"
 
 __all__ = [
+    "EPLBConfig",
     "EPMoE",
     "ExpertWeights",
     "MoEConfig",
     "MoEOutput",
+    "Placement",
     "QuantPlan",
     "Routing",
     "StepStats",

@@ -23,10 +23,11 @@ tensors through safetensors slices); `LoadedExperts.tensors_read` lists what was
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -54,13 +55,14 @@ class CheckpointReadError(OSError):
 
 @dataclass(frozen=True)
 class LoadedExperts:
-    """experts: ExpertWeights of global experts [first_expert, first_expert + n);
-    e_score_correction_bias: [E] float32 or None."""
+    """experts: ExpertWeights of global experts [first_expert, first_expert + n) (with `expert_ids=`:
+    row i holds expert expert_ids[i]); e_score_correction_bias: [E] float32 or None."""
 
     experts: ExpertWeights
     e_score_correction_bias: Optional[torch.Tensor]
     checkpoint_format: str = "bf16"  # one of quant.checkpoint_formats.CHECKPOINT_FORMATS, or "canonical"
     tensors_read: Tuple[str, ...] = ()  # names read, with "[lo:hi]" for row slices of stacked tensors
+    expert_ids: Tuple[int, ...] = ()  # the global expert of each row
 
 
 class _Reader:
@@ -153,24 +155,54 @@ def load_expert_weights(
     config: MoEConfig,
     *,
     experts: Optional[Tuple[int, int]] = None,
+    expert_ids: Optional[Sequence[int]] = None,
     prefix: Optional[str] = None,
     layer_idx: Optional[int] = None,
 ) -> LoadedExperts:
-    """Read global experts `experts=(start, end)` (default: all) of one layer from `source`.
+    """Read global experts `experts=(start, end)` (default: all) of one layer from `source`, or the
+    experts `expert_ids` in that order (any order, repeats allowed: row i holds expert expert_ids[i];
+    each is read once, consecutive ids as one slice), as a rank holding the slots of a placement does.
 
     Raises ValueError naming the missing/misshaped tensor and the fix."""
     E = config.num_experts
-    lo, hi = experts if experts is not None else (0, E)
-    if not (0 <= lo < hi <= E):
-        raise ValueError(f"expert range [{lo}, {hi}) is outside [0, {E})")
+    if expert_ids is not None:
+        if experts is not None:
+            raise ValueError("pass experts=(start, end) or expert_ids=[...], not both")
+        ids = list(expert_ids)
+        if not ids or any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < E for e in ids):
+            raise ValueError(f"expert_ids={ids!r}; pass a non-empty list of expert ids in [0, {E})")
+        runs: List[Tuple[int, int]] = []
+        for e in sorted(set(ids)):
+            if runs and runs[-1][1] == e:
+                runs[-1] = (runs[-1][0], e + 1)
+            else:
+                runs.append((e, e + 1))
+    else:
+        lo, hi = experts if experts is not None else (0, E)
+        if not (0 <= lo < hi <= E):
+            raise ValueError(f"expert range [{lo}, {hi}) is outside [0, {E})")
+        ids, runs = list(range(lo, hi)), [(lo, hi)]
     reader = _Reader(source)
     try:
-        return _load(reader, config, lo, hi, prefix, layer_idx)
+        return _load(reader, config, runs, ids, prefix, layer_idx)
     finally:
         reader.close()
 
 
-def _load(reader: "_Reader", config: MoEConfig, lo: int, hi: int, prefix: Optional[str],
+def _gather_runs(read: Callable[[int, int], ExpertWeights], runs: List[Tuple[int, int]], ids: List[int]
+                 ) -> ExpertWeights:
+    """Read each run of consecutive experts once, then the rows of `ids` in order."""
+    parts = [read(lo, hi) for lo, hi in runs]
+    if len(parts) == 1 and ids == list(range(*runs[0])):
+        return parts[0]
+    row_of = {}
+    for (lo, hi), start in zip(runs, itertools.accumulate([0] + [hi - lo for lo, hi in runs])):
+        for e in range(lo, hi):
+            row_of[e] = start + e - lo
+    return ExpertWeights.concat(parts).take([row_of[e] for e in ids], first_expert=ids[0])
+
+
+def _load(reader: "_Reader", config: MoEConfig, runs: List[Tuple[int, int]], ids: List[int], prefix: Optional[str],
           layer_idx: Optional[int]) -> LoadedExperts:
     E = config.num_experts
     keys = list(reader.keys())
@@ -193,7 +225,7 @@ def _load(reader: "_Reader", config: MoEConfig, lo: int, hi: int, prefix: Option
             correction[m["prefix"]] = k
 
     if canonical and not per_expert and not stacked:
-        loaded = _load_canonical(reader, canonical, config, lo, hi)
+        loaded = _gather_runs(lambda lo, hi: _load_canonical(reader, canonical, config, lo, hi), runs, ids)
         fmt = "canonical"
         corr = reader.get("e_score_correction_bias") if "e_score_correction_bias" in canonical else None
     elif per_expert or stacked:
@@ -203,12 +235,22 @@ def _load(reader: "_Reader", config: MoEConfig, lo: int, hi: int, prefix: Option
                 f"experts under {p!r} are stored both per expert ('{p}experts.0....') and stacked "
                 f"({sorted(stacked[p])}); a layer's experts must use one format"
             )
+        found = []  # the format the loader found (the same for every run)
         if p in per_expert:
-            fmt, loaded = _load_per_expert(reader, per_expert[p], config, lo, hi, p)
+            def read(lo, hi):
+                fmt, part = _load_per_expert(reader, per_expert[p], config, lo, hi, p)
+                found.append(fmt)
+                return part
         else:
             stored = "mxfp4-gpt-oss" if any(n.endswith(("_blocks", "_scales")) for n in stacked[p]) else "bf16"
             _check_declared_method(config, stored, f"{p}experts.{sorted(stacked[p])[0]}")
-            fmt, loaded = _load_gpt_oss(reader, stacked[p], config, lo, hi, p)
+
+            def read(lo, hi):
+                fmt, part = _load_gpt_oss(reader, stacked[p], config, lo, hi, p)
+                found.append(fmt)
+                return part
+        loaded = _gather_runs(read, runs, ids)
+        fmt = found[0]
         ck = correction.get(p)
         if ck is None:  # the router gate usually sits beside `experts.` under the same prefix
             ck = next((v for q, v in correction.items() if q == p or q.startswith(p)), None)
@@ -233,9 +275,9 @@ def _load(reader: "_Reader", config: MoEConfig, lo: int, hi: int, prefix: Option
         corr = corr.float()
     if config.routing == "sigmoid_grouped" and corr is None:
         pass  # allowed: DeepSeek-V2 style grouped routing without correction bias
-    loaded.validate(config, hi - lo)
+    loaded.validate(config, len(ids))
     return LoadedExperts(experts=loaded, e_score_correction_bias=corr, checkpoint_format=fmt,
-                         tensors_read=tuple(reader.reads))
+                         tensors_read=tuple(reader.reads), expert_ids=tuple(ids))
 
 
 def _check_declared_method(config: MoEConfig, fmt: str, example: str) -> None:

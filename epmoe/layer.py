@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -20,8 +20,13 @@ from epmoe.config import MoEConfig, dtype_name
 from epmoe.core import dist as edist
 from epmoe.core.errors import BackendUnavailableError, NonFiniteError
 from epmoe.core.fault import FaultWatch
+from epmoe.core.placement import Placement
 from epmoe.core import watchdog as _watchdog
 from epmoe.dispatch import DISPATCHERS, Agreement, Dispatcher, DispatchSpec
+from epmoe.eplb.balancer import ExpertBalancer, RebalanceReport
+from epmoe.eplb.config import EPLBConfig, slot_config as eplb_slot_config
+from epmoe.eplb.load import ExpertLoad
+from epmoe.eplb.planner import initial_placement
 from epmoe.experts import EXPERTS, Experts, ExpertsSpec
 from epmoe.quant.payload import PayloadFormat
 from epmoe.quant.checkpoint_formats import check_fits_plan
@@ -43,7 +48,8 @@ class StepStats:
     received_rows:         rows this rank's experts processed (summed over rounds; one rank without a
                            group: every token, as the tokens stay in place; masked layout: the
                            valid rows of all local experts, i.e. (token, expert) pairs)
-    tokens_per_local_expert: [E_local] int64, (token, expert) pairs each local expert processed
+    tokens_per_local_expert: [E_local] int64, (token, expert) pairs each local expert processed (each local
+                           slot, under an EPLB placement)
     bytes_sent:            dispatch bytes this rank sent to other ranks
     """
 
@@ -122,6 +128,12 @@ class EPMoE(torch.nn.Module):
     check_finite:  check inputs and outputs for NaN/Inf on every call (off by default: it costs a host
                    sync and one small collective per call); any hit raises NonFiniteError on every rank
                    naming the ranks and the tensor
+    eplb:          expert-parallel load balancing (`epmoe.eplb.EPLBConfig`): redundant slots for hot
+                   experts, load recorded per call, `rebalance()` (and every N calls automatically)
+                   moves experts between ranks; docs/eplb.md. None (default): the fixed contiguous
+                   placement, nothing added to the forward
+    placement:     a `Placement` to start from (or its slot_to_expert list); alone, a static placement
+                   (loaded and routed to as given, no load recorded)
 
     Arithmetic: experts compute in float32 (or the plan's quantized format) whatever the model dtype;
     a float64 layer takes and returns float64 but is accurate to float32 (a UserWarning says so).
@@ -152,6 +164,8 @@ class EPMoE(torch.nn.Module):
         check_finite: bool = False,
         shared_gpu: bool = False,
         watchdog: bool = True,
+        eplb: Optional[EPLBConfig] = None,
+        placement: Union[Placement, Sequence[int], None] = None,
         name: str = "EPMoE",
     ):
         super().__init__()
@@ -184,14 +198,20 @@ class EPMoE(torch.nn.Module):
         # the group, so a rank with a bad setting never leaves the others waiting.
         error: Optional[BaseException] = None
         d_options = e_options = None
+        start: Optional[Placement] = None  # None: the contiguous placement without EPLB
+        slot_config = config  # what dispatchers and experts see: one "expert" per physical slot
         try:
             if isinstance(max_num_tokens_per_rank, bool) or not isinstance(max_num_tokens_per_rank, int) or max_num_tokens_per_rank <= 0:
                 raise ValueError(f"max_num_tokens_per_rank={max_num_tokens_per_rank!r}; pass a positive int")
-            if config.num_experts % self.ep_size:
+            start = _resolve_placement(config, self.ep_size, eplb, placement)
+            if start is None and config.num_experts % self.ep_size:
                 raise ValueError(
                     f"num_experts={config.num_experts} is not divisible by the EP size {self.ep_size}; "
-                    f"use an EP group whose size divides {config.num_experts}"
+                    f"use an EP group whose size divides {config.num_experts}, or redundant experts "
+                    f"(eplb=EPLBConfig(num_redundant_experts=R) with (E + R) % ep == 0)"
                 )
+            if start is not None:
+                slot_config = eplb_slot_config(config, start.num_slots)
             if timeout_s is not None and not timeout_s > 0:
                 raise ValueError(f"timeout_s={timeout_s!r}; pass a positive number of seconds or None")
             if not isinstance(watchdog, bool):
@@ -204,7 +224,7 @@ class EPMoE(torch.nn.Module):
                 raise ValueError(f"unknown experts backend {experts!r}; choose 'auto' or one of {EXPERTS.names()}")
             if plan is None:
                 plan = resolve_plan(
-                    config, dispatcher=dispatcher_name, experts=experts, quant=quant, dispatch_dtype=dispatch_dtype,
+                    slot_config, dispatcher=dispatcher_name, experts=experts, quant=quant, dispatch_dtype=dispatch_dtype,
                     humming=humming, mxfp8_act_scaling=mxfp8_act_scaling,
                     environment=detect_environment(self.device), ep_size=self.ep_size,
                     max_tokens_per_rank=max_num_tokens_per_rank,
@@ -223,7 +243,8 @@ class EPMoE(torch.nn.Module):
         fingerprint.update(
             dispatcher=dispatcher_name, experts=experts, timeout_s=repr(timeout_s), max_num_tokens_per_rank=repr(max_num_tokens_per_rank),
             deterministic=repr(deterministic), ep_size=repr(self.ep_size), shared_gpu=repr(shared_gpu),
-            check_finite=repr(self.check_finite), watchdog=repr(watchdog),
+            check_finite=repr(self.check_finite), watchdog=repr(watchdog), eplb=repr(eplb),
+            placement="contiguous" if start is None else f"{start.num_slots} slots, digest {start.digest():016x}",
         )
         if plan is not None:
             fingerprint.update(plan.fingerprint())
@@ -242,8 +263,12 @@ class EPMoE(torch.nn.Module):
                 "accurate to float32 (~1e-7 relative), not float64; use epmoe.reference_moe for a float64 result",
                 UserWarning, stacklevel=2)
 
-        self.num_local_experts = config.num_experts // self.ep_size
+        self.slot_config = slot_config
+        # local slots (= local experts without EPLB) and the global id of the first
+        self.num_local_experts = slot_config.num_experts // self.ep_size
         self.first_local_expert = self.ep_rank * self.num_local_experts
+        self._balancer: Optional[ExpertBalancer] = None if start is None else \
+            ExpertBalancer(start, eplb, self.ep_rank, self.device)
         self.experts: Experts = self._build_experts(plan, e_options)
         self._owns_dispatcher = shared_dispatcher is None
         self._runners: List["DecodeRunner"] = []
@@ -273,6 +298,7 @@ class EPMoE(torch.nn.Module):
         # computes the experts' block alignment (`Router.route_aligned`, one launch instead of two),
         # where the experts backend asks for it (`Experts.fused_alignment`)
         self._fuse_alignment = (not self._distributed and self.ep_size == 1 and self.dispatcher.keeps_routing
+                                and self._balancer is None
                                 and type(self.experts).fused_alignment is not Experts.fused_alignment)
         self._weights_loaded = False
         self._loaded_dtypes: Dict[str, torch.dtype] = {}
@@ -281,7 +307,7 @@ class EPMoE(torch.nn.Module):
     def _build_experts(self, plan: QuantPlan, options) -> Experts:
         cls = EXPERTS.get(plan.experts_backend)
         spec = ExpertsSpec(
-            config=self.config, ep_rank=self.ep_rank, ep_size=self.ep_size, device=self.device,
+            config=self.slot_config, ep_rank=self.ep_rank, ep_size=self.ep_size, device=self.device,
             plan=plan, deterministic=self.deterministic,
             max_tokens=self.max_num_tokens_per_rank * self.ep_size, options=options,
         )
@@ -307,11 +333,11 @@ class EPMoE(torch.nn.Module):
 
         # the plan's workspace sizing is the one definition of the A2A buffer size (exact for the
         # FlashInfer and DeepEP buffers; the dispatcher checks it against its own requirement)
-        ws = workspace_breakdown(plan, self.config, self.ep_size, self.max_num_tokens_per_rank)
+        ws = workspace_breakdown(plan, self.slot_config, self.ep_size, self.max_num_tokens_per_rank)
         spec = DispatchSpec(
             group=self.group, ep_rank=self.ep_rank, ep_size=self.ep_size,
             workspace_bytes=ws.a2a_bytes if ws.exact else None,
-            num_experts=self.config.num_experts, top_k=self.config.top_k,
+            num_experts=self.slot_config.num_experts, top_k=self.config.top_k,
             hidden_size=self.config.hidden_size, max_tokens_per_rank=self.max_num_tokens_per_rank,
             payload=self.experts.payload_format, wire=self._wire_format(plan),
             combine_dtype=self.config.dtype, device=self.device, deterministic=self.deterministic,
@@ -320,7 +346,7 @@ class EPMoE(torch.nn.Module):
         return cls(spec)
 
     def _check_shared_dispatcher(self, d: Dispatcher) -> None:
-        s, c = d.spec, self.config
+        s, c = d.spec, self.slot_config
         problems = []
         if s.group is not self.group:
             problems.append("it serves another process group")
@@ -375,7 +401,11 @@ class EPMoE(torch.nn.Module):
 
     def _prepare(self, weights, prefix, layer_idx, e_score_correction_bias, update: bool):
         lo, hi = self.first_local_expert, self.first_local_expert + self.num_local_experts
-        if isinstance(weights, ExpertWeights):
+        if self._balancer is not None and not self._balancer.placement.is_contiguous:
+            # this rank's slots: the logical experts of the placement in force
+            local, corr = self._read_slots(weights, prefix, layer_idx)
+            corr = e_score_correction_bias if e_score_correction_bias is not None else corr
+        elif isinstance(weights, ExpertWeights):
             if weights.num_experts not in (self.num_local_experts, self.config.num_experts):
                 raise ValueError(
                     f"ExpertWeights hold {weights.num_experts} experts; pass all {self.config.num_experts} (global) "
@@ -394,7 +424,7 @@ class EPMoE(torch.nn.Module):
                 raise ValueError(
                     f"e_score_correction_bias has shape {list(corr.shape)}; expected [{self.config.num_experts}]")
         local.validate(self.config, self.num_local_experts)
-        _check_finite_weights(local, corr)
+        _check_finite_weights(local, corr, self.local_experts)
         check_fits_plan(local.format, self.plan)
         dtypes = {name: t.dtype for name, t in local.tensors().items()}
         if update:
@@ -406,6 +436,20 @@ class EPMoE(torch.nn.Module):
                     "cast them to the loaded dtypes, or build a new EPMoE for the new dtype"
                 )
         return self.experts.prepare_weights(local), corr, dtypes
+
+    def _read_slots(self, weights, prefix, layer_idx):
+        """(ExpertWeights of this rank's slots, the checkpoint's correction bias or None): every slot's
+        logical expert, replicas included, read once each."""
+        ids = self.local_experts
+        if isinstance(weights, ExpertWeights):
+            E = self.config.num_experts
+            if weights.num_experts != E or weights.first_expert != 0:
+                raise ValueError(
+                    f"ExpertWeights hold experts [{weights.first_expert}, {weights.first_expert + weights.num_experts}); "
+                    f"under an EPLB placement pass all {E} (global) experts: each rank keeps its slots' experts")
+            return weights.take(ids, first_expert=self.first_local_expert), None
+        loaded = load_expert_weights(weights, self.config, expert_ids=ids, prefix=prefix, layer_idx=layer_idx)
+        return replace(loaded.experts, first_expert=self.first_local_expert), loaded.e_score_correction_bias
 
     def _install(self, weights, prefix, layer_idx, e_score_correction_bias, update: bool) -> None:
         error: Optional[BaseException] = None
@@ -426,6 +470,67 @@ class EPMoE(torch.nn.Module):
         if not self._weights_loaded:
             self._loaded_dtypes = dtypes
         self._weights_loaded = True
+
+    # ------------------------------------------------------------------ expert placement (EPLB)
+    @property
+    def placement(self) -> Placement:
+        """The placement in force (`Placement.contiguous(E, ep)` for a layer built without EPLB)."""
+        if self._balancer is None:
+            return Placement.contiguous(self.config.num_experts, self.ep_size)
+        return self._balancer.placement
+
+    @property
+    def local_experts(self) -> Tuple[int, ...]:
+        """The logical expert of each of this rank's slots, in local-slot order."""
+        if self._balancer is None:
+            return tuple(range(self.first_local_expert, self.first_local_expert + self.num_local_experts))
+        return self._balancer.placement.local_experts(self.ep_rank)
+
+    @property
+    def last_rebalance(self) -> Optional[RebalanceReport]:
+        """The report of the latest rebalance (automatic or called), None before the first."""
+        return None if self._balancer is None else self._balancer.last_report
+
+    def expert_load(self, reset: bool = False) -> ExpertLoad:
+        """The load recorded over the window (`EPLBConfig.window`, else since the last rebalance or reset),
+        summed over the ranks: per slot, per logical expert, per rank. Collective. reset: start a new
+        window afterwards."""
+        if self._balancer is None:
+            raise ValueError(f"{self.name} records no expert load; build it with eplb=EPLBConfig(...)")
+        return self._balancer.expert_load(self.group, self._watch.collective_timeout, reset)
+
+    def rebalance(self, load: Any = None, *, placement: Union[Placement, Sequence[int], None] = None,
+                  force: bool = False) -> RebalanceReport:
+        """Move experts between ranks for a better balanced placement. Collective: every rank calls it
+        between two calls of the layer, with the same arguments.
+
+        load:      [E] load per logical expert to plan from (default: the recorded window, all ranks)
+        placement: switch to this placement instead of planning one (same E, ep and slots)
+        force:     move even when the plan lowers the busiest rank's load by less than
+                   EPLBConfig.min_improvement
+
+        Only the slots whose expert changes move, as stored (quantized data with its scales), through
+        the process group in bounded rounds; then all ranks switch at once. All or nothing: a failure
+        on any rank raises the same RebalanceError on every rank and the old placement stays in force;
+        a lost peer raises CollectiveFailure with its fault report. Decode runners keep working (their
+        tables and weights are updated in place). Returns a RebalanceReport (bytes moved, time,
+        predicted load per rank before and after)."""
+        if self._balancer is None:
+            raise ValueError(f"{self.name} was built without EPLB; build it with eplb=EPLBConfig(...) (or placement=) "
+                             "to rebalance")
+        if not self._weights_loaded:
+            raise RuntimeError("rebalance before load_weights: load the layer's weights first")
+        return self._balancer.rebalance(self.experts, self.group, self._watch, self.name, load=load,
+                                        placement=placement, force=force)
+
+    def _auto_rebalance(self) -> None:
+        """EPLBConfig.rebalance_every: due before this call on every rank. A failure raises (on every rank)
+        and the next attempt waits another interval."""
+        try:
+            self.rebalance()
+        except BaseException:
+            self._balancer.calls_since_rebalance = 0
+            raise
 
     # ------------------------------------------------------------------ forward
     def _check_local(self, hidden_states, router_logits, topk_ids, topk_weights) -> Optional[BaseException]:
@@ -509,6 +614,8 @@ class EPMoE(torch.nn.Module):
         Instead of router_logits, pass topk_ids [T, K] int32 (-1: none) and topk_weights [T, K] f32 to
         replay a routing. With return_routing / return_stats a MoEOutput is returned.
         Every rank of the group must call forward once per step (T = 0 is fine)."""
+        if self._balancer is not None and self._balancer.due:  # between two calls, on every rank
+            self._auto_rebalance()
         error = self._check_local(hidden_states, router_logits, topk_ids, topk_weights)
         T = hidden_states.shape[0] if error is None else 0
         M = self.max_num_tokens_per_rank
@@ -540,6 +647,7 @@ class EPMoE(torch.nn.Module):
         else:
             routing = self.router(router_logits, self.e_score_correction_bias)
 
+        slot_ids = routing.topk_ids if self._balancer is None else self._balancer.route(routing.topk_ids)
         outputs: List[torch.Tensor] = []
         bad_expert_out = False
         rows = 0
@@ -552,10 +660,10 @@ class EPMoE(torch.nn.Module):
                 per_rank = tokens_per_rank if rounds == 1 else tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank)
                 agreement = Agreement(per_rank, inputs_checked=True, want_bytes=return_stats)
                 if rounds == 1:  # no slicing (each view costs host time)
-                    x_r, ids_r, w_r = hidden_states, routing.topk_ids, routing.topk_weights
+                    x_r, ids_r, w_r = hidden_states, slot_ids, routing.topk_weights
                 else:
                     lo, hi = min(r * M, T), min((r + 1) * M, T)
-                    x_r, ids_r, w_r = hidden_states[lo:hi], routing.topk_ids[lo:hi], routing.topk_weights[lo:hi]
+                    x_r, ids_r, w_r = hidden_states[lo:hi], slot_ids[lo:hi], routing.topk_weights[lo:hi]
                 if armed is not None:
                     armed.phase = "dispatch" if rounds == 1 else f"dispatch[round {r}]"
                 with watch.phase("dispatch" if rounds == 1 else f"dispatch[round {r}]"):
@@ -588,6 +696,8 @@ class EPMoE(torch.nn.Module):
             if armed is not None:  # the watchdog thread disarms it once these kernels have finished
                 armed.launched(_watchdog.completion_marker(self.device))
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+        if self._balancer is not None:
+            self._balancer.end_call()
         if self.check_finite:
             with watch.phase("finite check"):
                 self._agree_finite(bad_expert_out, out, to)
@@ -648,10 +758,11 @@ class EPMoE(torch.nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
+        where = (f"experts=[{self.first_local_expert}, {self.first_local_expert + self.num_local_experts})"
+                 if self._balancer is None else f"slots={list(self.local_experts)} of {self.slot_config.num_experts}")
         return (
             f"E={c.num_experts}, K={c.top_k}, H={c.hidden_size}, I={c.intermediate_size}, "
-            f"ep={self.ep_rank}/{self.ep_size}, experts=[{self.first_local_expert}, "
-            f"{self.first_local_expert + self.num_local_experts}), dispatcher={self.dispatcher.name}, "
+            f"ep={self.ep_rank}/{self.ep_size}, {where}, dispatcher={self.dispatcher.name}, "
             f"experts_backend={self.experts.name}"
         )
 
@@ -711,12 +822,16 @@ class DecodeRunner:
         w = torch.where(valid, w, torch.zeros_like(w))
         self.topk_ids_out.copy_(ids)
         self.topk_weights_out.copy_(w)
+        if layer._balancer is not None:  # its tables are updated in place: a rebalance keeps the graph valid
+            ids = layer._balancer.route(ids)
         tokens, handle = self.dispatcher.dispatch(self.x, ids, w)
         self.out.copy_(self.dispatcher.combine(layer.experts(tokens), handle))
 
     def _graph(self, from_logits: bool):
         g = self._graphs.get(from_logits)
         if g is None:
+            recorder = self.layer._balancer.recorder if self.layer._balancer is not None else None
+            counted = recorder.current.clone() if recorder is not None else None  # warm-up calls do not count
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -727,6 +842,8 @@ class DecodeRunner:
             with torch.cuda.graph(g):
                 self._body(from_logits)
             self._graphs[from_logits] = g
+            if counted is not None:
+                recorder.current.copy_(counted)
         return g
 
     def __call__(
@@ -745,6 +862,9 @@ class DecodeRunner:
         error = self.layer._check_local(hidden_states, router_logits, topk_ids, topk_weights)
         if error is not None:
             raise error
+        balancer = self.layer._balancer
+        if balancer is not None and balancer.due:
+            self.layer._auto_rebalance()
         self.x[:T].copy_(hidden_states)
         self.x[T:].zero_()
         from_logits = router_logits is not None
@@ -764,22 +884,66 @@ class DecodeRunner:
         finally:
             if armed is not None:
                 armed.launched(_watchdog.completion_marker(self.layer.device))
+        if balancer is not None:
+            balancer.end_call()
         out = self.out[:T]
         if return_routing:
             return MoEOutput(out, Routing(self.topk_ids_out[:T], self.topk_weights_out[:T]))
         return out
 
 
-def _check_finite_weights(w: ExpertWeights, corr: Optional[torch.Tensor]) -> None:
+def _check_finite_weights(w: ExpertWeights, corr: Optional[torch.Tensor], expert_ids: Sequence[int]) -> None:
     """NaN/Inf in one rank's weights would poison the tokens other ranks send it: refuse at load,
-    naming the tensor and the expert (float tensors only; packed quantized data has no NaN)."""
+    naming the tensor and the expert (expert_ids: the logical expert of each row; float tensors only;
+    packed quantized data has no NaN)."""
     for name, t in w.tensors().items():
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or t.numel() == 0:
             continue
         ok = torch.isfinite(t).reshape(t.shape[0] if t.dim() else 1, -1).all(dim=1)
         if not bool(ok.all()):
-            e = w.first_expert + int((~ok).nonzero()[0])
+            e = expert_ids[int((~ok).nonzero()[0])]
             raise ValueError(f"expert weight {name!r} of expert {e} holds NaN/Inf values; fix the checkpoint "
                              "(nothing was loaded on any rank)")
     if corr is not None and not bool(torch.isfinite(corr).all()):
         raise ValueError("e_score_correction_bias holds NaN/Inf values; fix the checkpoint")
+
+
+def _resolve_placement(config: MoEConfig, ep_size: int, eplb: Optional[EPLBConfig],
+                       placement: Union[Placement, Sequence[int], None]) -> Optional[Placement]:
+    """The placement a layer starts from (None: the contiguous one without EPLB). ValueError / TypeError
+    naming the field (the layer agrees on it across ranks)."""
+    if eplb is not None and not isinstance(eplb, EPLBConfig):
+        raise TypeError(f"eplb is a {type(eplb).__name__}; pass an epmoe.eplb.EPLBConfig or None")
+    E = config.num_experts
+    if placement is not None:
+        if isinstance(placement, Mapping):
+            placement = Placement.from_dict(placement)
+        elif not isinstance(placement, Placement):
+            if isinstance(placement, (str, bytes)) or not isinstance(placement, Sequence):
+                raise TypeError(f"placement is a {type(placement).__name__}; pass an epmoe.Placement or its "
+                                "slot_to_expert list")
+            placement = Placement(E, ep_size, tuple(placement))
+        if placement.num_experts != E:
+            raise ValueError(f"placement.num_experts={placement.num_experts}; the layer has num_experts={E}")
+        if placement.ep_size != ep_size:
+            raise ValueError(f"placement.ep_size={placement.ep_size}; the layer's EP group has {ep_size} ranks")
+        if eplb is not None and placement.num_slots != E + eplb.num_redundant_experts:
+            raise ValueError(
+                f"placement.num_slots={placement.num_slots} but eplb.num_redundant_experts="
+                f"{eplb.num_redundant_experts} asks for {E + eplb.num_redundant_experts} slots (E + R); make them agree")
+        return placement
+    if eplb is None:
+        return None
+    R = eplb.num_redundant_experts
+    S = E + R
+    if S % ep_size:
+        fit = R + (-S) % ep_size
+        raise ValueError(
+            f"num_experts={E} + eplb.num_redundant_experts={R} = {S} slots is not divisible by the EP size {ep_size}; "
+            f"choose num_redundant_experts so that E + R is a multiple of {ep_size} (e.g. {fit})")
+    if S > E * ep_size:
+        raise ValueError(f"eplb.num_redundant_experts={R} gives {S} slots for {E} experts on {ep_size} ranks: more than "
+                         f"one replica per rank; use at most {E * ep_size - E}")
+    if ep_size % eplb.num_nodes:
+        raise ValueError(f"eplb.num_nodes={eplb.num_nodes} does not divide the EP size {ep_size}")
+    return initial_placement(E, ep_size, S, num_nodes=eplb.num_nodes, expert_groups=eplb.expert_groups)

@@ -35,3 +35,8 @@ class PeerInputError(ValueError):
 class NonFiniteError(ValueError):
     """NaN/Inf found by the opt-in finite check (EPMoE(check_finite=True)); raised on every rank,
     naming the ranks and the tensor."""
+
+
+class RebalanceError(RuntimeError):
+    """A rebalance of a layer's experts failed or was refused; raised on every rank with the same
+    message (naming the failing ranks), and the placement in force stays valid."""

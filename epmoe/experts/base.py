@@ -171,6 +171,23 @@ class Experts(abc.ABC):
         """Kernel-layout tensors this backend holds (name -> tensor); storage is stable across reloads."""
         return {}
 
+    # ------------------------------------------------------------------ moving experts between ranks (EPLB)
+    def slot_tensors(self) -> Dict[str, torch.Tensor]:
+        """The stored tensors, each as a view [E_local, ...] whose row i is everything local slot i holds
+        (quantized data and its scales as stored), for moving experts between ranks as they are. Rows
+        past E_local (a padding row) are left out. Raises ValueError naming the tensor when the stored
+        form has state shared by the rank's experts (it cannot move by slot)."""
+        return rows_per_expert(self.parameters(), self.spec.num_local_experts, self.name)
+
+    def check_moved_slots(self, rows: Dict[int, Dict[str, torch.Tensor]]) -> None:
+        """Called before moved rows (local slot -> name -> row, as `slot_tensors`) are installed; raise
+        ValueError when this backend cannot run them as they are (default: nothing to check)."""
+
+    def stored_layout(self) -> str:
+        """How this rank stores its experts' bytes where that can differ between ranks of one layer (rows
+        move between ranks as bytes only when every rank says the same); default: the same everywhere."""
+        return ""
+
     def check_local_weights(self, weights: ExpertWeights) -> None:
         s = self.spec
         if weights.num_experts != s.num_local_experts or weights.first_expert != s.first_local_expert:
@@ -180,3 +197,18 @@ class Experts(abc.ABC):
                 f"[{weights.first_expert}, {weights.first_expert + weights.num_experts})"
             )
         weights.validate(self.config, s.num_local_experts)
+
+
+def rows_per_expert(params: Dict[str, torch.Tensor], num_local_experts: int, backend: str) -> Dict[str, torch.Tensor]:
+    """name -> t[:E_local] for tensors with one row per local expert (E_local, or E_local + 1 with a padding
+    row); ValueError naming any other tensor (`Experts.slot_tensors`)."""
+    E = num_local_experts
+    out = {}
+    for name, t in params.items():
+        if t.dim() == 0 or t.shape[0] not in (E, E + 1):
+            raise ValueError(
+                f"experts backend {backend!r} stores {name!r} with shape {list(t.shape)}, not one row per local "
+                f"expert ({E}); its experts cannot move between ranks as stored: load the weights under the new "
+                "placement instead")
+        out[name] = t[:E]
+    return out

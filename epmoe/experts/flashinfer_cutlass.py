@@ -46,7 +46,7 @@ import torch
 from epmoe.core.availability import Availability
 from epmoe.core.capability import BackendOptions, BackendRequest
 from epmoe.core.errors import BackendUnavailableError
-from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec
+from epmoe.experts.base import Experts, ExpertsOptions, ExpertsSpec, rows_per_expert
 from epmoe.quant.flashinfer_layout import (
     MODE_WEIGHT_FORMAT,
     CutlassGeometry,
@@ -600,6 +600,17 @@ class FlashInferCutlassExperts(Experts):
 
     def parameters(self) -> Dict[str, torch.Tensor]:
         return dict(self._params)
+
+    def slot_tensors(self) -> Dict[str, torch.Tensor]:
+        """Per-expert kernel tensors; NVFP4 W4A4 cannot move by slot: its activation scale is the max over
+        the rank's experts, folded into every expert's dequantization factor."""
+        if self.variant == "nvfp4":
+            raise ValueError(
+                "experts backend 'flashinfer_cutlass' (nvfp4_w4a4) folds one activation scale per rank (the max "
+                "over its experts) into every expert's factors, so its experts cannot move between ranks as "
+                "stored: load the weights under the new placement instead")
+        params = {k: v for k, v in self.parameters().items() if k != "fc2_act_scale"}  # a constant 1 (Humming)
+        return rows_per_expert(params, self.spec.num_local_experts, self.name)
 
     # ------------------------------------------------------------------ weights
     def prepare_weights(self, weights: ExpertWeights) -> Dict[str, torch.Tensor]:

@@ -239,6 +239,11 @@ class _Sm100Experts(Experts):
     def commit_weights(self, prepared: Dict[str, torch.Tensor]) -> None:
         _store_in_place(self._params, prepared)
 
+    def slot_tensors(self) -> Dict[str, torch.Tensor]:
+        raise ValueError(
+            f"experts backend {self.name!r}: moving its prepared SM100 tensors between ranks is not supported "
+            "(their per-expert layout is FlashInfer's); load the weights under the new placement instead")
+
     def _kernel_inputs(self, tokens):
         """(BF16 tokens, global ids with non-local slots sanitized, weights) for the kernels."""
         x = tokens.hidden

@@ -182,10 +182,11 @@ def _read_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-def moe_config_for(hf_config: Any, ep_size: int, dtype: Optional[torch.dtype] = None) -> MoEConfig:
+def moe_config_for(hf_config: Any, ep_size: int, dtype: Optional[torch.dtype] = None,
+                   redundant_experts: int = 0) -> MoEConfig:
     """The MoEConfig of a transformers config, after the checks that run before anything is loaded:
-    the model is MoE, its family is supported, and `ep_size` divides its experts (ValueError naming
-    the value and the fix otherwise)."""
+    the model is MoE, its family is supported, and `ep_size` divides its experts (plus
+    `redundant_experts` EPLB slots) (ValueError naming the value and the fix otherwise)."""
     model_type = getattr(hf_config, "model_type", "?")
     raw = hf_config.to_dict()
     try:
@@ -211,11 +212,14 @@ def moe_config_for(hf_config: Any, ep_size: int, dtype: Optional[torch.dtype] = 
         raise ValueError(f"hidden_act={act!r}: epmoe runs gated SiLU experts for {model_type!r}; only 'silu' is supported")
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size <= 0:
         raise ValueError(f"ep_size={ep_size!r}; pass a positive int")
-    if cfg.num_experts % ep_size:
-        divisors = [d for d in range(1, cfg.num_experts + 1) if cfg.num_experts % d == 0]
+    slots = cfg.num_experts + redundant_experts
+    if slots % ep_size:
+        divisors = [d for d in range(1, slots + 1) if slots % d == 0]
+        fit = redundant_experts + (-slots) % ep_size
         raise ValueError(
-            f"the EP group has {ep_size} ranks, which does not divide the model's {cfg.num_experts} experts; "
-            f"use an EP group size in {divisors}"
+            f"the EP group has {ep_size} ranks, which does not divide the model's {cfg.num_experts} experts"
+            + (f" + {redundant_experts} redundant" if redundant_experts else "")
+            + f"; use an EP group size in {divisors}, or eplb=EPLBConfig(num_redundant_experts={fit})"
         )
     if model_type == "gpt_oss":  # GptOssExperts hard-codes alpha=1.702, limit=7.0 and (up + 1)
         cfg = cfg.replace(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=float(raw.get("swiglu_limit") or 7.0))
@@ -290,7 +294,9 @@ def load_model(
     dtype:   activation / weight dtype (default: the checkpoint's `dtype`)
     device:  default cuda (current device) when the group is NCCL, else cpu
     dispatcher, max_num_tokens_per_rank, timeout_s, **epmoe_options: passed to every `EPMoE`
-             (e.g. experts="reference", deterministic=True); all MoE layers share one dispatcher.
+             (e.g. experts="reference", deterministic=True, eplb=EPLBConfig(...)); all MoE layers share
+             one dispatcher. With eplb each layer balances its own experts (rebalancing between steps,
+             which every rank runs in lockstep, so generate keeps working).
 
     Checks that raise ValueError on every rank before anything is read: not an MoE model, an
     unsupported family, an EP size that does not divide the experts."""
@@ -298,7 +304,11 @@ def load_model(
     hf_config = _read_config(path)
     ep_size = edist.group_size(group)
     dtype = parse_dtype(dtype) if dtype is not None else parse_dtype(getattr(hf_config, "dtype", None) or "float32")
-    moe_cfg = moe_config_for(hf_config, ep_size, dtype)
+    placement = epmoe_options.get("placement")
+    eplb = epmoe_options.get("eplb")
+    redundant = getattr(placement, "num_redundant", 0) if placement is not None else \
+        getattr(eplb, "num_redundant_experts", 0)
+    moe_cfg = moe_config_for(hf_config, ep_size, dtype, redundant)
     device = torch.device(device) if device is not None else _default_device(group)
     files = _checkpoint_files(path)
 
@@ -413,8 +423,9 @@ def generate(model: Any, inputs: Optional[torch.Tensor] = None, **kwargs: Any):
 
 # ---------------------------------------------------------------------------------------------- weights
 def _local_from_fused(site: ExpertsSite, tensors: Mapping[str, torch.Tensor], cfg: MoEConfig,
-                      lo: int, hi: int) -> ExpertWeights:
-    """transformers 5 in-memory expert tensors (the trainer's `state_dict()`) -> local ExpertWeights."""
+                      lo: int, hi: int, copy: bool = True) -> ExpertWeights:
+    """transformers 5 in-memory expert tensors (the trainer's `state_dict()`) -> ExpertWeights of experts
+    [lo, hi) (copy=False: strided views; a layer under an EPLB placement takes its slots' rows)."""
     missing = [n for n in ("gate_up_proj", "down_proj") if n not in tensors]
     if site.has_bias:
         missing += [n for n in ("gate_up_proj_bias", "down_proj_bias") if n not in tensors]
@@ -425,20 +436,21 @@ def _local_from_fused(site: ExpertsSite, tensors: Mapping[str, torch.Tensor], cf
     for n, t in (("gate_up_proj", gu), ("down_proj", down)):
         if t.dim() != 3 or t.shape[0] != E:
             raise ValueError(f"update_weights: {site.name}.{n} has shape {list(t.shape)}; expected [{E}, ., .]")
-    gu = gu[lo:hi]
+    rows = slice(lo, hi)
+    gu = gu[rows]
     if site.is_transposed:
         gu = gu.transpose(1, 2)  # [e, 2I, H]
     if site.is_concatenated:
         w1, w3 = gu[:, :I], gu[:, I:]
     else:
         w1, w3 = gu[:, 0::2], gu[:, 1::2]
-    w2 = down[lo:hi].transpose(1, 2) if site.is_transposed else down[lo:hi]
+    w2 = down[rows].transpose(1, 2) if site.is_transposed else down[rows]
     b13 = b2 = None
     if site.has_bias:
-        gb = tensors["gate_up_proj_bias"][lo:hi]
+        gb = tensors["gate_up_proj_bias"][rows]
         b13 = gb if site.is_concatenated else torch.cat([gb[:, 0::2], gb[:, 1::2]], dim=1)
-        b2 = tensors["down_proj_bias"][lo:hi]
-    c = lambda t: None if t is None else t.contiguous()  # noqa: E731
+        b2 = tensors["down_proj_bias"][rows]
+    c = lambda t: t if t is None or not copy else t.contiguous()  # noqa: E731
     return ExpertWeights(w1=c(w1), w2=c(w2), w3=c(w3), b13=c(b13), b2=c(b2), first_expert=lo)
 
 
@@ -485,9 +497,12 @@ def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
         p = site.name + "."
         fused = {k[len(p):]: v for k, v in state_dict.items() if k.startswith(p) and k[len(p):] in _FUSED_NAMES}
         if fused:
-            lo = layer.first_local_expert
             try:
-                weights: Any = _local_from_fused(site, fused, st.moe_config, lo, lo + layer.num_local_experts)
+                if layer.placement.is_contiguous:
+                    lo = layer.first_local_expert
+                    weights: Any = _local_from_fused(site, fused, st.moe_config, lo, lo + layer.num_local_experts)
+                else:  # all experts as views: the layer copies the rows of its slots (every replica)
+                    weights = _local_from_fused(site, fused, st.moe_config, 0, st.moe_config.num_experts, copy=False)
             except ValueError as e:
                 weights, err = None, e
             else:

@@ -31,6 +31,7 @@ import torch
 
 from epmoe.config import MoEConfig, dtype_name, parse_dtype
 from epmoe.core import dist as edist
+from epmoe.launch import eplb as launch_eplb
 from epmoe.launch.env import (available_memory_bytes, detect_launch_env, init_distributed, resolve_device, shutdown,
                                sigkill_delay_s)
 from epmoe.launch.presets import PRESETS
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run N ranks on each GPU (local ranks 0..N-1 on GPU 0, ...) over a gloo group; an explicit "
                         "opt-in for testing on fewer GPUs: results are real, timings measure no link "
                         "(docs/shared-gpu.md)")
+    launch_eplb.add_flags(p)
     return p
 
 
@@ -188,6 +190,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--ranks-per-gpu {args.ranks_per_gpu}: must be an integer >= 1")
     if args.checkpoint is not None and args.checkpoint_format is not None and not args.plan:
         raise UsageError("--checkpoint-format is the layout of synthetic weights; --checkpoint DIR is loaded as it is")
+    if launch_eplb.flag_error(args):
+        raise UsageError(launch_eplb.flag_error(args))
     if args.check and args.tokens == 0:
         raise UsageError("--check with --tokens 0 compares nothing; pass --tokens N >= 1")
     if args.json and not args.doctor:
@@ -270,6 +274,10 @@ def apply_scale(cfg: MoEConfig, scale: Optional[float], ep: int) -> MoEConfig:
 
 
 def check_placement(cfg: MoEConfig, ep: int, args: argparse.Namespace) -> None:
+    if launch_eplb.enabled(args):
+        if launch_eplb.slot_error(cfg, ep, args):
+            raise UsageError(launch_eplb.slot_error(cfg, ep, args))
+        return
     if cfg.num_experts % ep:
         fits = [n for n in range(1, cfg.num_experts + 1) if cfg.num_experts % n == 0 and n <= max(ep * 2, 8)]
         raise UsageError(
@@ -373,17 +381,19 @@ class MemoryEstimate:
 
 
 def estimate_memory(cfg: MoEConfig, plan, ep: int, num_layers: int, max_tokens: int, max_T: int, *,
-                    check: bool, writer: bool, runtime_bytes: int, device: torch.device) -> MemoryEstimate:
+                    check: bool, writer: bool, runtime_bytes: int, device: torch.device,
+                    slots: Optional[MoEConfig] = None) -> MemoryEstimate:
     """Everything the run allocates on one rank: expert weights and workspace (memory_required), the
     loader's transient copies of one layer's local slice (read per expert, then stacked and converted:
     at most twice the slice), rank 0's --check buffers (every rank's inputs/outputs of a step and one
     expert in float64), the synthetic writer (on the writing process, before loading) and the process
-    itself (`runtime_bytes`: Python, torch, gloo, measured)."""
+    itself (`runtime_bytes`: Python, torch, gloo, measured). slots: the config the experts see under EPLB
+    (one expert per slot)."""
     from epmoe.quant.workspace import memory_required
 
-    mem = memory_required(plan, cfg, ep, max_tokens, num_moe_layers=num_layers)
+    mem = memory_required(plan, slots or cfg, ep, max_tokens, num_moe_layers=num_layers)
     elem = torch.tensor([], dtype=cfg.dtype).element_size()
-    E_local = cfg.num_experts // ep
+    E_local = (slots or cfg).num_experts // ep
     H, I, E = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     per_expert = cfg.expert_param_count()
     host = {"runtime": runtime_bytes + RUNTIME_GROWTH, "workspace": mem.workspace.total_bytes}
@@ -465,16 +475,16 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
     from epmoe.quant.plan import installed_flashinfer_version
     from epmoe.resolve import Environment
 
+    slots = launch_eplb.slot_config(cfg, args)  # what the backends see: one expert per slot
     try:
         env = (detect_environment(device) if args.arch is None
                else Environment.hypothetical(args.arch, installed_flashinfer_version() or "0.7.2.post1"))
         max_tokens = args.max_tokens_per_rank or _round_up(args.tokens, 64)
-        plan = resolve_plan(cfg, dispatcher=args.dispatcher, experts=args.experts, quant=args.quant,
+        plan = resolve_plan(slots, dispatcher=args.dispatcher, experts=args.experts, quant=args.quant,
                             dispatch_dtype=args.dispatch_dtype, environment=env, ep_size=ep,
                             max_tokens_per_rank=max_tokens)
     except (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
-    E_local = cfg.num_experts // ep
     print(f"model: {cfg.model_type}  E={cfg.num_experts} top_k={cfg.top_k} H={cfg.hidden_size} "
           f"I={cfg.intermediate_size} activation={cfg.activation} routing={cfg.routing} "
           f"bias={cfg.has_bias} dtype={dtype_name(cfg.dtype)} layers={cfg.num_layers}"
@@ -485,20 +495,18 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
         print(f"routing: {hf_routing(_read_json(args.config or args.checkpoint, '--config')).reason}")
     print(f"checkpoint: quant_method={cfg.quant_method} ({plan.checkpoint_quant} family)"
           + (f", --checkpoint-format {args.checkpoint_format}" if args.checkpoint_format else ""))
-    print(f"placement: ep={ep}, {E_local} experts per rank (contiguous)")
+    print("\n".join(launch_eplb.plan_lines(cfg, args, ep)))
     rpg = getattr(args, "ranks_per_gpu", 1)
     if rpg > 1:
         print(f"shared GPU: --ranks-per-gpu {rpg}: {ep} ranks on {-(-ep // rpg)} GPU(s), gloo control group; "
               "real kernels and results, but timings are local cost only (no link is measured)")
-    for r in range(ep):
-        print(f"  rank {r}: experts [{r * E_local}, {(r + 1) * E_local})")
     print(_plan_text(plan, cfg))
-    ws = workspace_breakdown(plan, cfg, ep, max_tokens)
+    ws = workspace_breakdown(plan, slots, ep, max_tokens)
     print(ws.format_table())
     if cfg.hidden_size_unpadded:
         print(f"  (K = hidden_size {cfg.hidden_size} as the kernels pad it; the checkpoint's is "
               f"{cfg.hidden_size_unpadded})")
-    print(memory_required(plan, cfg, ep, max_tokens, num_moe_layers=cfg.num_layers).format_table())
+    print(memory_required(plan, slots, ep, max_tokens, num_moe_layers=cfg.num_layers).format_table())
     return 0
 
 
@@ -829,12 +837,18 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
     # building the layers checks the dispatcher, experts backend and quant plan on every rank
     layers = []
+    eplb = None
+    if launch_eplb.enabled(args):
+        with watch.phase("placing the nodes"):
+            nodes = edist.all_gather_objects((socket.gethostname(), le.node_rank), None, watch.collective_timeout)
+        eplb = launch_eplb.eplb_config(args, launch_eplb.nodes_for(cfg, ep, nodes, args))
     try:
         for L in layer_idx:
             layers.append(EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=max_tokens,
                                 experts=args.experts, quant=args.quant, dispatch_dtype=args.dispatch_dtype,
                                 deterministic=args.deterministic, timeout_s=args.timeout,
-                                check_finite=args.check_finite, shared_gpu=shared_gpu, name=f"EPMoE[layer {L}]"))
+                                check_finite=args.check_finite, shared_gpu=shared_gpu, eplb=eplb,
+                                name=f"EPMoE[layer {L}]"))
     except (ValueError, TypeError) as e:  # agreed by the layer: every rank raises the same
         raise UsageError(str(e)) from None
     plan = layers[0].plan
@@ -842,7 +856,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
     writes = args.checkpoint is None and le.local_rank == 0
     max_T = args.tokens if args.tokens_jitter <= 0 else int(round(args.tokens * (1 + args.tokens_jitter)))
     est = estimate_memory(cfg, plan, ep, num_layers, max_tokens, max_T, check=args.check and rank0,
-                          writer=writes, runtime_bytes=_rss_bytes(), device=device)
+                          writer=writes, runtime_bytes=_rss_bytes(), device=device, slots=layers[0].slot_config)
     problem = check_memory(est, cfg, args, device, le, watch)
     if problem:
         raise UsageError(problem)
@@ -928,7 +942,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
         sys.stdout.flush()
 
     stats = RunStats()
-    per_expert = torch.zeros(num_layers, cfg.num_experts // ep, dtype=torch.int64)
+    per_expert = torch.zeros(num_layers, layers[0].num_local_experts, dtype=torch.int64)  # per local slot
+    tracker = launch_eplb.LoadTracker(num_layers) if eplb is not None else None
     tol = CHECK_TOL[cfg.dtype]
     failed_check = False
     total = args.warmup + args.steps
@@ -949,6 +964,10 @@ def _main(argv: Optional[List[str]] = None) -> int:
         for L, layer in enumerate(layers):
             logits = x.float() @ gates[L].float().t()
             out = layer(x, logits, return_stats=True)
+            if tracker is not None:
+                line = tracker.record(step, L, layer, out.stats)
+                if line:
+                    say(("\n" if bar.tty else "") + line)
             step_bytes += out.stats.bytes_sent
             if timed:
                 per_expert[L] += out.stats.tokens_per_local_expert
@@ -980,12 +999,12 @@ def _main(argv: Optional[List[str]] = None) -> int:
 
     with watch.phase("summary"):
         gathered = edist.all_gather_objects(
-            (stats.step_ms, stats.tokens, stats.bytes_sent, per_expert, _peak_rss_bytes()), None,
-            watch.collective_timeout)
+            (stats.step_ms, stats.tokens, stats.bytes_sent, per_expert, _peak_rss_bytes(),
+             tracker.load if tracker is not None else None), None, watch.collective_timeout)
         failed_check = bool(edist.all_gather_objects(failed_check, None, watch.collective_timeout)[0])
     nothing_checked = args.check and stats.checked == 0
     if rank0:
-        _summary(args, cfg, ep, layers[0], gathered, stats, tol, failed_check, estimates)
+        _summary(args, cfg, ep, layers[0], gathered, stats, tol, failed_check, estimates, tracker)
     elif args.check and le.local_rank == 0:  # one verdict line per node, so each node's log says how it went
         print(f"node {le.node_rank} ({socket.gethostname()}, rank {le.rank}): check | "
               f"{'FAILED' if failed_check else 'passed'} (details on rank 0)")
@@ -1090,7 +1109,8 @@ def _pct(values: List[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def _summary(args, cfg, ep, layer, gathered, stats: RunStats, tol: float, failed_check: bool, estimates) -> None:
+def _summary(args, cfg, ep, layer, gathered, stats: RunStats, tol: float, failed_check: bool, estimates,
+             tracker=None) -> None:
     step_ms = [max(ms) for ms in zip(*[g[0] for g in gathered])]  # a step ends when the slowest rank ends
     tokens = [sum(ts) for ts in zip(*[g[1] for g in gathered])]
     sent = [sum(bs) for bs in zip(*[g[2] for g in gathered])]
@@ -1107,10 +1127,14 @@ def _summary(args, cfg, ep, layer, gathered, stats: RunStats, tol: float, failed
         ("latency ms/step", f"p50 {_pct(step_ms, .5):.3f}  p90 {_pct(step_ms, .9):.3f}  max {max(step_ms, default=0):.3f}"),
         ("throughput", f"{tps:,.0f} tokens/s (all ranks)"),
         ("dispatched", f"{_fmt_bytes(sum(sent) / max(1, len(sent)))} per step to other ranks"),
-        ("expert load", f"max/mean {imbalance:.2f} over {cfg.num_experts} experts"),
+        ("expert load", f"max/mean {imbalance:.2f} over {load.shape[1]} " + ("slots" if tracker else "experts")),
         ("memory", f"peak RSS per rank {', '.join(_fmt_bytes(p) for p in peak)} (estimate "
                    f"{', '.join(_fmt_bytes(e) for e in estimates)})"),
     ]
+    eplb_json = None
+    if tracker is not None:
+        eplb_rows, eplb_json = tracker.summary([g[5] for g in gathered])
+        rows.extend(eplb_rows)
     passed: Optional[bool] = None
     if args.check:
         if stats.checked == 0:
@@ -1134,5 +1158,6 @@ def _summary(args, cfg, ep, layer, gathered, stats: RunStats, tol: float, failed
                           "max_rel_err": stats.max_err if args.check else None,
                           "compared": stats.checked, "seconds": stats.check_s},
                 "memory": {"estimate_bytes_per_rank": estimates, "peak_rss_bytes_per_rank": peak},
+                "eplb": eplb_json,
             }, f, indent=1)
         print(f"wrote {args.json}")

@@ -23,7 +23,7 @@ Scales are dequantization factors: w = q * block_scale (* global_scale). `w13_in
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -146,6 +146,24 @@ class ExpertWeights:
             **{name: t[lo:hi] for name, t in self.tensors().items()},
             first_expert=start,
         )
+
+    def take(self, rows: Sequence[int], first_expert: int) -> "ExpertWeights":
+        """Rows `rows` (indices into this container, any order, repeats allowed) as a new container whose
+        row 0 is labelled `first_expert` (a placement's slots hold experts in any order)."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        return replace(self, **{name: t.index_select(0, index.to(t.device)) for name, t in self.tensors().items()},
+                       first_expert=first_expert)
+
+    @staticmethod
+    def concat(parts: Sequence["ExpertWeights"]) -> "ExpertWeights":
+        """The experts of `parts` stacked in order (same format and tensors); first_expert of the first."""
+        names = set(parts[0].tensors())
+        for p in parts[1:]:
+            if set(p.tensors()) != names or p.format != parts[0].format:
+                raise ValueError("ExpertWeights to concatenate differ in format or tensors")
+        if len(parts) == 1:
+            return parts[0]
+        return replace(parts[0], **{n: torch.cat([getattr(p, n) for p in parts]) for n in names})
 
     def to(self, device=None, dtype: Optional[torch.dtype] = None) -> "ExpertWeights":
         """Move every tensor to `device`; `dtype` converts the unquantized floating-point tensors

@@ -256,6 +256,39 @@ def test_each_rank_holds_the_checkpoint_bytes_of_its_experts_only(checkpoints, f
         assert {"w13_input_scale", "w2_input_scale", "w1_global_scale"} <= set(results[0]["names"])
 
 
+@pytest.mark.parametrize("fmt", CHECKPOINT_FORMATS)
+def test_a_placements_slots_read_their_experts_only(checkpoints, fmt):
+    """Loading under an EPLB placement: the experts of a rank's slots in slot order (a replica, i.e. a
+    repeated id, read once), the checkpoint's bytes as stored, nothing else read."""
+    import safetensors
+    from safetensors import safe_open
+
+    ids = [6, 1, 2, 6, 3]  # any order; runs [1, 4) and [6, 7) as slices
+    log = []
+    real = _counting_safe_open(log)
+    try:
+        loaded = load_expert_weights(checkpoints[fmt], _cfg(checkpoints[fmt]), expert_ids=ids, layer_idx=1)
+    finally:
+        safetensors.safe_open = real
+    assert loaded.expert_ids == tuple(ids) and loaded.experts.num_experts == len(ids)
+    held = loaded.experts.tensors()
+    with safe_open(os.path.join(checkpoints[fmt], "model.safetensors"), framework="pt") as f:
+        for i, e in enumerate(ids):
+            want = _expected(fmt, f, "model.layers.1.mlp.", e, e + 1, loaded.experts)
+            for k, t in want.items():
+                assert torch.equal(held[k][i:i + 1].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), \
+                    (fmt, e, k)
+    per_key = {}
+    for key, rows in log:
+        m = re.search(r"experts\.(\d+)\.", key)
+        if m:
+            assert int(m[1]) in ids, key
+            per_key[key] = per_key.get(key, 0) + 1
+        elif "experts." in key:
+            assert rows in ((1, 4), (6, 7)), (key, rows)
+    assert all(n == 1 for n in per_key.values()), per_key  # each expert's tensors once, the replica too
+
+
 # ----------------------------------------------------------------------------- layer vs float64 reference
 # The layer against float64 math on the dequantized checkpoint with UNquantized activations: modes
 # that quantize activations add that error (measured: fp8_block ~0.04, nvfp4_w4a4 ~0.14); W4A16 and

@@ -258,34 +258,46 @@ def test_shared_buffer_and_sizing_errors():
     assert "workspace_bytes=1024 is below" in errs[2]
 
 
-def _layer_worker(rank, world, seed, dispatcher, experts, tokens_per_rank):
+def _layer_worker(rank, world, seed, dispatcher, experts, tokens_per_rank, eplb=False):
     _install_fake()
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=32, dtype=torch.bfloat16)
+    from epmoe import EPLBConfig
     from epmoe.resolve import resolve_quant_plan
 
     # stand-in test: plan as on an sm90 host with DeepEP (the fake runs on CPU)
     plan = resolve_quant_plan(cfg, dispatcher=dispatcher, experts_backend=experts, arch="sm90", ep_size=world)
-    layer = EPMoE(cfg, dispatcher=dispatcher, device="cpu", max_num_tokens_per_rank=M, plan=plan)
+    layer = EPMoE(cfg, dispatcher=dispatcher, device="cpu", max_num_tokens_per_rank=M, plan=plan,
+                  eplb=EPLBConfig(num_redundant_experts=2) if eplb else None)
     layer.load_weights(random_weights(cfg, seed))
     g = torch.Generator().manual_seed(seed + 100 + rank)
     x = torch.randn(tokens_per_rank[rank], H, generator=g).to(torch.bfloat16)
     logits = torch.randn(tokens_per_rank[rank], E, generator=g)
     out = layer(x, logits, return_stats=True)
+    outs = [out.hidden_states]
+    if eplb:  # EPLB: the fake DeepEP gets slot ids of 10 slots; rebalanced, the next call too
+        assert layer.rebalance(load=[1] * (E - 2) + [80, 90], force=True).moved_slots > 0
+        outs.append(layer(x, logits))
     layer.dispatcher.close()
-    return x, logits, out.hidden_states, out.stats.rounds
+    return x, logits, outs, out.stats.rounds
 
 
-@pytest.mark.parametrize("dispatcher,experts", [("deepep", "reference"), ("deepep_ll", "masked_reference")])
-def test_epmoe_layer_over_deepep_matches_reference(dispatcher, experts):
+@pytest.mark.parametrize("dispatcher,experts,eplb", [("deepep", "reference", False),
+                                                     ("deepep_ll", "masked_reference", False),
+                                                     ("deepep", "reference", True),
+                                                     ("deepep_ll", "masked_reference", True)])
+def test_epmoe_layer_over_deepep_matches_reference(dispatcher, experts, eplb):
+    """eplb=True: the layer's slot ids through the DeepEP wrapper (stand-in: argument assembly, not
+    DeepEP's kernels), with redundant experts, before and after a rebalance."""
     seed = fresh_seed()
     tokens = [2 * M + 3, 5]  # three rounds on rank 0
-    res = run_group(_layer_worker, 2, seed, dispatcher, experts, tokens, timeout=240)
+    res = run_group(_layer_worker, 2, seed, dispatcher, experts, tokens, eplb, timeout=240)
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=32, dtype=torch.bfloat16)
     w = random_weights(cfg, seed)
-    for rank, (x, logits, y, rounds) in enumerate(res):
-        assert rounds == 3
-        err = max_rel_err(y, reference_moe(cfg, x, w, logits))
-        assert err < 1e-2, f"{dispatcher} seed {seed} rank {rank}: max rel err {err:.3g}"
+    for rank, (x, logits, ys, rounds) in enumerate(res):
+        assert rounds == 3 and len(ys) == (2 if eplb else 1)
+        for y in ys:
+            err = max_rel_err(y, reference_moe(cfg, x, w, logits))
+            assert err < 1e-2, f"{dispatcher} seed {seed} rank {rank}: max rel err {err:.3g}"
 
 
 @pytest.mark.parametrize("worker", ["normal", "low_latency"])

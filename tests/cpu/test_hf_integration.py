@@ -243,11 +243,59 @@ def test_errors_before_anything_is_loaded(two_ranks):
         assert "quant_method='fp8'" in results["quantized"], results["quantized"]
 
 
+# ------------------------------------------------------------------------------- EPLB
+def _eplb_worker(rank, world_size, path, odd_path):
+    """load_model(eplb=...): generate rebalances between steps (every 2 calls of each layer, serve steps
+    included) and still matches the unsharded model; update_weights afterwards updates every replica;
+    3 experts on 2 ranks load with one redundant slot."""
+    from transformers import AutoModelForCausalLM
+
+    from epmoe import EPLBConfig
+    from epmoe.integrations.transformers import ep_layers, load_model, update_weights
+
+    model = load_model(path, dtype=torch.float32,
+                       eplb=EPLBConfig(num_redundant_experts=2, rebalance_every=2, min_improvement=0.0))
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids, mask = _prompts(rank)
+    kw = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    out = {}
+    if ids is None:
+        model.generate(None, **kw)
+    else:
+        got, want = model.generate(ids, attention_mask=mask, **kw), ref.generate(ids, attention_mask=mask, **kw)
+        out["same_tokens"] = bool(torch.equal(got.sequences, want.sequences))
+        out["logits_diff"] = max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits))
+    layers = ep_layers(model)
+    out["moved"] = sum(1 for layer in layers if layer.last_rebalance is not None and not layer.last_rebalance.skipped
+                       and not layer.placement.is_contiguous)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    update_weights(model, ref.state_dict())
+    x = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        out["update_diff"] = float((model(x).logits - ref(x).logits).abs().max())
+        odd = load_model(odd_path, dtype=torch.float32, eplb=EPLBConfig(num_redundant_experts=1))
+        out["odd_diff"] = float((odd(x).logits - AutoModelForCausalLM.from_pretrained(odd_path, dtype=torch.float32)(x)
+                                 .logits).abs().max())
+    return out
+
+
+def test_eplb_generate_update_and_redundant_slots(two_ranks):
+    for rank, r in enumerate(r["eplb"] for r in two_ranks):
+        if NUM_PROMPTS[rank] > 0:
+            assert r["same_tokens"] and r["logits_diff"] <= 1e-5, (rank, r)
+        assert r["moved"] >= 1, r  # at least one layer runs on a rebalanced placement
+        assert r["update_diff"] < 1e-5 and r["odd_diff"] < 1e-5, r
+
+
 # ------------------------------------------------------------------------------- one 2-rank job
-def _two_rank_worker(rank, world_size, paths, mem_path, upd_path, error_paths):
+def _two_rank_worker(rank, world_size, paths, mem_path, upd_path, error_paths, odd_path):
     memory = _memory_and_update_worker(rank, world_size, mem_path, upd_path)  # first: nothing else freed meanwhile
     return dict(memory=memory, generate=_generate_worker(rank, world_size, paths),
-                errors=_error_worker(rank, world_size, error_paths))
+                errors=_error_worker(rank, world_size, error_paths),
+                eplb=_eplb_worker(rank, world_size, paths["mixtral"], odd_path))
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +305,8 @@ def two_ranks(tmp_path_factory):
     paths = write_all(str(tmp / "families"), FAMILIES + MORE_FAMILIES)
     mem_path = write_tiny_model("mixtral", str(tmp / "mem"), num_experts=8, layers=4, hidden=64, inter=256)
     upd_path = write_tiny_model("qwen3_moe", str(tmp / "upd"))
-    return run_group(_two_rank_worker, 2, paths, mem_path, upd_path, _write_error_cases(tmp), timeout=420,
+    odd_path = write_tiny_model("mixtral", str(tmp / "odd_eplb"), num_experts=3)
+    return run_group(_two_rank_worker, 2, paths, mem_path, upd_path, _write_error_cases(tmp), odd_path, timeout=420,
                      pg_timeout=120)
 
 

@@ -59,6 +59,24 @@ def test_plan_for_another_arch_names_skipped_backends():
     assert r.returncode != 0 and "FlashInfer dispatch carries bf16 or nvfp4 payloads, not fp8" in r.stderr, r.stderr
 
 
+def test_torchrun_two_ranks_eplb(tmp_path):
+    """--redundant-experts / --rebalance-every: the run stays checked against float64, prints what each
+    rebalance did and the rank load before and after; --plan prints the slots; bad counts exit 2."""
+    out = tmp_path / "run.json"
+    r = _run(["--preset", "tiny", "--check", "--steps", "7", "--tokens", "24", "--redundant-experts", "2",
+              "--rebalance-every", "3", "--json", str(out)], nproc=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "check | passed" in r.stdout and "over 18 slots" in r.stdout and "rank load | max/mean" in r.stdout, r.stdout
+    assert r.stderr.count("eplb: layer 0 before step") == 2, r.stderr  # steps 3 and 6 of 9 (2 warm-up steps)
+    data = json.loads(out.read_text())
+    assert set(data["eplb"]) == {"rank_load_before", "rank_load_after", "rebalance_steps"}
+    assert len(data["tokens_per_expert"][0]) == 18  # per slot, all ranks
+    plan = _run(["--plan", "--preset", "tiny", "--ep", "4", "--redundant-experts", "4"])
+    assert plan.returncode == 0 and "20 slots, 5 per rank" in plan.stdout and "5 local experts" in plan.stdout, plan.stdout
+    bad = _run(["--plan", "--preset", "tiny", "--ep", "4", "--redundant-experts", "3"])
+    assert bad.returncode == 2 and "pass --redundant-experts 4 or 8" in bad.stderr, bad.stderr
+
+
 def test_preset_too_large_asks_for_scale():
     r = _run(["--preset", "dsv3", "--steps", "1"])
     assert r.returncode == 2
@@ -69,6 +87,8 @@ def test_preset_too_large_asks_for_scale():
     (["--tokens", "-1"], "--tokens -1"),
     (["--scale", "2"], "--scale 2.0: use a factor in (0, 1]"),
     (["--preset", "nope"], "invalid choice"),
+    (["--rebalance-every", "0"], "--rebalance-every 0: must be >= 1"),
+    (["--redundant-experts", "-2"], "--redundant-experts -2: must be >= 0"),
 ])
 def test_bad_flags(args, needle):
     r = _run(args + ["--steps", "1"])

@@ -680,6 +680,19 @@ class TritonExperts(Experts):
         for name, t in prepared.items():
             self._params[name].copy_(t)  # in place: captured CUDA graphs keep pointing at valid weights
 
+    def check_moved_slots(self, rows: Dict[int, Dict[str, torch.Tensor]]) -> None:
+        """mxfp4 weights moved onto a rank that runs the packed fp4 conversion must have scale exponents
+        <= 128 too (as a reload checks)."""
+        if self.mode == "mxfp4_w4a16" and self.fp4_packed and rows:
+            if not all(_mx_scales_packable(r) for r in rows.values()):
+                raise ValueError(
+                    "moved mxfp4 experts have scale exponents > 128, which the packed fp4 conversion this rank "
+                    "runs cannot represent; construct the layer with experts_options triton_fp4_convert=legacy")
+
+    def stored_layout(self) -> str:
+        """fp4 weights are stored bit-permuted (`words`) or plain per rank, decided at load."""
+        return f"fp4_words={self._fp4_words}"
+
     def _expected_shapes(self) -> Dict[str, tuple]:
         E, H, I, R = self.num_experts, self.hidden_size, self.intermediate_size, self.config.w13_rows
         halves = 2 if self.gated else 1

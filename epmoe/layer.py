@@ -770,7 +770,8 @@ class EPMoE(torch.nn.Module):
 class DecodeRunner:
     """See EPMoE.decode_runner. Inputs are copied into static buffers; the returned tensor is a view of
     the static output buffer (copy it if you need it after the next call). Weight updates
-    (`update_weights`, in place) are seen by later replays without recapturing.
+    (`update_weights`, in place) and EPLB rebalances (replica tables and weights, in place) are seen by
+    later replays without recapturing.
 
     In this mode there is no per-call agreement collective: every rank must call with T <= max_tokens
     (checked locally) and the same kind of routing input (logits or replayed ids/weights)."""

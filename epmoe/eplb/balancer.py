@@ -137,22 +137,25 @@ class ExpertBalancer:
         old = self.placement
         cfg = self.config or EPLBConfig(num_redundant_experts=old.num_redundant)
         to = watch.collective_timeout
-        if load is not None and placement is not None:
-            raise ValueError("pass load= (to plan from) or placement= (to switch to), not both")
         measured: Optional[ExpertLoad] = None
-        if load is None and placement is None:
+        if self.recorder is not None:  # on every rank whatever its arguments: the collectives stay in step
             with watch.phase("rebalance: load"):
-                measured = self.expert_load(group, to)
+                measured = self.recorder.collect(old, group, to)
         error: Optional[BaseException] = None
         new: Optional[Placement] = None
         expert_load: Optional[Tuple[float, ...]] = None
         tensors: Dict[str, torch.Tensor] = {}
         layout = ""
         try:
+            if load is not None and placement is not None:
+                raise ValueError("pass load= (to plan from) or placement= (to switch to), not both")
             if placement is not None:
                 new = _check_given(placement, old)
             else:
-                expert_load = tuple(float(v) for v in (measured.per_expert if measured is not None else
+                if load is None and measured is None:
+                    raise ValueError("this layer records no load (a given placement alone is static): pass load= "
+                                     "or placement=, or build it with eplb=EPLBConfig(...)")
+                expert_load = tuple(float(v) for v in (measured.per_expert if load is None else
                                                        _check_load(load, old.num_experts)))
                 new = plan_placement(expert_load, old.ep_size, old.num_slots, num_nodes=cfg.num_nodes,
                                      expert_groups=cfg.expert_groups, previous=old)

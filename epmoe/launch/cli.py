@@ -506,7 +506,11 @@ def print_plan(cfg: MoEConfig, args: argparse.Namespace, ep: int, device: torch.
     if cfg.hidden_size_unpadded:
         print(f"  (K = hidden_size {cfg.hidden_size} as the kernels pad it; the checkpoint's is "
               f"{cfg.hidden_size_unpadded})")
-    print(memory_required(plan, slots, ep, max_tokens, num_moe_layers=cfg.num_layers).format_table())
+    mem = memory_required(plan, slots, ep, max_tokens, num_moe_layers=cfg.num_layers)
+    print(mem.format_table())
+    move = launch_eplb.move_memory_line(args, mem.expert_weight_bytes, mem.num_local_experts)
+    if move:
+        print(move)
     return 0
 
 
@@ -647,7 +651,8 @@ def _tokens_for_step(args, rank: int, step: int) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point. Usage errors: one line (rank 0), exit 2 on every rank. Faults: one report per rank,
     exit 1 (torchrun-friendly)."""
-    from epmoe.core.errors import BackendUnavailableError, ConfigMismatchError, NonFiniteError, PeerInputError
+    from epmoe.core.errors import (BackendUnavailableError, ConfigMismatchError, NonFiniteError, PeerInputError,
+                                   RebalanceError)
     from epmoe.core.fault import CollectiveFailure
 
     rank = detect_launch_env().rank
@@ -662,6 +667,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except PeerInputError as e:  # another rank failed; rank 0 says it once (its own error or this)
         _die(f"epmoe: error: {e}" if rank == 0 else "", 1)
     except NonFiniteError as e:  # --check-finite: every rank raised the same
+        _die(f"epmoe: error: {e}" if rank == 0 else "", 1)
+    except RebalanceError as e:  # every rank raised the same; the run stopped at that step
         _die(f"epmoe: error: {e}" if rank == 0 else "", 1)
     except LoadError as e:  # every rank raised (this or PeerInputError): rank 0 says it once
         _die(f"epmoe: error: rank {rank}: {e}" if rank == 0 else "", 1)

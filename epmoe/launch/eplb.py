@@ -6,6 +6,7 @@
     num_slots(cfg, args)              E + R
     slot_config(cfg, args)            the config the backends see (one expert per slot)
     plan_lines(cfg, args, ep)         what --plan prints about the placement
+    move_memory_line(...)             what --plan prints about a rebalance's memory
     LoadTracker                       per-rank load before the first rebalance and after the last; the
                                       rebalance lines and summary rows rank 0 prints
 """
@@ -95,6 +96,19 @@ def plan_lines(cfg: MoEConfig, args: argparse.Namespace, ep: int) -> List[str]:
     lines = [f"placement: ep={ep}, EPLB with {args.redundant_experts} redundant experts: {S} slots, {S // ep} per rank "
              f"(* = replicated); rebalanced {when}; before any load is measured:"]
     return lines + ["  " + line for line in p.describe().splitlines()]
+
+
+def move_memory_line(args: argparse.Namespace, expert_weight_bytes: int, num_local_slots: int) -> Optional[str]:
+    """What a rebalance holds on top of the weights, per rank, at most (None without rebalancing)."""
+    if args.rebalance_every is None:
+        return None
+    from epmoe.eplb.config import DEFAULT_STAGING_BYTES
+
+    staging = 2 * max(DEFAULT_STAGING_BYTES, expert_weight_bytes)
+    layer = expert_weight_bytes * num_local_slots
+    return (f"  a rebalance    : at most {(staging + layer) / 2 ** 20:.1f} MiB more while it runs (send and "
+            f"receive staging {staging / 2 ** 20:.1f} MiB + the new rows of one layer's changed slots, at most "
+            f"{layer / 2 ** 20:.1f} MiB)")
 
 
 class LoadTracker:

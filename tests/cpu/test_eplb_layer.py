@@ -337,6 +337,11 @@ def _fault_worker(rank, world, seed):
         layer = build()
         load = skew if rank == 0 else list(reversed(skew))
         msg = same_error_everywhere(lambda: layer.rebalance(load=load, force=True), "placement differs between ranks")
+        # different kinds of arguments: the recorded load on rank 0, a given load on rank 1 (nothing hangs)
+        same_error_everywhere(lambda: layer.rebalance(force=True) if rank == 0 else layer.rebalance(load=skew),
+                              "placement differs between ranks")
+        same_error_everywhere(lambda: layer.rebalance(load=skew, placement=swapped(layer) if rank == 1 else None),
+                              "rank 1: ValueError: pass load= (to plan from) or placement= (to switch to), not both")
         still_works(layer)
         return msg
 

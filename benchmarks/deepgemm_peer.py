@@ -39,24 +39,19 @@ def load():
     return deep_gemm
 
 
-def fp8_rows(x, gran: int = 128):
-    """[M, K] -> (e4m3 [M, K], fp32 scales [M, K/gran]): DeepGEMM's per-token 1x128 cast."""
-    import torch
+def fp8_rows(x):
+    """[M, K] -> (e4m3 [M, K], fp32 scales [M, K/128]): 1x128 groups, DeepGEMM's activation recipe
+    (epmoe's FP8 block codec; a tuple as DeepGEMM takes it)."""
+    from epmoe.quant import fp8_block
 
-    M, K = x.shape
-    v = x.float().view(M, K // gran, gran)
-    sf = v.abs().amax(-1).clamp_min(1e-4) / 448.0
-    return (v / sf.unsqueeze(-1)).to(torch.float8_e4m3fn).view(M, K), sf
+    return tuple(fp8_block.quantize_activation(x))
 
 
-def fp8_blocks(w, gran: int = 128):
-    """[E, N, K] -> (e4m3 [E, N, K], fp32 scales [E, N/gran, K/gran]): 128x128 weight blocks."""
-    import torch
+def fp8_blocks(w):
+    """[E, N, K] -> (e4m3 [E, N, K], fp32 scales [E, N/128, K/128]): 128x128 weight blocks."""
+    from epmoe.quant import fp8_block
 
-    E, N, K = w.shape
-    v = w.float().view(E, N // gran, gran, K // gran, gran)
-    sf = v.abs().amax(dim=(2, 4), keepdim=True).clamp_min(1e-4) / 448.0
-    return (v / sf).to(torch.float8_e4m3fn).view(E, N, K), sf.view(E, N // gran, K // gran)
+    return tuple(fp8_block.quantize_weight(w))
 
 
 def contiguous_layout(counts, align: int):

@@ -83,13 +83,9 @@ def reference_moe(
     return out
 
 
-# what the plan's experts consume as received when the wire is in that format
-_CONSUMED = {"nvfp4": "nvfp4", "fp8_block": "fp8"}
-
-
 def _model_plan(config: MoEConfig, plan, x: torch.Tensor, weights: ExpertWeights):
     """(tokens as the experts see them, weights as the kernels use them, FC2-input quantizer)."""
-    quantizes = plan.act_format in codec.ACT_FORMAT_PAYLOAD or plan.act_format == codec.PER_TOKEN_FP8
+    quantizes = codec.quantizes_activations(plan.act_format)
 
     def act_q(v: torch.Tensor) -> torch.Tensor:
         if not quantizes:
@@ -100,7 +96,7 @@ def _model_plan(config: MoEConfig, plan, x: torch.Tensor, weights: ExpertWeights
 
     if plan.dispatch_dtype != "bf16" and x.shape[0]:
         wire = codec.payload_format(plan.dispatch_dtype, config.dtype)
-        if _CONSUMED.get(plan.act_format) == plan.dispatch_dtype:
+        if codec.ACT_FORMAT_WIRE.get(plan.act_format) == plan.dispatch_dtype:
             x = codec.roundtrip_for_wire(x, wire, torch.float64)  # used as received
         else:  # dequantized on arrival to the model dtype, then quantized by the experts
             x = act_q(codec.roundtrip_for_wire(x, wire, config.dtype))

@@ -29,7 +29,6 @@ from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 from epmoe.quant.weights import ExpertWeights, dequantize_expert_weights, quantize_expert_weights
 
 
-
 def apply_activation(config: MoEConfig, h: torch.Tensor) -> torch.Tensor:
     """h: [N, 2I] (gate half first) for swiglu, [N, I] for relu2 -> [N, I]. Any float dtype."""
     if config.activation == "relu2":
@@ -43,11 +42,6 @@ def apply_activation(config: MoEConfig, h: torch.Tensor) -> torch.Tensor:
         g = g.clamp(max=config.swiglu_limit)
         u = u.clamp(min=-config.swiglu_limit, max=config.swiglu_limit)
     return g * torch.sigmoid(alpha * g) * (u + beta)
-
-
-# What the emulated kernels consume natively, per activation format (a wire in this dtype is used as
-# received; any other wire is dequantized on arrival and quantized like the kernel would)
-_CONSUMED_WIRE = {"nvfp4": "nvfp4", "fp8_block": "fp8"}
 
 
 class ReferenceExperts(Experts):
@@ -65,7 +59,8 @@ class ReferenceExperts(Experts):
 
     @classmethod
     def consumes(cls, request: BackendRequest) -> str:
-        return _CONSUMED_WIRE.get(request.act_format, "bf16")
+        # a wire in this dtype is used as received (codec.ACT_FORMAT_WIRE)
+        return codec.ACT_FORMAT_WIRE.get(request.act_format, "bf16")
 
     def __init__(self, spec: ExpertsSpec):
         super().__init__(spec)
@@ -75,7 +70,7 @@ class ReferenceExperts(Experts):
         # the plan's activation rounding (codec.roundtrip_activation); the payload format the experts
         # take is quantized only where they consume a quantized wire as received
         self._act_format = getattr(plan, "act_format", "bf16") if plan is not None else "bf16"
-        self._quantizes = self._act_format in codec.ACT_FORMAT_PAYLOAD or self._act_format == codec.PER_TOKEN_FP8
+        self._quantizes = codec.quantizes_activations(self._act_format)
         payload = codec.ACT_FORMAT_PAYLOAD.get(self._act_format)
         self._act: Optional[PayloadFormat] = codec.payload_format(payload, self.config.dtype) if payload else None
 

@@ -284,29 +284,22 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
     steps: List[Step] = []
 
     if "correctness" in groups:
-        for d in dispatchers:
-            for m in modes:
-                name = f"correctness/{d}/{m}"
-                quant, dd = (m.split("+") + ["auto"])[:2]
-                why = avail[d] or args.mode_refusal(d, m, arch, world, check_shape)
-                path = os.path.join(res, name.replace("/", "__") + ".json")
-                argv = _torchrun(world) + ["-m", "epmoe.nightly.worker", "check", "--dispatcher", d,
-                                           "--quant", "none" if quant == "bf16" else quant, "--dispatch-dtype", dd,
-                                           "--steps", "4", "--json", path] + common + shape
-                steps.append(Step(name, tuple(argv), (180 if gpu else 60) * scale, env, _reader(check_figures, path, name),
-                                  skip=why, parallel=True, json_path=path, skip_if_output=REFUSED))
-        # FlashInfer's CUTLASS fused MoE, every mode it runs here: skipped with the resolver's reason where
-        # its fused-MoE module is not prebuilt (or the arch has no such kernel)
-        for d in (dispatchers if gpu else ()):
-            for m in CUTLASS_MODES:
-                name = f"correctness/cutlass/{d}/{m}"
-                why = avail[d] or args.mode_refusal(d, m, arch, world, check_shape, "flashinfer_cutlass")
-                path = os.path.join(res, name.replace("/", "__") + ".json")
-                argv = _torchrun(world) + ["-m", "epmoe.nightly.worker", "check", "--dispatcher", d,
-                                           "--experts", "flashinfer_cutlass", "--quant", "none" if m == "bf16" else m,
-                                           "--steps", "4", "--json", path] + common + shape
-                steps.append(Step(name, tuple(argv), 180 * scale, env, _reader(check_figures, path, name),
-                                  skip=why, parallel=True, json_path=path, skip_if_output=REFUSED))
+        # the experts auto picks, every mode; then FlashInfer's CUTLASS fused MoE in every mode it runs (GPU),
+        # skipped with the resolver's reason where its fused-MoE module is not prebuilt
+        for experts, prefix, group_modes in (("auto", "", modes), ("flashinfer_cutlass", "cutlass/", CUTLASS_MODES if gpu else ())):
+            for d in dispatchers:
+                for m in group_modes:
+                    name = f"correctness/{prefix}{d}/{m}"
+                    quant, dd = (m.split("+") + ["auto"])[:2]
+                    why = avail[d] or args.mode_refusal(d, m, arch, world, check_shape, experts)
+                    path = os.path.join(res, name.replace("/", "__") + ".json")
+                    argv = _torchrun(world) + ["-m", "epmoe.nightly.worker", "check", "--dispatcher", d] + (
+                        ["--experts", experts] if experts != "auto" else []) + [
+                        "--quant", "none" if quant == "bf16" else quant, "--dispatch-dtype", dd,
+                        "--steps", "4", "--json", path] + common + shape
+                    steps.append(Step(name, tuple(argv), (180 if gpu else 60) * scale, env,
+                                      _reader(check_figures, path, name), skip=why, parallel=True, json_path=path,
+                                      skip_if_output=REFUSED))
     if "launch" in groups:
         launcher_rpg = _source_has("epmoe/launch/cli.py", "--ranks-per-gpu")
         for d in dispatchers:

@@ -184,6 +184,14 @@ def quantize_for_wire(x: torch.Tensor, fmt: PayloadFormat, *, use_triton: Option
 # SM90 Humming W4A8) is e4m3 with ONE fp32 scale per token (the kernel's act_fp8_token_scale), no payload format.
 ACT_FORMAT_PAYLOAD = {"nvfp4": "nvfp4", "fp8_block": "fp8_block", "mxfp8": "mxfp8"}
 PER_TOKEN_FP8 = "fp8"
+# QuantPlan.act_format -> the wire dtype its kernels consume as received (any other wire is dequantized on
+# arrival and quantized again as the kernel does)
+ACT_FORMAT_WIRE = {"nvfp4": "nvfp4", "fp8_block": "fp8"}
+
+
+def quantizes_activations(act_format: str) -> bool:
+    """Whether the plan's kernels round their inputs (`roundtrip_activation` changes them)."""
+    return act_format in ACT_FORMAT_PAYLOAD or act_format == PER_TOKEN_FP8
 
 
 def roundtrip_activation(x: torch.Tensor, act_format: str, dtype: torch.dtype) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-BACKENDS = ("triton", "grouped_mm", "torch_loop", "flashinfer_cutlass")
+BACKENDS = ("triton", "grouped_mm", "torch_loop", "flashinfer_cutlass", "deepgemm")
 MODES = ("bf16", "fp8_block", "nvfp4_w4a16", "mxfp4_w4a16", "mxfp4_w4a8")
 # Modes each backend runs here (the others' rows are left out of the plan).
 BACKEND_MODES = {
@@ -41,6 +41,8 @@ BACKEND_MODES = {
     # SM90 modes of FlashInfer's CUTLASS fused MoE; "autotuned": the tactics FlashInfer's autotuner
     # picks in this run; "default": the module's default tactics (what the layer runs unless told)
     "flashinfer_cutlass": ("bf16", "fp8_block", "mxfp4_w4a16", "mxfp4_w4a8"),
+    # DeepGEMM's grouped GEMMs + our passes; decode also in the masked layout DeepEP low-latency delivers
+    "deepgemm": ("bf16", "fp8_block"),
 }
 CUTLASS_PRESETS = ["autotuned", "default"]
 # Triton presets swept per (mode, phase); "auto" = what the backend picks by itself. The wider
@@ -76,6 +78,8 @@ QUICK_SWEEP = {
     ("triton", "nvfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4"],
     ("triton", "mxfp4_w4a16", "decode"): ["auto", "triton_w4a16", "packed_fp4"],
     ("grouped_mm", "bf16", "prefill"): ["auto", "torch_epilogue"],
+    ("deepgemm", "bf16", "decode"): ["auto", "masked"],
+    ("deepgemm", "fp8_block", "decode"): ["auto", "masked"],
 }
 
 
@@ -320,6 +324,18 @@ def compute_ratios(report) -> List[dict]:
         peer("deepgemm fp8 masked", "decode"), 1.0)  # fmt: skip
     add("triton bf16 prefill / DeepGEMM bf16 contiguous GEMMs", t("triton", "bf16", "prefill"),
         peer("deepgemm bf16 contiguous", "prefill"), 1.0)  # fmt: skip
+    add("deepgemm fp8_block prefill / DeepGEMM fp8 contiguous GEMMs (bare)", t("deepgemm", "fp8_block", "prefill"),
+        peer("deepgemm fp8 contiguous", "prefill"), 1.15)  # fmt: skip
+    add("triton fp8_block prefill / deepgemm fp8_block prefill (speed-up)", t("triton", "fp8_block", "prefill"),
+        t("deepgemm", "fp8_block", "prefill"), 1.8, le=False)  # fmt: skip
+    add("deepgemm bf16 prefill / torch._grouped_mm GEMMs", t("deepgemm", "bf16", "prefill"), bf16_gemms, 0.87)
+    add("deepgemm fp8_block prefill / triton fp8_block prefill", t("deepgemm", "fp8_block", "prefill"),
+        t("triton", "fp8_block", "prefill"), 1.0)  # fmt: skip
+    for mode in BACKEND_MODES["deepgemm"]:
+        r = ours("deepgemm", mode, "decode", "masked")
+        if r is not None and r.pct_hbm is not None:
+            out.append(dict(what=f"deepgemm {mode} decode, masked layout: fraction of the HBM weight-read limit",
+                            value=r.pct_hbm / 100, target=0.9, met=r.pct_hbm / 100 >= 0.9))  # fmt: skip
     r = ours("triton", "bf16", "prefill")
     if r is not None and r.pct_matmul == r.pct_matmul:
         out.append(dict(what="triton bf16 prefill: fraction of the sustained dense bf16 rate", value=r.pct_matmul / 100,
@@ -339,6 +355,26 @@ def compute_ratios(report) -> List[dict]:
             t("triton", mode, "decode"), 2.5, le=False)  # fmt: skip
         add(f"triton {mode} prefill / triton bf16 prefill", t("triton", mode, "prefill"), t("triton", "bf16", "prefill"), 1.0)
     return out
+
+
+def masked_tokens(tokens, num_experts: int):
+    """Flat DispatchedTokens (every slot local) -> the masked layout DeepEP low-latency delivers:
+    hidden [E, M, H] with each expert's rows first (M = T: an expert gets each token at most once),
+    expert_counts [E] int32."""
+    import torch
+
+    from epmoe.dispatch.base import DispatchedTokens
+
+    x, ids = tokens.hidden, tokens.topk_ids
+    T_, K = ids.shape
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=num_experts)
+    order = torch.argsort(flat, stable=True)
+    e_of = flat[order]
+    slot = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[e_of]
+    hidden = torch.zeros(num_experts, T_, x.shape[1], dtype=x.dtype, device=x.device)
+    hidden[e_of, slot] = x[order // K]
+    return DispatchedTokens(hidden, None, None, layout="masked", expert_counts=counts.to(torch.int32))
 
 
 class TorchLoopExperts:
@@ -563,7 +599,16 @@ def run_plan(args, plan: List[Run]) -> int:
                     preset_used = target.tune(sets)
                 else:
                     preset_used = f"default tactics {ex.profile_ids} of {ex.tactics.describe()}"
-            if run.phase == "decode" and run.backend != "torch_loop":
+            if run.preset == "masked":  # [E, M, H] per-expert slots + counts, as DeepEP low-latency delivers
+                msets = [masked_tokens(s_, E) for s_ in sets]
+                it = iter(range(1 << 30))
+                fn = lambda: target(msets[next(it) % 3])  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                ms = _bench(fn)
+                note = "masked layout, eager (no graph)"
+                del msets
+            elif run.phase == "decode" and run.backend != "torch_loop":
                 graph = CapturedExperts(target, max_rows=run.num_tokens, top_k=K)
                 graph(sets[0])
                 ms = _bench(graph.replay)

@@ -119,7 +119,7 @@ class Environment:
         """A machine of `arch` with every optional package installed (FlashInfer only when a version is
         given, with its prebuilt modules): for planning on another machine, the support matrix, tests."""
         arch = normalize_arch(arch)
-        pk = {"triton", "cuda", "pynvml", "mpi4py"}
+        pk = {"triton", "cuda", "pynvml", "mpi4py", "deep_gemm"}
         if deep_ep:
             pk.add("deep_ep")
         if flashinfer_version is not None:
@@ -215,7 +215,7 @@ def resolve_plan(
         model_dtype=dtype_name(config.dtype), act_format=md.act_format, humming=md.humming,
         mxfp8_act_scaling=md.mxfp8_act_scaling, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_experts=config.num_experts, top_k=config.top_k,
-        checkpoint=md.family,
+        checkpoint=md.family, has_bias=config.has_bias,
     )
     # the dispatcher must run here at all (bf16 wire, or the explicit one)
     first_wire = "bf16" if dispatch_dtype == "auto" else dispatch_dtype

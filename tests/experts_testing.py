@@ -144,3 +144,36 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(o).all():
         return math.inf
     return float((o - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def fp8_roundtrip(a: torch.Tensor) -> torch.Tensor:
+    """a through the 1x128 e4m3 activation codec and back, float64."""
+    from epmoe.quant import fp8_block
+
+    q, s = fp8_block.quantize_activation(a.float())
+    return fp8_block.dequantize_activation(q, s, torch.float32).double()
+
+
+def grouped_gemm_expert_reference(config: MoEConfig, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                                  fp8: bool) -> torch.Tensor:
+    """One expert on rows x [n, H], float64, with the roundings of an expert stage made of two grouped
+    GEMMs writing bf16 (DeepGEMM's) and an activation pass between them: fp8 1x128 inputs (fp8), gemm1's
+    output in bf16, the activation in fp8 1x128 or bf16, y in bf16. w13 [R, H] / w2 [H, I] as used
+    (dequantized for fp8)."""
+    I = config.intermediate_size
+    xr = fp8_roundtrip(x) if fp8 else x.double()
+    h = (xr @ w13.double().T).bfloat16().double()
+    a = activation_reference(config, h[:, :I], h[:, I:] if config.is_gated else None)
+    a = fp8_roundtrip(a) if fp8 else a.bfloat16().double()
+    return (a @ w2.double().T).bfloat16().double()
+
+
+def grouped_gemm_reference(config: MoEConfig, x, topk_ids, topk_weights, w13, w2, fp8: bool) -> torch.Tensor:
+    """Flat layout: out[n] = sum_k w[n,k] * expert(x_n) (`grouped_gemm_expert_reference`), float64."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in range(w13.shape[0]):
+        rows, slots = torch.nonzero(topk_ids == e, as_tuple=True)
+        if rows.numel():
+            y = grouped_gemm_expert_reference(config, x[rows], w13[e], w2[e], fp8)
+            out.index_add_(0, rows, y * topk_weights[rows, slots].double()[:, None])
+    return out

@@ -19,7 +19,7 @@ from typing import Any, FrozenSet, Mapping, Optional
 
 # Names a request's `packages` may hold. Module names for Python packages; "flashinfer.fused_moe.smXY"
 # for a prebuilt (AOT or JIT-cached) FlashInfer fused-MoE module of that arch.
-PACKAGE_NAMES = ("flashinfer", "cuda", "pynvml", "deep_ep", "triton", "cutlass", "mpi4py")
+PACKAGE_NAMES = ("flashinfer", "cuda", "pynvml", "deep_ep", "deep_gemm", "triton", "cutlass", "mpi4py")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class BackendRequest:
     hidden_size / intermediate_size / num_experts / top_k: the layer's shape (kernels with shape
                      limits check it)
     checkpoint:      the checkpoint family ("none" = unquantized, quantized online at load; "fp8",
-                     "nvfp4", "mxfp4", "mxfp8"): some kernels need what only a checkpoint carries"""
+                     "nvfp4", "mxfp4", "mxfp8"): some kernels need what only a checkpoint carries
+    has_bias:        the experts carry biases (b13, b2)"""
 
     expert_mode: str = "bf16"
     layout: str = "flat"
@@ -55,6 +56,7 @@ class BackendRequest:
     num_experts: int = 256
     top_k: int = 8
     checkpoint: str = "none"
+    has_bias: bool = False
 
     def has(self, package: str) -> bool:
         return package in self.packages

@@ -15,6 +15,7 @@ EXPERTS.register("flashinfer_cutedsl", "epmoe.experts.flashinfer_sm100:FlashInfe
 EXPERTS.register("flashinfer_trtllm", "epmoe.experts.flashinfer_sm100:FlashInferTrtllmExperts")
 EXPERTS.register("triton", "epmoe.experts.triton.triton_experts:TritonExperts")
 EXPERTS.register("grouped_mm", "epmoe.experts.triton.grouped_mm:GroupedMMExperts")
+EXPERTS.register("deepgemm", "epmoe.experts.deepgemm.backend:DeepGEMMExperts")
 
 
 def get_experts_class(name: str):

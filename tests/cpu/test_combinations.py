@@ -69,7 +69,7 @@ def test_every_combination_is_accepted_or_rejected_with_a_reason():
     assert not [c for c in ok if c.dispatcher == "flashinfer" and c.wire == "fp8"]
     assert not [c for c in ok if c.dispatcher in ("deepep", "deepep_ll") and c.wire == "nvfp4"]
     assert not [c for c in ok if c.dispatcher == "deepep_ll" and c.mode.startswith("nvfp4")]
-    assert not [c for c in ok if c.dispatcher == "deepep_ll" and c.experts != "masked_reference"]
+    assert not [c for c in ok if c.dispatcher == "deepep_ll" and c.experts not in ("masked_reference", "deepgemm")]
     assert not [c for c in ok if c.arch == "cpu" and c.dispatcher != "torch"]
     assert not [c for c in ok if c.mode.endswith("w4a16") and c.wire != "bf16"]
 
@@ -178,11 +178,16 @@ def test_every_accepted_gpu_plan_builds_its_experts_against_stand_ins(stand_ins,
         built.add(key)
         monkeypatch.setattr(fc, "_device_arch", lambda device, a=ARCH_NUMBER[c.arch]: a)
         spec = ExpertsSpec(config=SMALL, ep_rank=1, ep_size=EP, device=torch.device("cpu"), plan=c.plan, max_tokens=32)
-        ex = EXPERTS.get(c.experts)(spec)
+        if c.experts == "deepgemm":  # its GEMMs: a stand-in for deep_gemm
+            from tests.cpu.fake_deep_gemm import FakeDeepGEMM
+
+            ex = EXPERTS.get(c.experts)(spec, gemms=FakeDeepGEMM())
+        else:
+            ex = EXPERTS.get(c.experts)(spec)
         ex.load_weights(_local_weights(SMALL, 1))
         assert ex.parameters() or c.experts in ("masked_reference",), key
-        if c.experts == "triton":
-            continue  # Triton kernels need a GPU (or the interpreter test)
+        if c.experts in ("triton", "deepgemm"):
+            continue  # Triton kernels need a GPU (or the interpreter tests)
         out = ex(_tokens_for(ex, SMALL, c.plan.layout, c.wire))
         n = SMALL.num_experts // EP
         want = (n, 4, SMALL.hidden_size) if c.plan.layout == "masked" else (5, SMALL.hidden_size)

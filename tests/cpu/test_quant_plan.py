@@ -9,7 +9,7 @@ from epmoe.config import MoEConfig
 from epmoe.quant import codec
 from epmoe.experts import EXPERTS
 from epmoe.quant.plan import QuantPlan, detect_arch, flashinfer_at_least
-from epmoe.resolve import experts_preference, resolve_quant_plan
+from epmoe.resolve import Environment, experts_preference, resolve_quant_plan
 
 EXPERTS_BACKEND_NAMES = tuple(EXPERTS.names())
 
@@ -155,8 +155,13 @@ def test_deepep_ll_runs_only_what_masked_experts_run():
     with pytest.raises(ValueError, match="no experts backend"):
         resolve_quant_plan(cfg("nvfp4"), arch="sm100", requested_mode="nvfp4_w4a4", dispatcher="deepep_ll",
                            flashinfer_version=FI)
+    # sm90 with DeepGEMM: its masked grouped GEMMs; without it, the masked reference
     p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher="deepep_ll")
+    assert (p.expert_mode, p.layout, p.dispatch_dtype, p.experts_backend) == ("fp8_block", "masked", "fp8", "deepgemm")
+    no_dg = Environment.hypothetical("sm90").packages - {"deep_gemm"}
+    p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher="deepep_ll", packages=no_dg)
     assert (p.expert_mode, p.layout, p.dispatch_dtype, p.experts_backend) == ("fp8_block", "masked", "fp8", "masked_reference")
+    assert any(s.startswith("deepgemm: deep_gemm is not installed") for s in p.skipped)
 
 
 def test_deepep_nvfp4_rejected_auto_bf16_or_fp8():
@@ -302,7 +307,7 @@ def test_explicit_w4a8_implies_path():
         ("nvfp4", "nvfp4_w4a16", "sm100", "0.6.17", "torch", "triton"),
         ("nvfp4", None, "sm120", FI, "torch", "flashinfer_cutlass"),
         ("mxfp8", None, "sm90", FI, "torch", "reference"),
-        (None, None, "sm90", None, "deepep_ll", "masked_reference"),
+        (None, None, "sm90", None, "deepep_ll", "deepgemm"),
         (None, None, "sm80", None, "torch", "reference"),
     ],
 )
@@ -432,4 +437,4 @@ def test_masked_layout_runs_what_the_masked_experts_run():
         assert bool(MaskedReferenceExperts.supports(req)) == (mode in REFERENCE_EXPERT_MODES)
         assert not ReferenceExperts.supports(req), "ReferenceExperts takes the flat layout only"
     p = resolve_quant_plan(cfg(), arch="sm90", dispatcher="deepep_ll")
-    assert p.experts_backend == "masked_reference" and p.layout == "masked"
+    assert p.experts_backend == "deepgemm" and p.layout == "masked"  # DeepGEMM's masked GEMMs where installed

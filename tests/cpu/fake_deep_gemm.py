@@ -1,0 +1,69 @@
+"""A stand-in for `deep_gemm`'s grouped GEMMs (the four the `deepgemm` experts call), in float32 torch.
+
+Stand-in only: it proves what our glue hands DeepGEMM (rows, m_indices, masked counts, scale values and
+their MN-major layout) computes the right function; it says nothing of DeepGEMM's own kernels. Every
+call is recorded with whether each activation scale tensor came MN-major (stride 1 along M), the
+layout DeepGEMM's SM90 kernels take without a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _deq_rows(x, s):
+    """e4m3 [M, K] with fp32 scales [M, K/128] (any strides) -> float32."""
+    return x.float() * s.float().repeat_interleave(128, dim=-1)[..., : x.shape[-1]]
+
+
+def _deq_blocks(w, s):
+    """e4m3 [N, K] with fp32 128x128 block scales [N/128, K/128] -> float32."""
+    f = s.float().repeat_interleave(128, dim=-2).repeat_interleave(128, dim=-1)
+    return w.float() * f[: w.shape[-2], : w.shape[-1]]
+
+
+class FakeDeepGEMM:
+    def __init__(self, align: int = 128):
+        self.align = align
+        self.calls = []
+
+    def get_mk_alignment_for_contiguous_layout(self) -> int:
+        return self.align
+
+    def _record(self, name, sf=None):
+        self.calls.append(dict(name=name, mn_major=None if sf is None else sf.stride(-2) == 1))
+
+    def m_grouped_fp8_gemm_nt_contiguous(self, a, b, d, m_indices, disable_ue8m0_cast=False):
+        (x, xs), (w, ws) = a, b
+        assert x.dtype == torch.float8_e4m3fn and w.dtype == torch.float8_e4m3fn and d.dtype == torch.bfloat16
+        assert m_indices.dtype == torch.int32 and m_indices.shape == (x.shape[0],) and x.shape[0] % self.align == 0
+        assert tuple(xs.shape) == (x.shape[0], x.shape[1] // 128), xs.shape
+        self._record("fp8_contiguous", xs)
+        for g in range(w.shape[0]):
+            rows = (m_indices == g).nonzero().flatten()
+            if rows.numel():
+                d[rows] = (_deq_rows(x[rows], xs[rows]) @ _deq_blocks(w[g], ws[g]).T).to(d.dtype)
+
+    def m_grouped_bf16_gemm_nt_contiguous(self, a, b, d, m_indices):
+        assert a.dtype == b.dtype == d.dtype == torch.bfloat16 and a.shape[0] % self.align == 0
+        self._record("bf16_contiguous")
+        for g in range(b.shape[0]):
+            rows = (m_indices == g).nonzero().flatten()
+            if rows.numel():
+                d[rows] = (a[rows].float() @ b[g].float().T).to(d.dtype)
+
+    def m_grouped_fp8_gemm_nt_masked(self, a, b, d, masked_m, expected_m, disable_ue8m0_cast=False):
+        (x, xs), (w, ws) = a, b
+        assert x.dim() == 3 and tuple(xs.shape) == (x.shape[0], x.shape[1], x.shape[2] // 128), xs.shape
+        assert masked_m.dtype == torch.int32 and isinstance(expected_m, int) and expected_m >= 1
+        self._record("fp8_masked", xs)
+        for g in range(w.shape[0]):
+            n = int(masked_m[g])
+            d[g, :n] = (_deq_rows(x[g, :n], xs[g, :n]) @ _deq_blocks(w[g], ws[g]).T).to(d.dtype)
+
+    def m_grouped_bf16_gemm_nt_masked(self, a, b, d, masked_m, expected_m):
+        assert a.dtype == torch.bfloat16 and masked_m.dtype == torch.int32 and expected_m >= 1
+        self._record("bf16_masked")
+        for g in range(b.shape[0]):
+            n = int(masked_m[g])
+            d[g, :n] = (a[g, :n].float() @ b[g].float().T).to(d.dtype)

@@ -19,8 +19,6 @@ import ast
 import importlib.metadata
 import importlib.util
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -229,20 +227,8 @@ def probe(torch_version: Optional[str] = None, torch_cuda: Optional[str] = "") -
 
 
 def import_check(timeout_s: float = 180.0) -> str:
-    """Import deep_ep in a child process (same interpreter and sys.path): "" when it imports, else its
-    error in one line. The child absorbs the import's side effects (NCCL checks, JIT set-up, NVSHMEM
-    environment) and any crash."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    try:
-        r = subprocess.run([sys.executable, "-c", f"import {MODULE}"], capture_output=True, text=True,
-                           timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return f"the import did not finish within {timeout_s:g} s"
-    except OSError as e:
-        return f"could not start {sys.executable} ({e})"
-    if r.returncode == 0:
-        return ""
-    if r.returncode < 0:
-        return f"the importing process died of signal {-r.returncode}"
-    lines = [line.strip() for line in r.stderr.splitlines() if line.strip()]
-    return (lines[-1] if lines else f"exit code {r.returncode}")[:400]
+    """Import deep_ep in a child process: "" when it imports, else its error in one line. The child absorbs
+    the import's side effects (NCCL checks, JIT set-up, NVSHMEM environment) and any crash."""
+    from epmoe.core.imports import import_in_child
+
+    return import_in_child(MODULE, timeout_s)

@@ -69,6 +69,8 @@ PACKAGES: Tuple[PackageProbe, ...] = (
     PackageProbe("deep_ep", ("sgl-deep-ep", "deep_ep", "deep-ep"), "dispatchers 'deepep', 'deepep_ll'",
                  "pip install 'epmoe[deepep]' (sgl-deep-ep, for its torch), or build DeepEP V1 (docs/deepep.md)",
                  importable=False),
+    PackageProbe("deep_gemm", ("sgl-deep-gemm", "deep_gemm", "deep-gemm"), "experts 'deepgemm'",
+                 "pip install 'epmoe[deepgemm]' (docs/deepgemm.md)", importable=False),
     PackageProbe("triton", ("triton", "pytorch-triton"), "experts 'triton'", "pip install triton"),
     PackageProbe("mpi4py", ("mpi4py",), "mpirun rendezvous without MASTER_ADDR/MASTER_PORT",
                  "pip install 'epmoe[mpi]' (or export MASTER_ADDR and MASTER_PORT)"),
@@ -155,6 +157,7 @@ class DoctorReport:
     requested: RequestedConfig
     notes: Tuple[str, ...] = field(default_factory=tuple)
     deepep: Any = None  # epmoe.dispatch.deepep_install.DeepEPInstall
+    deepgemm: Any = None  # epmoe.experts.deepgemm.install.DeepGEMMInstall
 
     @property
     def exit_code(self) -> int:
@@ -578,8 +581,39 @@ def collect(args: argparse.Namespace) -> DoctorReport:
         torch=torch.__version__, distributed=distributed, cuda=cuda,
         packages=tuple(probe_package(p) for p in PACKAGES), launch=launch, env=probe_env(),
         backends=tuple(backends), backend_context=context, requested=requested, notes=tuple(notes),
-        deepep=probe_deepep(cuda.available),
+        deepep=probe_deepep(cuda.available), deepgemm=probe_deepgemm(cuda.available),
     )
+
+
+def probe_deepgemm(cuda_available: bool):
+    """Which DeepGEMM, from its metadata and sources; on a CUDA host also whether `import deep_gemm` works
+    (in a child process: a module built for another torch fails with an undefined symbol)."""
+    from epmoe.experts.deepgemm import install
+
+    info = install.probe()
+    if info.found and cuda_available:
+        info = dataclasses.replace(info, import_error=install.import_check())
+    return info
+
+
+def _deepgemm_lines(d) -> List[str]:
+    if d is None:
+        return []
+    L = ["", "DeepGEMM (read from its metadata and sources; imported only in a child process on a CUDA host)"]
+    if not d.found:
+        return L + [f"  not installed  -> {d.problems()[0].split('; ', 1)[1]}"]
+    torch_row = ("not checked for this version and torch (the import below tells)" if d.known_missing is None else
+                 "its native module's torch symbols all resolve (read from the symbol tables)" if d.known_missing == 0
+                 else f"MISMATCH: needs {d.known_missing} torch symbols torch {d.torch_version} lacks")
+    rows = [("found", d.describe()), ("torch", torch_row),
+            ("JIT compiler", d.nvcc or "none found (set CUDA_HOME)")]
+    if d.native == "tvm-ffi module":
+        rows.append(("apache-tvm-ffi", d.tvm_ffi or "NOT installed"))
+    rows.append(("import", "not tried (no CUDA GPU here)" if d.import_error is None
+                 else "ok" if d.import_error == "" else f"FAILED: {d.import_error}"))
+    L += _table(rows)
+    L += [f"  - {p}" for p in d.problems()]
+    return L
 
 
 def probe_deepep(cuda_available: bool):
@@ -676,6 +710,7 @@ def format_report(r: DoctorReport) -> str:
     L += ["", "packages (probed, not imported)"]
     L += _table([(p.name, p.status, p.version or "-", p.detail + (f"  -> {p.hint}" if p.hint else "")) for p in r.packages])
     L += _deepep_lines(r.deepep)
+    L += _deepgemm_lines(r.deepgemm)
     la = r.launch
     L += ["", "launch"]
     L += _table([

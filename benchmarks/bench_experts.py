@@ -627,7 +627,7 @@ def run_plan(args, plan: List[Run]) -> int:
         if run.backend == "triton" and run.preset == "auto" and ex.uses_grouped_mm(entries):
             preset_used = "grouped_mm path (torch._grouped_mm + fused gather / activation / combine)"
         if run.phase == "prefill" and run.mode == "bf16" and run.preset == "auto" and run.backend != "torch_loop":
-            if run.backend == "grouped_mm" or ex.uses_grouped_mm(entries):
+            if run.backend == "grouped_mm" or getattr(ex, "uses_grouped_mm", lambda n: False)(entries):
                 try:
                     st = grouped_stage_ms(ex, sets[0])
                     report.stages[run.backend] = st

@@ -39,6 +39,11 @@ def load():
     return deep_gemm
 
 
+def masked_fp8(dg):
+    """The masked FP8 grouped GEMM (sgl-deep-gemm 0.1.2 names it only m_grouped_fp8_fp4_gemm_nt_masked)."""
+    return getattr(dg, "m_grouped_fp8_gemm_nt_masked", None) or dg.m_grouped_fp8_fp4_gemm_nt_masked
+
+
 def fp8_rows(x):
     """[M, K] -> (e4m3 [M, K], fp32 scales [M, K/128]): 1x128 groups, DeepGEMM's activation recipe
     (epmoe's FP8 block codec; a tuple as DeepGEMM takes it)."""
@@ -163,8 +168,8 @@ def measure(dev, E: int, H: int, I: int, K: int, phases, routing: Callable, flop
             d2 = torch.empty(E, max_m, H, device=dev, dtype=torch.bfloat16)
 
             def fp8_gemms():
-                dg.m_grouped_fp8_gemm_nt_masked(a1, w13_8, d1, masked_m, expected_m, disable_ue8m0_cast=True)
-                dg.m_grouped_fp8_gemm_nt_masked(a2, w2_8, d2, masked_m, expected_m, disable_ue8m0_cast=True)
+                masked_fp8(dg)(a1, w13_8, d1, masked_m, expected_m, disable_ue8m0_cast=True)
+                masked_fp8(dg)(a2, w2_8, d2, masked_m, expected_m, disable_ue8m0_cast=True)
 
             def check():
                 e = int(torch.argmax(counts))
@@ -240,7 +245,7 @@ def smoke(dg) -> None:
         ("fp8_gemm_nt", lambda: dg.fp8_gemm_nt(a, (w[0][0], w[1][0]), d, disable_ue8m0_cast=True)),
         ("m_grouped_fp8_gemm_nt_contiguous", lambda: dg.m_grouped_fp8_gemm_nt_contiguous(
             a, w, d, m_indices, disable_ue8m0_cast=True)),
-        ("m_grouped_fp8_gemm_nt_masked", lambda: dg.m_grouped_fp8_gemm_nt_masked(
+        ("m_grouped_fp8_gemm_nt_masked", lambda: masked_fp8(dg)(
             (a[0].view(E, align, Kd), a[1].view(E, align, Kd // 128)), w, d.view(E, align, N),
             torch.tensor([align, 3], device=dev, dtype=torch.int32), align, disable_ue8m0_cast=True)),
     ]:

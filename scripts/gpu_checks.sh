@@ -21,7 +21,7 @@ run_tests() {
     "$PY" -c "import torch, triton; p = torch.cuda.get_device_properties(0); print(f'{p.name} sm{p.major}{p.minor} | torch {torch.__version__} | triton {triton.__version__} | nccl {torch.cuda.nccl.version()}')" | tee "$log"
     for spec in "test_layer_gpu.py:60" "test_hopper_experts.py:200" "test_flashinfer_quant.py:60" \
                 "test_flashinfer_a2a.py:100" "test_flashinfer_cutlass.py:40" "test_deepep.py:540" \
-                "test_embed_gpu.py:90" "test_triton_codec.py:60"; do
+                "test_embed_gpu.py:90" "test_triton_codec.py:60" "test_deepgemm.py:300"; do
         local f="${spec%%:*}" limit="${spec##*:}"
         if [ "$f" = test_deepep.py ] && [ -e .deepep/build.started ]; then  # a DeepEP build runs beside us
             for _ in $(seq 1 240); do [ -e .deepep/build.done ] && break; sleep 1; done

@@ -139,6 +139,9 @@ class DeepGEMMExperts(Experts):
                 raise BackendUnavailableError(self.name, avail.reason, avail.hint)
             gemms = load_deep_gemm()
         self.dg = gemms
+        # sgl-deep-gemm 0.1.2 names the masked FP8 GEMM only by its fp8_fp4 name; later ones alias it
+        self._fp8_masked = (getattr(gemms, "m_grouped_fp8_gemm_nt_masked", None)
+                            or getattr(gemms, "m_grouped_fp8_fp4_gemm_nt_masked", None))
         self.mode = spec.expert_mode
         self.fp8 = self.mode == "fp8_block"
         self.device = torch.device(spec.device)
@@ -369,7 +372,10 @@ class DeepGEMMExperts(Experts):
 
     def _gemm_masked(self, a, b, d, counts, expected_m: int) -> None:
         if self.fp8:
-            self.dg.m_grouped_fp8_gemm_nt_masked(a, b, d, counts, expected_m, disable_ue8m0_cast=True)
+            if self._fp8_masked is None:
+                raise RuntimeError("this deep_gemm has no masked FP8 grouped GEMM (m_grouped_fp8_gemm_nt_masked); "
+                                   "install sgl-deep-gemm >= 0.1.2 (docs/deepgemm.md)")
+            self._fp8_masked(a, b, d, counts, expected_m, disable_ue8m0_cast=True)
         else:
             self.dg.m_grouped_bf16_gemm_nt_masked(a, b, d, counts, expected_m)
 

@@ -42,6 +42,7 @@ from epmoe.quant.weights import ExpertWeights
 MODES = ("bf16", "fp8_block")
 GROUP = 128  # fp8 block edge, and what H and I must be multiples of
 NG = 8  # 128-groups per step of the Triton passes (1024 values)
+MASKED_ROWS = 16  # rows per program of the masked-layout passes (a program stops at its expert's count)
 FP8_PAYLOAD = PayloadFormat(name="fp8_block", dtype=torch.float8_e4m3fn, block_size=GROUP,
                             scale_dtype=torch.float32, scale_layout="linear")
 
@@ -327,10 +328,12 @@ class DeepGEMMExperts(Experts):
         else:
             s, s_strides = a, (0, 0)
         h2 = h.view(rows, h.shape[-1])
-        self._launch("dg_act_kernel", (rows, _cdiv(I, NG * GROUP)),
+        cols = _cdiv(I, NG * GROUP)
+        grid = (rows, cols) if masked_rows is None else (rows // M, _cdiv(M, MASKED_ROWS), cols)
+        self._launch("dg_act_kernel", grid,
                      (h2, valid, a, s, I, M, h2.stride(0), a.stride(0), *s_strides, alpha, beta, limit),
                      dict(ACT=ACT, HAS_LIMIT=HAS_LIMIT, GATED=cfg.is_gated, MASKED=masked_rows is not None,
-                          QUANT=self.fp8, NG=NG, num_warps=4))
+                          QUANT=self.fp8, NG=NG, ROWS=MASKED_ROWS, num_warps=4))
         return a, (s if self.fp8 else None)
 
     def _forward_masked(self, tokens) -> torch.Tensor:
@@ -356,8 +359,9 @@ class DeepGEMMExperts(Experts):
             x = hidden.reshape(E * M, H)
             if x.stride(-1) != 1:
                 x = x.contiguous()
-            self._launch("dg_quant_masked_kernel", (E * M, _cdiv(H, NG * GROUP)),
-                         (x, counts, q, s, H, M, x.stride(0), H, s.stride(0), s.stride(1)), dict(NG=NG, num_warps=4))
+            self._launch("dg_quant_masked_kernel", (E, _cdiv(M, MASKED_ROWS), _cdiv(H, NG * GROUP)),
+                         (x, counts, q, s, H, M, x.stride(0), H, s.stride(0), s.stride(1)),
+                         dict(NG=NG, ROWS=MASKED_ROWS, num_warps=4))
             a = (q, s[:, :, :M].transpose(1, 2))
         else:
             a = hidden.contiguous()

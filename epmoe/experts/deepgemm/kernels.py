@@ -72,9 +72,29 @@ def dg_gather_kernel(
 
 
 @triton.jit
+def _act_row(h_ptr, a_ptr, as_ptr, r, m, grp, offs, ok, gi, I, stride_hm, stride_am, stride_asb, stride_asg, alpha, beta,
+             limit, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, GATED: tl.constexpr, QUANT: tl.constexpr,
+             NG: tl.constexpr):
+    row = h_ptr + r * stride_hm
+    g = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
+    u = g
+    if GATED:
+        u = tl.load(row + I + offs, mask=ok, other=0.0).to(tl.float32)
+    act = tl.where(ok, _activation(g, u, alpha, beta, limit, ACT, HAS_LIMIT), 0.0)
+    if QUANT:
+        v2 = tl.reshape(act, (NG, 128))
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v2), axis=1), 1e-10), FP8_MAX)
+        q = tl.reshape(tl.clamp(tl.math.div_rn(v2, scale[:, None]), -FP8_MAX, FP8_MAX), (NG * 128,))
+        tl.store(a_ptr + r * stride_am + offs, q.to(a_ptr.dtype.element_ty), mask=ok)
+        tl.store(as_ptr + grp * stride_asb + gi.to(tl.int64) * stride_asg + m, scale, mask=gi * 128 < I)
+    else:
+        tl.store(a_ptr + r * stride_am + offs, act.to(a_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def dg_act_kernel(
     h_ptr,  # [rows, R] gemm1 output (bf16); R = 2I (gated: gate then up) or I
-    valid_ptr,  # flat: [rows] int32 m_indices (-1: padding); masked: [G] int32 masked_m
+    valid_ptr,  # flat: [rows] int32 m_indices (-1: padding); masked: [G] int32 valid rows per expert
     a_ptr,  # [rows, I] out: bf16, or e4m3 (QUANT)
     as_ptr,  # out (QUANT): fp32 scale of (row, group g) at as_ptr + grp * stride_asb + g * stride_asg + m
     I,
@@ -92,35 +112,28 @@ def dg_act_kernel(
     MASKED: tl.constexpr,
     QUANT: tl.constexpr,
     NG: tl.constexpr,
+    ROWS: tl.constexpr,  # masked: rows per program (the program stops at the expert's count)
 ):
-    r = tl.program_id(0).to(tl.int64)
+    """flat: grid (rows, column blocks); masked: grid (G, row blocks of ROWS, column blocks), so the
+    empty slots of the masked layout cost no programs."""
+    BLOCK: tl.constexpr = NG * 128
     if MASKED:
-        grp = r // M
-        m = r - grp * M
-        live = m < tl.load(valid_ptr + grp)
+        grp = tl.program_id(0).to(tl.int64)
+        m0 = tl.program_id(1) * ROWS
+        col = tl.program_id(2)
+        m_end = tl.minimum(m0 + ROWS, tl.load(valid_ptr + grp))
+        offs = col * BLOCK + tl.arange(0, BLOCK)
+        gi = col * NG + tl.arange(0, NG)
+        for m in range(m0, m_end):
+            _act_row(h_ptr, a_ptr, as_ptr, grp * M + m, m, grp, offs, offs < I, gi, I, stride_hm, stride_am,
+                     stride_asb, stride_asg, alpha, beta, limit, ACT, HAS_LIMIT, GATED, QUANT, NG)
     else:
-        grp = r * 0
-        m = r
-        live = tl.load(valid_ptr + r) >= 0
-    if live:
-        BLOCK: tl.constexpr = NG * 128
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < I
-        row = h_ptr + r * stride_hm
-        g = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
-        u = g
-        if GATED:
-            u = tl.load(row + I + offs, mask=ok, other=0.0).to(tl.float32)
-        act = tl.where(ok, _activation(g, u, alpha, beta, limit, ACT, HAS_LIMIT), 0.0)
-        if QUANT:
-            v2 = tl.reshape(act, (NG, 128))
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v2), axis=1), 1e-10), FP8_MAX)
-            q = tl.reshape(tl.clamp(tl.math.div_rn(v2, scale[:, None]), -FP8_MAX, FP8_MAX), (BLOCK,))
-            tl.store(a_ptr + r * stride_am + offs, q.to(a_ptr.dtype.element_ty), mask=ok)
+        r = tl.program_id(0).to(tl.int64)
+        if tl.load(valid_ptr + r) >= 0:
+            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
             gi = tl.program_id(1) * NG + tl.arange(0, NG)
-            tl.store(as_ptr + grp * stride_asb + gi.to(tl.int64) * stride_asg + m, scale, mask=gi * 128 < I)
-        else:
-            tl.store(a_ptr + r * stride_am + offs, act.to(a_ptr.dtype.element_ty), mask=ok)
+            _act_row(h_ptr, a_ptr, as_ptr, r, r, r * 0, offs, offs < I, gi, I, stride_hm, stride_am, stride_asb,
+                     stride_asg, alpha, beta, limit, ACT, HAS_LIMIT, GATED, QUANT, NG)
 
 
 @triton.jit
@@ -136,18 +149,20 @@ def dg_quant_masked_kernel(
     stride_sb,
     stride_sg,
     NG: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64)
-    grp = r // M
-    m = r - grp * M
-    if m < tl.load(counts_ptr + grp):
-        BLOCK: tl.constexpr = NG * 128
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < H
+    """grid (G, row blocks of ROWS, column blocks): rows past an expert's count cost nothing."""
+    BLOCK: tl.constexpr = NG * 128
+    grp = tl.program_id(0).to(tl.int64)
+    m0 = tl.program_id(1) * ROWS
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    gi = tl.program_id(2) * NG + tl.arange(0, NG)
+    for m in range(m0, tl.minimum(m0 + ROWS, tl.load(counts_ptr + grp))):
+        r = grp * M + m
         v = tl.load(x_ptr + r * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
         v2 = tl.reshape(v, (NG, 128))
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v2), axis=1), 1e-10), FP8_MAX)
         q = tl.reshape(tl.clamp(tl.math.div_rn(v2, scale[:, None]), -FP8_MAX, FP8_MAX), (BLOCK,))
         tl.store(q_ptr + r * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-        gi = tl.program_id(1) * NG + tl.arange(0, NG)
         tl.store(s_ptr + grp * stride_sb + gi.to(tl.int64) * stride_sg + m, scale, mask=gi * 128 < H)

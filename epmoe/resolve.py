@@ -64,7 +64,7 @@ class MeasuredChoice:
 
 # experts="auto": per arch and expert mode, the backend measured fastest (and checked correct) at each
 # batch size, from `benchmarks/bench_experts.py` (DeepSeek-V3 expert shape, 128 local experts, decode
-# T=128 and prefill T=4096 per rank, same run; docs/benchmarks.md "FlashInfer CUTLASS fused MoE"). The
+# T=128 and prefill T=4096 per rank, same run; docs/benchmarks.md "Expert stage"). The
 # batch is the layer's max tokens per rank. FlashInfer's module there was a FAST_BUILD (one tile shape).
 _H200 = "H200 2026-12-04 (docs/results/h200-2026-12-04)"
 MEASURED_AUTO: Dict[Tuple[str, str], Tuple[MeasuredChoice, ...]] = {

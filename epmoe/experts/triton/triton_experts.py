@@ -268,7 +268,7 @@ GLUON_W4A16_WORDS_TILES: Dict[str, Tuple[int, int, int]] = {"mxfp4_w4a16": (4, 1
 # row's scale pair of a K step copied with the step's weights, read from shared memory where it is used) or,
 # False, loaded from global memory one K step ahead into registers. H200 2026-12-03, T = 4096, same run,
 # alternating: 7.128 -> 6.872 ms nvfp4, 6.942 -> 6.580 mxfp4 (the bf16 auto prefill: 6.951), the same
-# output bit for bit (docs/benchmarks.md, "W4A16 scales through the wgmma kernel's ring")
+# output bit for bit (docs/results/h200-2026-12-03c/README.md, "W4A16 scales through the wgmma kernel's ring")
 WGMMA_SCALE_RING = True
 # gemm1's tokens in the wgmma kernel's K order: rows per program of `permute_k_kernel` (256 K values each)
 PERMUTE_K_ROWS = 8

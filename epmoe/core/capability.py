@@ -37,7 +37,8 @@ class BackendRequest:
     hidden_size / intermediate_size / num_experts / top_k: the layer's shape (kernels with shape
                      limits check it)
     checkpoint:      the checkpoint family ("none" = unquantized, quantized online at load; "fp8",
-                     "nvfp4", "mxfp4", "mxfp8"): some kernels need what only a checkpoint carries"""
+                     "nvfp4", "mxfp4", "mxfp8"): some kernels need what only a checkpoint carries
+    training:        gradients must flow through the layer (`supports_training` answers; docs/training.md)"""
 
     expert_mode: str = "bf16"
     layout: str = "flat"
@@ -55,6 +56,7 @@ class BackendRequest:
     num_experts: int = 256
     top_k: int = 8
     checkpoint: str = "none"
+    training: bool = False
 
     def has(self, package: str) -> bool:
         return package in self.packages

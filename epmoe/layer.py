@@ -87,6 +87,21 @@ def training_support(plan: QuantPlan, config: MoEConfig, ep_size: int) -> Availa
     return Availability.yes()
 
 
+class _ZeroGrads(torch.autograd.Function):
+    """out -> out, and a zero gradient for each of `params` in backward: the experts of a rank that
+    received no routed row still get a gradient (0), as the unsharded model's expert tensors do, so an
+    optimizer with momentum or weight decay steps them the same way (a None gradient is skipped)."""
+
+    @staticmethod
+    def forward(ctx, out, *params):
+        ctx.shapes = [(p.shape, p.dtype, p.device) for p in params]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + tuple(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes)
+
+
 class _RefuseBackward(torch.autograd.Function):
     """Put after the output of a layer that does not train, when its inputs require grad: a backward
     through it raises (on every rank that reaches it: the layer's setting is agreed) instead of
@@ -924,8 +939,12 @@ class EPMoE(torch.nn.Module):
             def run(hidden, weights):
                 return self.experts.train_forward(replace(tokens, hidden=hidden, topk_weights=weights), params)
 
-            return checkpoint(run, tokens.hidden, tokens.topk_weights, use_reentrant=False)
-        return self.experts.train_forward(tokens, params)
+            out = checkpoint(run, tokens.hidden, tokens.topk_weights, use_reentrant=False)
+        else:
+            out = self.experts.train_forward(tokens, params)
+        if not bool((tokens.topk_ids >= 0).any()):  # no routed row here: the experts used no parameter
+            out = _ZeroGrads.apply(out, *params.values())
+        return out
 
     def _arm_watchdog(self, phase: str = "dispatch"):
         """Arm the watchdog for this call (epmoe/core/watchdog.py); None when it is off for this layer."""

@@ -417,3 +417,36 @@ def test_grouped_mm_train_forward_matches_reference_experts(cfg_name):
     for name, a, b in zip(["out", "x", "weights"] + sorted(ref.parameters()), got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"seed {seed} {name}")
     assert torch.all(want[0][4] == 0) and torch.all(got[1][4] == 0)
+
+
+def test_bf16_gradients_cpu_ranks():
+    """The GPU test's bf16 check (tests/gpu/test_training_gpu.py) on 2 CPU ranks, reference experts:
+    bf16 output and gradients within bf16 error of the float64 reference under autograd."""
+    from tests.cpu.mp import assert_checks
+    from tests.gpu.test_training_gpu import _shared_gpu_worker
+
+    seed = fresh_seed()
+    per_rank = run_group(_shared_gpu_worker, 2, seed, (40, 0), "cpu", ("reference",), timeout=240)
+    assert_checks(per_rank, ["reference"], seed)
+
+
+def test_bench_training_runs_on_cpu(tmp_path):
+    """benchmarks/bench_training.py end to end at a tiny float32 shape on CPU (the GPU run is the same
+    code at the DeepSeek-V3 shape): the three rows, their gradients equal (float32, the same math)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "bench_training.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_training.py"), "--device", "cpu",
+                        "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32", "--tokens", "16",
+                        "--iters", "2", "--warmup", "1", "--json", str(out)],
+                       capture_output=True, text=True, cwd=root, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert set(rep["results"]) == {"epmoe", "epmoe_recompute", "peer_torch_bf16", "ratio_epmoe_over_peer"}
+    for row in ("epmoe", "epmoe_recompute", "peer_torch_bf16"):
+        assert rep["results"][row]["forward_backward_ms"] > 0
+        assert max(rep["results"][row]["grad_max_rel_diff_vs_epmoe"].values()) < 1e-5, rep["results"][row]

@@ -123,3 +123,20 @@ def test_sgd_steps_match_one_process(tmp_path, family):
             assert s["dense"] < 1e-5 and s["experts"] < 1e-5, (family, rank, step, s)
         assert log[-1]["loss"] != log[0]["loss"], log  # the steps moved the weights
         assert same_gen, (family, rank)
+
+
+def test_training_example_runs_on_cpu(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(root, "examples", "hf_train.py"), "--dir", str(tmp_path / "model"), "--steps", "3"]
+    proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: every step's loss equals one process training the unsharded model: True" in proc.stdout, \
+            proc.stdout
+        assert f"rank {rank}: rollout after training, same tokens as the unsharded model: True" in proc.stdout

@@ -324,10 +324,11 @@ def test_grad_mode_must_agree_across_ranks():
 
 
 def _bad_grad_worker(rank, world, case):
-    """One rank hands the layer's backward a bad gradient (through a hook on the output, which reaches the
-    layer's backward as is): every rank raises, none waits in the all-to-all."""
+    """One rank's hook on the layer output returns a gradient of the wrong dtype / shape: torch rejects it
+    on that rank before any backward node runs there; the other rank, waiting in the layer's backward,
+    raises a fault report naming the phase within the timeout instead of hanging."""
     cfg = _config("softmax_swiglu", torch.float32)
-    layer = EPMoE(cfg, training=True, timeout_s=20)
+    layer = EPMoE(cfg, training=True, timeout_s=5)
     layer.load_weights(random_weights(cfg, 3))
     x = torch.randn(3, cfg.hidden_size, requires_grad=True)
     y = layer(x, torch.randn(3, cfg.num_experts))
@@ -339,6 +340,8 @@ def _bad_grad_worker(rank, world, case):
     try:
         y.sum().backward()
     except (RuntimeError, ValueError, RemoteRankError) as e:
+        if rank == 1:
+            time.sleep(8)  # stays alive past rank 0's timeout
         return f"{type(e).__name__}: {e}"
     return "no error"
 
@@ -346,9 +349,34 @@ def _bad_grad_worker(rank, world, case):
 @pytest.mark.parametrize("case", ["dtype", "shape"])
 def test_bad_gradient_raises_on_every_rank(case):
     msgs = run_group(_bad_grad_worker, 2, case, timeout=90)
-    assert all(m != "no error" for m in msgs), msgs
-    if "ValueError" in msgs[1] or "PeerInputError" in msgs[0]:
-        assert "backward of combine" in msgs[1] and "PeerInputError" in msgs[0], msgs
+    assert "hook" in msgs[1] and ("type" in msgs[1] or "size" in msgs[1]), msgs
+    assert msgs[0].startswith("CollectiveTimeoutError") and "backward of combine" in msgs[0], msgs
+
+
+def _agreed_check_worker(rank, world):
+    """What reaches the layer's backward is agreed over the group first: a gradient that is not the
+    output's (a device mismatch here, called directly) raises on every rank, none waits."""
+    from epmoe.dispatch.autograd import _Combine
+
+    cfg = _config("softmax_swiglu", torch.float32)
+    layer = EPMoE(cfg, training=True, timeout_s=20)
+    layer.load_weights(random_weights(cfg, 3))
+    x = torch.randn(3, cfg.hidden_size, requires_grad=True)
+    y = layer(x, torch.randn(3, cfg.num_experts))
+    node = y.grad_fn
+    assert type(node).__name__ == "_CombineBackward"
+    g = torch.ones(3, cfg.hidden_size, dtype=torch.float64 if rank == 1 else torch.float32)
+    try:
+        _Combine.backward(node, g)
+    except (ValueError, RemoteRankError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_bad_gradient_in_layer_backward_raises_on_every_rank():
+    msgs = run_group(_agreed_check_worker, 2, timeout=90)
+    assert msgs[1].startswith("ValueError") and "has dtype torch.float64; expected torch.float32" in msgs[1], msgs
+    assert msgs[0].startswith("PeerInputError") and "rank 1" in msgs[0], msgs
 
 
 def _backward_skipped_worker(rank, world):

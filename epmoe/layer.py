@@ -54,9 +54,15 @@ class TrainingConfig:
                        the local experts' activations there (torch.utils.checkpoint around the experts
                        stage; no collective is recomputed). False: the experts backend saves what its
                        backward reads (reference: per expert its input rows, FC1 output and activation;
-                       grouped_mm: the sorted rows, FC1 output and activation)."""
+                       grouped_mm: the sorted rows, FC1 output and activation).
+    fp32_grad_accumulation: expert parameters held in bf16 / fp16 accumulate their gradients in fp32:
+                       each backward's gradient is added to `param.main_grad` (float32, same shape)
+                       and `param.grad` is left None (Megatron's convention); the trainer steps from
+                       `main_grad` and clears it with `EPMoE.zero_main_grad()`. Parameters in float32
+                       / float64 keep `.grad` as usual."""
 
     recompute_experts: bool = False
+    fp32_grad_accumulation: bool = False
 
 
 def _parse_training(training: Union[bool, TrainingConfig, None]) -> Optional[TrainingConfig]:
@@ -100,6 +106,12 @@ class _ZeroGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad,) + tuple(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes)
+
+
+def _accumulate_main_grad(p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: this backward's gradient into the fp32 `main_grad`, `.grad` cleared."""
+    p.main_grad.add_(p.grad)
+    p.grad = None
 
 
 class _RefuseBackward(torch.autograd.Function):
@@ -580,27 +592,40 @@ class EPMoE(torch.nn.Module):
         """The local experts' tensors as nn.Parameters of this module, over the backend's storage: an
         optimizer step updates what inference reads, a reload copies into them in place."""
         for name, t in self.experts.parameters().items():
-            self.register_parameter(name, torch.nn.Parameter(t, requires_grad=True))
+            p = torch.nn.Parameter(t, requires_grad=True)
+            if self.training_config.fp32_grad_accumulation and p.dtype in (torch.bfloat16, torch.float16):
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+            self.register_parameter(name, p)
+
+    def zero_main_grad(self) -> None:
+        """Zero the fp32 `main_grad` of every expert parameter (TrainingConfig(fp32_grad_accumulation=True))."""
+        for p in self.parameters(recurse=False):
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
 
     def expert_gradients(self) -> Optional[ExpertWeights]:
         """The gradients of this rank's local experts in the canonical layout (w1, w3, w2 [, b13, b2];
-        first_expert = the first local expert), or None before any backward. A training layer only."""
+        first_expert = the first local expert; `main_grad` where fp32 accumulation is on), or None before
+        any backward. A training layer only."""
         if self.training_config is None:
             raise ValueError(f"{self.name} was built without training; build it with training=True")
         p = dict(self.named_parameters(recurse=False))
-        if "w13" not in p or p["w13"].grad is None:
+        grad = lambda t: t.main_grad if hasattr(t, "main_grad") else t.grad  # noqa: E731 - fp32 accumulation
+        if "w13" not in p or grad(p["w13"]) is None:
             return None
         E, I = self.num_local_experts, self.config.intermediate_size
-        g13, g2 = p["w13"].grad[:E], p["w2"].grad[:E]
+        g13, g2 = grad(p["w13"])[:E], grad(p["w2"])[:E]
         w1, w3 = (g13[:, :I], g13[:, I:]) if self.config.is_gated else (g13, None)
         b13 = b2 = None
         if "b13" in p:
-            b13 = p["b13"].grad[:E] if p["b13"].grad is not None else torch.zeros_like(p["b13"][:E])
-            b2 = p["b2"].grad[:E] if p["b2"].grad is not None else torch.zeros_like(p["b2"][:E])
+            b13 = grad(p["b13"])[:E] if grad(p["b13"]) is not None else torch.zeros_like(p["b13"][:E])
+            b2 = grad(p["b2"])[:E] if grad(p["b2"]) is not None else torch.zeros_like(p["b2"][:E])
         return ExpertWeights(w1=w1, w2=g2, w3=w3, b13=b13, b2=b2, first_expert=self.first_local_expert)
 
     def _gradients_pending(self) -> bool:
-        return any(p.grad is not None for p in self.parameters(recurse=False))
+        return any(p.grad is not None or (hasattr(p, "main_grad") and bool(p.main_grad.any()))
+                   for p in self.parameters(recurse=False))
 
     # ------------------------------------------------------------------ expert placement (EPLB)
     @property

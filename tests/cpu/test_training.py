@@ -478,3 +478,47 @@ def test_bench_training_runs_on_cpu(tmp_path):
     for row in ("epmoe", "epmoe_recompute", "peer_torch_bf16"):
         assert rep["results"][row]["forward_backward_ms"] > 0
         assert max(rep["results"][row]["grad_max_rel_diff_vs_epmoe"].values()) < 1e-5, rep["results"][row]
+
+
+def _fp32_accumulation_worker(rank, world, seed):
+    """bf16 experts with fp32 gradient accumulation over 3 micro-batches: main_grad (fp32) holds the sum,
+    .grad stays None, within bf16 error of the float64 reference's summed gradients; zero_main_grad
+    clears it; a rebalance is refused while main_grad holds a gradient."""
+    from epmoe import TrainingConfig
+    from epmoe.eplb import EPLBConfig
+
+    cfg = _config("softmax_swiglu", torch.bfloat16).replace(hidden_size=16, intermediate_size=8)
+    w = random_weights(cfg, seed)
+    layer = EPMoE(cfg, training=TrainingConfig(fp32_grad_accumulation=True), eplb=EPLBConfig(), timeout_s=30)
+    layer.load_weights(w)
+    assert layer.w13.main_grad.dtype == torch.float32
+    e0, e1 = layer.first_local_expert, layer.first_local_expert + layer.num_local_experts
+    total = [torch.zeros(6, *t.shape[1:], dtype=torch.float64) for t in global_params(cfg.replace(dtype=torch.float64), w)[:2]]
+    for mb in range(3):
+        counts = (5, 3)
+        X, L = _global_inputs(cfg, counts, seed + mb)
+        gY = torch.randn(X.shape, generator=torch.Generator().manual_seed(seed + 50 + mb), dtype=torch.float64)
+        lo = sum(counts[:rank])
+        x = X[lo: lo + counts[rank]].to(torch.bfloat16)
+        lg = L[lo: lo + counts[rank]].float()
+        (layer(x, lg).double() * gY[lo: lo + counts[rank]]).sum().backward()
+        _, _, _, gP = _reference_grads(cfg, w, X.to(torch.bfloat16).double(), L.float().double(), None, gY)
+        total = [a + b for a, b in zip(total, gP[:2])]
+    ok_none = layer.w13.grad is None and layer.w2.grad is None
+    err = max(float((layer.w13.main_grad - total[0][e0:e1]).abs().max() / total[0][e0:e1].abs().max()),
+              float((layer.w2.main_grad - total[1][e0:e1]).abs().max() / total[1][e0:e1].abs().max()))
+    try:
+        layer.rebalance(force=True)
+        refused = False
+    except RuntimeError as e:
+        refused = "gradients are pending" in str(e)
+    layer.zero_main_grad()
+    cleared = not bool(layer.w13.main_grad.any())
+    return ok_none, err, refused, cleared
+
+
+def test_fp32_gradient_accumulation():
+    seed = fresh_seed()
+    for ok_none, err, refused, cleared in run_group(_fp32_accumulation_worker, 2, seed):
+        assert ok_none and refused and cleared
+        assert err < 3e-2, f"seed {seed}: {err}"

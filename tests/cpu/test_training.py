@@ -445,6 +445,9 @@ def test_grouped_mm_train_forward_matches_reference_experts(cfg_name):
     for name, a, b in zip(["out", "x", "weights"] + sorted(ref.parameters()), got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"seed {seed} {name}")
     assert torch.all(want[0][4] == 0) and torch.all(got[1][4] == 0)
+    none_here = torch.full_like(ids, -1)  # every entry's expert elsewhere: zeros, no GEMM of 0 rows
+    assert torch.equal(grouped_mm_train_forward(x, none_here, wts, ref.parameters(), cfg, cfg.num_experts),
+                       torch.zeros_like(x))
 
 
 def test_bf16_gradients_cpu_ranks():

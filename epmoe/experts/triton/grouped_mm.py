@@ -211,6 +211,8 @@ def grouped_mm_train_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=E + 1)[:E]
     n = int(counts.sum())  # the valid entries come first in `order`
+    if n == 0:  # no routed entry here: nothing to compute (the layer gives the parameters zero gradients)
+        return torch.zeros(N, H, dtype=hidden.dtype, device=hidden.device)
     order = order[:n]
     offs = counts.cumsum(0).to(torch.int32)
     token = order // K

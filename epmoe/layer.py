@@ -82,9 +82,6 @@ def training_support(plan: QuantPlan, config: MoEConfig, ep_size: int) -> Availa
                    hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_experts=config.num_experts, top_k=config.top_k, checkpoint=plan.checkpoint_quant,
                    training=True)
-    if plan.expert_mode != "bf16":
-        return Availability.no(f"expert mode {plan.expert_mode!r} is inference-only (quantized experts have no "
-                               "gradient)", "train with an unquantized checkpoint (quant=None)")
     for kind, cls in (("dispatcher", DISPATCHERS.get(plan.dispatcher)), ("experts", EXPERTS.get(plan.experts_backend))):
         fn = getattr(cls, "supports_training", None)
         ok = fn(request) if fn is not None else Availability.no(f"{kind} {cls.__name__} declares no training support")

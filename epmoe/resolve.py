@@ -220,10 +220,7 @@ def resolve_plan(
         intermediate_size=config.intermediate_size, num_experts=config.num_experts, top_k=config.top_k,
         checkpoint=md.family, training=bool(training),
     )
-    if training and md.mode != "bf16":
-        raise ValueError(
-            f"expert mode {md.mode!r} is inference-only: quantized experts have no gradient; train with an "
-            "unquantized checkpoint (quant=None, dtype bf16 or float32) and quantize for inference")
+
     # the dispatcher must run here at all (bf16 wire, or the explicit one)
     first_wire = "bf16" if dispatch_dtype == "auto" else dispatch_dtype
     ok = _ask(d_cls, "supports", replace(base, wire=first_wire))

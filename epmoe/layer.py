@@ -230,7 +230,9 @@ class EPMoE(torch.nn.Module):
                    backward through the layer raises, naming why)
 
     Arithmetic: experts compute in float32 (or the plan's quantized format) whatever the model dtype;
-    a float64 layer takes and returns float64 but is accurate to float32 (a UserWarning says so).
+    a float64 layer takes and returns float64 but is accurate to float32 (a UserWarning says so), except
+    with gradients (training=True): the reference experts, the routing weights and the torch
+    dispatcher's combine then run in float64 (gradient checks).
 
     `dispatcher` may also be a Dispatcher built for another layer: several layers (a model) then
     share one dispatcher and its workspace (it must match this layer's group and shape).
@@ -367,8 +369,9 @@ class EPMoE(torch.nn.Module):
             raise error
         if config.dtype == torch.float64:
             warnings.warn(
-                f"{name}: dtype float64: the experts compute in float32 arithmetic, so outputs (float64) are "
-                "accurate to float32 (~1e-7 relative), not float64; use epmoe.reference_moe for a float64 result",
+                f"{name}: dtype float64: the routing weights are float32 (without gradients) and experts other than "
+                "'reference' compute in float32, so outputs (float64) are accurate to float32 (~1e-7 relative), not "
+                "float64; use epmoe.reference_moe for a float64 result (training=True computes in float64 throughout)",
                 UserWarning, stacklevel=2)
 
         self.slot_config = slot_config

@@ -19,8 +19,8 @@ Training (docs/training.md): `train_forward` runs `grouped_mm_train_forward`, th
 under autograd (torch._grouped_mm has a backward: grouped GEMMs for the input and the weight
 gradients). It sorts the routed entries by expert and keeps exactly the valid ones (one host sync for
 their count), so no garbage row past offs[-1] reaches a gradient. Saved for backward: the sorted input
-rows [n, H], the FC1 output [n, R] (fp32), the activation [n, I] and the FC2 output [n, H] (fp32), with
-n = routed (token, local expert) pairs; `TrainingConfig(recompute_experts=True)` saves only the
+rows [n, H], the FC1 output [n, R] (fp32), the activation [n, I] and the FC2 output [n, H] (bf16; fp32
+with biases), with n = routed (token, local expert) pairs; `TrainingConfig(recompute_experts=True)` saves only the
 received tokens and recomputes these in backward.
 
 `torch._grouped_mm(mat_a [M, K] bf16, mat_b [G, K, N] bf16 (column-major view), offs [G] int32
@@ -222,9 +222,10 @@ def grouped_mm_train_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_
     if "b13" in params:
         h = h + params["b13"][:E].float().index_select(0, expert)
     a = apply_activation(cfg, h[:, :I], h[:, I:] if cfg.is_gated else None).to(hidden.dtype)
-    y = torch._grouped_mm(a, params["w2"].transpose(1, 2), offs=offs).float()
+    y = torch._grouped_mm(a, params["w2"].transpose(1, 2), offs=offs)
     if "b2" in params:
-        y = y + params["b2"][:E].float().index_select(0, expert)
+        y = y.float() + params["b2"][:E].float().index_select(0, expert)
+    # bf16 rows times fp32 weights: the product is fp32 (type promotion, no separate fp32 copy of y)
     y = y * topk_weights.reshape(-1).index_select(0, order).float().unsqueeze(1)
     out = torch.zeros(N, H, dtype=torch.float32, device=hidden.device).index_add(0, token, y)
     return out.to(hidden.dtype)

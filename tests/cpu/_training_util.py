@@ -70,9 +70,8 @@ def global_params(cfg, w) -> List[torch.Tensor]:
     return [t.detach().clone().to(cfg.dtype) for t in out]
 
 
-def global_layer_fn(layer, counts: Sequence[int], rank: int, replay: bool = False):
-    """f(X_all, L_all, *global params) -> Y_all, the same on every rank (see the module docstring).
-    replay: L_all is (topk_ids, topk_weights) replayed instead of logits: pass ids as a closure input."""
+def global_layer_fn(layer, counts: Sequence[int], rank: int):
+    """f(X_all, L_all, *global params) -> Y_all, the same on every rank (see the module docstring)."""
     lo = sum(counts[:rank])
     T = counts[rank]
     names = param_names(layer.config)

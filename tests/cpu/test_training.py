@@ -277,12 +277,7 @@ def _rebalance_worker(rank, world, seed):
     layer.load_weights(random_weights(cfg, seed))
     x = torch.randn(4, cfg.hidden_size)
     lg = torch.randn(4, cfg.num_experts)
-    if rank == 0:
-        layer(x, lg).sum().backward()
-    else:
-        with torch.no_grad():
-            pass
-        layer(x, lg).sum().backward()
+    layer(x, lg).sum().backward()
     if rank == 1:
         layer.zero_grad(set_to_none=True)  # rank 0 still holds gradients
     errors = []

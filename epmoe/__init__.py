@@ -13,6 +13,7 @@ transformers only by `epmoe.integrations.transformers`.
 Public API:
     MoEConfig                   shape and math of a layer (epmoe.config)
     EPMoE, MoEOutput, StepStats the layer (epmoe.layer)
+    TrainingConfig              how a layer trains: gradients through the layer (docs/training.md)
     Placement, EPLBConfig       where experts live; load balancing (epmoe.core.placement, epmoe.eplb)
     Routing, route              top-k routing (epmoe.routing)
     ExpertWeights               canonical expert tensors (epmoe.quant.weights)
@@ -42,7 +43,7 @@ from epmoe.checkpoint import load_expert_weights
 from epmoe.config import MoEConfig
 from epmoe.core.placement import Placement
 from epmoe.eplb.config import EPLBConfig
-from epmoe.layer import EPMoE, MoEOutput, StepStats
+from epmoe.layer import EPMoE, MoEOutput, StepStats, TrainingConfig
 from epmoe.quant.plan import QuantPlan
 from epmoe.quant.weights import ExpertWeights
 from epmoe.reference import reference_moe
@@ -61,6 +62,7 @@ __all__ = [
     "QuantPlan",
     "Routing",
     "StepStats",
+    "TrainingConfig",
     "load_expert_weights",
     "reference_moe",
     "resolve_plan",

@@ -4,6 +4,11 @@
 
 over the ranks of an EP process group. Each rank may pass a different number of tokens (0 too);
 a batch above `max_num_tokens_per_rank` runs in rounds that all ranks agree on.
+
+Built with `training=True` (or a `TrainingConfig`), a forward with gradients enabled is differentiable:
+dispatch and combine become autograd Functions whose backward is the reverse all-to-all, the experts
+run their `train_forward`, and the routing weights are recomputed from the logits with autograd
+(docs/training.md). Under torch.no_grad / inference_mode nothing changes: the same path, bits and cost.
 """
 
 from __future__ import annotations
@@ -33,10 +38,92 @@ from epmoe.quant.checkpoint_formats import check_fits_plan
 from epmoe.quant.plan import QuantPlan
 from epmoe.resolve import detect_environment, resolve_plan
 from epmoe.quant.weights import ExpertWeights
-from epmoe.routing import Router, Routing
+from epmoe.routing import Router, Routing, routing_weights
+from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendRequest
 
 DEFAULT_MAX_TOKENS_PER_RANK = 4096
 _LAYER_IDS = itertools.count()  # names layers for fault reports; all ranks build layers in one order
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How an EPMoE trains (docs/training.md).
+
+    recompute_experts: save only the received tokens (hidden, ids, weights) for backward and recompute
+                       the local experts' activations there (torch.utils.checkpoint around the experts
+                       stage; no collective is recomputed). False: the experts backend saves what its
+                       backward reads (reference: per expert its input rows, FC1 output and activation;
+                       grouped_mm: the sorted rows, FC1 output and activation).
+    fp32_grad_accumulation: expert parameters held in bf16 / fp16 accumulate their gradients in fp32:
+                       each backward's gradient is added to `param.main_grad` (float32, same shape)
+                       and `param.grad` is left None (Megatron's convention); the trainer steps from
+                       `main_grad` and clears it with `EPMoE.zero_main_grad()`. Parameters in float32
+                       / float64 keep `.grad` as usual."""
+
+    recompute_experts: bool = False
+    fp32_grad_accumulation: bool = False
+
+
+def _parse_training(training: Union[bool, TrainingConfig, None]) -> Optional[TrainingConfig]:
+    if training is None or training is False:
+        return None
+    if training is True:
+        return TrainingConfig()
+    if isinstance(training, TrainingConfig):
+        return training
+    raise TypeError(f"training={training!r}; pass True, False or an epmoe.TrainingConfig")
+
+
+def training_support(plan: QuantPlan, config: MoEConfig, ep_size: int) -> Availability:
+    """Can a layer of `plan` train: its dispatcher and experts classes answer `supports_training`."""
+    request = BackendRequest(expert_mode=plan.expert_mode, layout=plan.layout, wire=plan.dispatch_dtype, arch=plan.arch,
+                   ep_size=ep_size, model_dtype=dtype_name(config.dtype), act_format=plan.act_format,
+                   hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                   num_experts=config.num_experts, top_k=config.top_k, checkpoint=plan.checkpoint_quant,
+                   training=True)
+    for kind, cls in (("dispatcher", DISPATCHERS.get(plan.dispatcher)), ("experts", EXPERTS.get(plan.experts_backend))):
+        fn = getattr(cls, "supports_training", None)
+        ok = fn(request) if fn is not None else Availability.no(f"{kind} {cls.__name__} declares no training support")
+        if not ok:
+            return ok
+    return Availability.yes()
+
+
+class _ZeroGrads(torch.autograd.Function):
+    """out -> out, and a zero gradient for each of `params` in backward: the experts of a rank that
+    received no routed row still get a gradient (0), as the unsharded model's expert tensors do, so an
+    optimizer with momentum or weight decay steps them the same way (a None gradient is skipped)."""
+
+    @staticmethod
+    def forward(ctx, out, *params):
+        ctx.shapes = [(p.shape, p.dtype, p.device) for p in params]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + tuple(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.shapes)
+
+
+def _accumulate_main_grad(p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: this backward's gradient into the fp32 `main_grad`, `.grad` cleared."""
+    p.main_grad.add_(p.grad)
+    p.grad = None
+
+
+class _RefuseBackward(torch.autograd.Function):
+    """Put after the output of a layer that does not train, when its inputs require grad: a backward
+    through it raises (on every rank that reaches it: the layer's setting is agreed) instead of
+    handing the inputs a wrong (missing) gradient."""
+
+    @staticmethod
+    def forward(ctx, message, out, *inputs):
+        ctx.message = message
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
 
 
 @dataclass(frozen=True)
@@ -134,9 +221,18 @@ class EPMoE(torch.nn.Module):
                    placement, nothing added to the forward
     placement:     a `Placement` to start from (or its slot_to_expert list); alone, a static placement
                    (loaded and routed to as given, no load recorded)
+    training:      True or a `TrainingConfig`: the layer trains (docs/training.md). The plan must train
+                   (`supports_training` of its dispatcher and experts: unquantized experts, 'torch'
+                   dispatcher, 'reference' or 'grouped_mm' experts); refused at construction otherwise.
+                   The local experts' tensors become nn.Parameters of this module at the first
+                   load_weights (w13 [E_local, 2I, H] gate then up, w2 [E_local, H, I], b13, b2), and a
+                   forward with gradients enabled is differentiable. None / False: inference only (a
+                   backward through the layer raises, naming why)
 
     Arithmetic: experts compute in float32 (or the plan's quantized format) whatever the model dtype;
-    a float64 layer takes and returns float64 but is accurate to float32 (a UserWarning says so).
+    a float64 layer takes and returns float64 but is accurate to float32 (a UserWarning says so), except
+    with gradients (training=True): the reference experts, the routing weights and the torch
+    dispatcher's combine then run in float64 (gradient checks).
 
     `dispatcher` may also be a Dispatcher built for another layer: several layers (a model) then
     share one dispatcher and its workspace (it must match this layer's group and shape).
@@ -166,6 +262,7 @@ class EPMoE(torch.nn.Module):
         watchdog: bool = True,
         eplb: Optional[EPLBConfig] = None,
         placement: Union[Placement, Sequence[int], None] = None,
+        training: Union[bool, TrainingConfig, None] = None,
         name: str = "EPMoE",
     ):
         super().__init__()
@@ -198,12 +295,21 @@ class EPMoE(torch.nn.Module):
         # the group, so a rank with a bad setting never leaves the others waiting.
         error: Optional[BaseException] = None
         d_options = e_options = None
+        train_cfg: Optional[TrainingConfig] = None
         start: Optional[Placement] = None  # None: the contiguous placement without EPLB
         slot_config = config  # what dispatchers and experts see: one "expert" per physical slot
         try:
             if isinstance(max_num_tokens_per_rank, bool) or not isinstance(max_num_tokens_per_rank, int) or max_num_tokens_per_rank <= 0:
                 raise ValueError(f"max_num_tokens_per_rank={max_num_tokens_per_rank!r}; pass a positive int")
-            start = _resolve_placement(config, self.ep_size, eplb, placement)
+            train_cfg = _parse_training(training)
+            redundant = getattr(eplb, "num_redundant_experts", 0) if isinstance(eplb, EPLBConfig) else 0
+            start = None if train_cfg is not None and redundant else \
+                _resolve_placement(config, self.ep_size, eplb, placement)
+            if train_cfg is not None and (redundant or (start is not None and start.num_slots != config.num_experts)):
+                raise ValueError(
+                    f"training with {redundant or start.num_slots - config.num_experts} redundant expert slots: replicas of one "
+                    "expert on several ranks would get different gradients and drift apart; train with "
+                    "eplb=None or EPLBConfig(num_redundant_experts=0)")
             if start is None and config.num_experts % self.ep_size:
                 raise ValueError(
                     f"num_experts={config.num_experts} is not divisible by the EP size {self.ep_size}; "
@@ -227,7 +333,7 @@ class EPMoE(torch.nn.Module):
                     slot_config, dispatcher=dispatcher_name, experts=experts, quant=quant, dispatch_dtype=dispatch_dtype,
                     humming=humming, mxfp8_act_scaling=mxfp8_act_scaling,
                     environment=detect_environment(self.device), ep_size=self.ep_size,
-                    max_tokens_per_rank=max_num_tokens_per_rank,
+                    max_tokens_per_rank=max_num_tokens_per_rank, training=train_cfg is not None,
                 )
             d_cls = DISPATCHERS.get(plan.dispatcher)
             if plan.layout != getattr(d_cls, "layout", "flat"):  # a hand-built plan: the class says
@@ -235,6 +341,10 @@ class EPMoE(torch.nn.Module):
             d_options = d_cls.Options.parse(dispatcher_options, f"dispatcher {plan.dispatcher!r}")
             e_options = EXPERTS.get(plan.experts_backend).Options.parse(
                 experts_options, f"experts backend {plan.experts_backend!r}")
+            trains = training_support(plan, slot_config, self.ep_size)
+            if train_cfg is not None and not trains:
+                raise ValueError(f"{name} cannot train with this plan: {trains.reason}"
+                                 + (f"; {trains.hint}" if trains.hint else ""))
         except (ValueError, TypeError) as e:
             error = e
         self.max_num_tokens_per_rank = max_num_tokens_per_rank
@@ -243,7 +353,7 @@ class EPMoE(torch.nn.Module):
         fingerprint.update(
             dispatcher=dispatcher_name, experts=experts, timeout_s=repr(timeout_s), max_num_tokens_per_rank=repr(max_num_tokens_per_rank),
             deterministic=repr(deterministic), ep_size=repr(self.ep_size), shared_gpu=repr(shared_gpu),
-            check_finite=repr(self.check_finite), watchdog=repr(watchdog), eplb=repr(eplb),
+            check_finite=repr(self.check_finite), watchdog=repr(watchdog), eplb=repr(eplb), training=repr(train_cfg),
             placement="contiguous" if start is None else f"{start.num_slots} slots, digest {start.digest():016x}",
         )
         if plan is not None:
@@ -259,11 +369,14 @@ class EPMoE(torch.nn.Module):
             raise error
         if config.dtype == torch.float64:
             warnings.warn(
-                f"{name}: dtype float64: the experts compute in float32 arithmetic, so outputs (float64) are "
-                "accurate to float32 (~1e-7 relative), not float64; use epmoe.reference_moe for a float64 result",
+                f"{name}: dtype float64: the routing weights are float32 (without gradients) and experts other than "
+                "'reference' compute in float32, so outputs (float64) are accurate to float32 (~1e-7 relative), not "
+                "float64; use epmoe.reference_moe for a float64 result (training=True computes in float64 throughout)",
                 UserWarning, stacklevel=2)
 
         self.slot_config = slot_config
+        self.training_config: Optional[TrainingConfig] = train_cfg
+        self._trains: Availability = trains
         # local slots (= local experts without EPLB) and the global id of the first
         self.num_local_experts = slot_config.num_experts // self.ep_size
         self.first_local_expert = self.ep_rank * self.num_local_experts
@@ -464,12 +577,55 @@ class EPMoE(torch.nn.Module):
         to = self._watch.collective_timeout
         flags = edist.gather_ints([0 if error is None else 1], self.group, to)
         edist.raise_if_any_failed(error, [r for r in range(flags.shape[0]) if flags[r, 0]], self.group, to)
-        self.experts.commit_weights(prepared)
-        if corr is not None:
-            self.e_score_correction_bias.copy_(corr.float())
+        with torch.no_grad():  # a reload copies into the parameters of a training layer in place
+            self.experts.commit_weights(prepared)
+            if corr is not None:
+                self.e_score_correction_bias.copy_(corr.float())
         if not self._weights_loaded:
             self._loaded_dtypes = dtypes
+            if self.training_config is not None:
+                self._register_expert_parameters()
         self._weights_loaded = True
+
+    # ------------------------------------------------------------------ training
+    def _register_expert_parameters(self) -> None:
+        """The local experts' tensors as nn.Parameters of this module, over the backend's storage: an
+        optimizer step updates what inference reads, a reload copies into them in place."""
+        for name, t in self.experts.parameters().items():
+            p = torch.nn.Parameter(t, requires_grad=True)
+            if self.training_config.fp32_grad_accumulation and p.dtype in (torch.bfloat16, torch.float16):
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+            self.register_parameter(name, p)
+
+    def zero_main_grad(self) -> None:
+        """Zero the fp32 `main_grad` of every expert parameter (TrainingConfig(fp32_grad_accumulation=True))."""
+        for p in self.parameters(recurse=False):
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
+
+    def expert_gradients(self) -> Optional[ExpertWeights]:
+        """The gradients of this rank's local experts in the canonical layout (w1, w3, w2 [, b13, b2];
+        first_expert = the first local expert; `main_grad` where fp32 accumulation is on), or None before
+        any backward. A training layer only."""
+        if self.training_config is None:
+            raise ValueError(f"{self.name} was built without training; build it with training=True")
+        p = dict(self.named_parameters(recurse=False))
+        grad = lambda t: t.main_grad if hasattr(t, "main_grad") else t.grad  # noqa: E731 - fp32 accumulation
+        if "w13" not in p or grad(p["w13"]) is None:
+            return None
+        E, I = self.num_local_experts, self.config.intermediate_size
+        g13, g2 = grad(p["w13"])[:E], grad(p["w2"])[:E]
+        w1, w3 = (g13[:, :I], g13[:, I:]) if self.config.is_gated else (g13, None)
+        b13 = b2 = None
+        if "b13" in p:
+            b13 = grad(p["b13"])[:E] if grad(p["b13"]) is not None else torch.zeros_like(p["b13"][:E])
+            b2 = grad(p["b2"])[:E] if grad(p["b2"]) is not None else torch.zeros_like(p["b2"][:E])
+        return ExpertWeights(w1=w1, w2=g2, w3=w3, b13=b13, b2=b2, first_expert=self.first_local_expert)
+
+    def _gradients_pending(self) -> bool:
+        return any(p.grad is not None or (hasattr(p, "main_grad") and bool(p.main_grad.any()))
+                   for p in self.parameters(recurse=False))
 
     # ------------------------------------------------------------------ expert placement (EPLB)
     @property
@@ -520,8 +676,19 @@ class EPMoE(torch.nn.Module):
                              "to rebalance")
         if not self._weights_loaded:
             raise RuntimeError("rebalance before load_weights: load the layer's weights first")
-        return self._balancer.rebalance(self.experts, self.group, self._watch, self.name, load=load,
-                                        placement=placement, force=force)
+        if self.training_config is not None:
+            # moving experts would leave their gradients (and the optimizer's state) on the old slots:
+            # refused while any rank holds gradients, on every rank
+            pending = edist.gather_ints([int(self._gradients_pending())], self.group, self._watch.collective_timeout)
+            ranks = [edist.global_rank(self.group, r) for r in range(pending.shape[0]) if pending[r, 0]]
+            if ranks:
+                raise RuntimeError(
+                    f"{self.name}: rebalance while expert gradients are pending on ranks {ranks}; rebalance between "
+                    "optimizer steps, after optimizer.zero_grad(set_to_none=True) (and move or reset the "
+                    "optimizer's state of moved experts: docs/training.md)")
+        with torch.no_grad():  # moves rows of the training parameters in place
+            return self._balancer.rebalance(self.experts, self.group, self._watch, self.name, load=load,
+                                            placement=placement, force=force)
 
     def _auto_rebalance(self) -> None:
         """EPLBConfig.rebalance_every: due before this call on every rank. A failure raises (on every rank)
@@ -621,6 +788,8 @@ class EPMoE(torch.nn.Module):
         M = self.max_num_tokens_per_rank
         watch, to = self._watch, self._watch.collective_timeout
         watch.next_call()
+        # differentiable: a training layer with gradients enabled (agreed: the backward is collective too)
+        train = self.training_config is not None and torch.is_grad_enabled()
         if not self._distributed:  # one rank: nothing to agree on, no collective
             if error is not None:
                 with watch.phase("agree"):
@@ -628,12 +797,21 @@ class EPMoE(torch.nn.Module):
             tokens_per_rank = (T,)
         else:
             with watch.phase("agree"):
-                agreed = edist.gather_ints([T, 0 if error is None else 1], self.group, to).tolist()
-                failed = [r for r, (_, bad) in enumerate(agreed) if bad]
+                agreed = edist.gather_ints([T, 0 if error is None else 1, int(train)], self.group, to).tolist()
+                failed = [r for r, (_, bad, _) in enumerate(agreed) if bad]
                 edist.raise_if_any_failed(error, failed, self.group, to)
-            tokens_per_rank = tuple(t for t, _ in agreed)
+                if len({g for _, _, g in agreed}) > 1:
+                    on = [edist.global_rank(self.group, r) for r, (_, _, g) in enumerate(agreed) if g]
+                    off = [edist.global_rank(self.group, r) for r, (_, _, g) in enumerate(agreed) if not g]
+                    raise RuntimeError(
+                        f"{self.name}: ranks {on} run with gradients enabled, ranks {off} without (torch.no_grad / "
+                        "inference_mode); the backward is collective: run every rank's forward in the same grad mode")
+            tokens_per_rank = tuple(t for t, _, _ in agreed)
         rounds = max(1, -(-max(tokens_per_rank) // M))
 
+        if train:
+            return self._forward_train(hidden_states, router_logits, topk_ids, topk_weights, tokens_per_rank,
+                                       rounds, return_routing, return_stats)
         blocks = None  # the experts' block alignment, when the routing launch computed it too
         if router_logits is None:
             routing = Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=topk_weights.float())
@@ -701,6 +879,8 @@ class EPMoE(torch.nn.Module):
         if self.check_finite:
             with watch.phase("finite check"):
                 self._agree_finite(bad_expert_out, out, to)
+        if torch.is_grad_enabled():
+            out = self._refuse_backward(out, hidden_states, router_logits, topk_weights)
         if not (return_routing or return_stats):
             return out
         stats = None
@@ -710,6 +890,86 @@ class EPMoE(torch.nn.Module):
                 tokens_per_local_expert=per_expert.cpu(), bytes_sent=bytes_sent,
             )
         return MoEOutput(hidden_states=out, routing=routing if return_routing else None, stats=stats)
+
+    def _refuse_backward(self, out, *inputs):
+        """A layer without training whose inputs require grad: its output carries a node that raises at
+        backward (never a missing gradient passed off as zero)."""
+        needs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not needs:
+            return out
+        why = ("build it with training=True (this plan trains)" if self._trains else
+               f"this plan cannot train: {self._trains.reason}" + (f"; {self._trains.hint}" if self._trains.hint else ""))
+        return _RefuseBackward.apply(f"{self.name} was built for inference only: no gradient flows through it; {why} "
+                                     "(docs/training.md)", out, *needs)
+
+    def _forward_train(self, hidden_states, router_logits, topk_ids, topk_weights, tokens_per_rank, rounds,
+                       return_routing, return_stats):
+        """The differentiable forward (docs/training.md): the same routing, bytes and arithmetic as the
+        inference path; dispatch / combine are autograd Functions (backward: the reverse all-to-all),
+        the experts run `train_forward`, the routing weights are recomputed from the logits."""
+        from epmoe.dispatch.autograd import differentiable_combine, differentiable_dispatch
+
+        watch, M = self._watch, self.max_num_tokens_per_rank
+        if router_logits is not None:
+            with torch.no_grad():
+                ids = self.router(router_logits, self.e_score_correction_bias).topk_ids
+            weights = routing_weights(self.config, router_logits, ids)
+        else:
+            ids = topk_ids.to(torch.int32)
+            weights = topk_weights.to(torch.float64 if topk_weights.dtype == torch.float64 else torch.float32)
+        routing = Routing(topk_ids=ids, topk_weights=weights)
+        slot_ids = ids if self._balancer is None else self._balancer.route(ids)
+        T = hidden_states.shape[0]
+        outputs: List[torch.Tensor] = []
+        rows = bytes_sent = 0
+        per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64, device=hidden_states.device) \
+            if return_stats else None
+        for r in range(rounds):
+            per_rank = tokens_per_rank if rounds == 1 else tuple(min(M, max(0, t - r * M)) for t in tokens_per_rank)
+            agreement = Agreement(per_rank, inputs_checked=True, want_bytes=return_stats)
+            lo, hi = (0, T) if rounds == 1 else (min(r * M, T), min((r + 1) * M, T))
+            x_r, ids_r, w_r = hidden_states[lo:hi], slot_ids[lo:hi], weights[lo:hi]
+            tag = "" if rounds == 1 else f"[round {r}]"
+            with watch.phase("dispatch" + tag):
+                tokens, handle = differentiable_dispatch(self.dispatcher, x_r, ids_r, w_r, agreement, watch, self.name)
+            with watch.phase("experts" + tag):
+                expert_out = self._train_experts(tokens)
+            rows += tokens.num_tokens
+            if per_expert is not None and tokens.topk_ids is not None:
+                e = tokens.topk_ids.reshape(-1).long()
+                per_expert.index_add_(0, e.clamp(min=0), (e >= 0).long())
+            with watch.phase("combine" + tag):
+                outputs.append(differentiable_combine(self.dispatcher, expert_out, handle, watch, self.name))
+            bytes_sent += handle.bytes_sent
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+        if self._balancer is not None:
+            self._balancer.end_call()
+        if self.check_finite:
+            with watch.phase("finite check"):
+                self._agree_finite(False, out, watch.collective_timeout)
+        if not (return_routing or return_stats):
+            return out
+        stats = None
+        if return_stats:
+            stats = StepStats(tokens_per_rank=tokens_per_rank, rounds=rounds, received_rows=rows,
+                              tokens_per_local_expert=per_expert.cpu(), bytes_sent=bytes_sent)
+        return MoEOutput(hidden_states=out, routing=routing if return_routing else None, stats=stats)
+
+    def _train_experts(self, tokens) -> torch.Tensor:
+        # the module's parameters as looked up now (torch.func.functional_call may stand in others)
+        params = {name: getattr(self, name) for name in self.experts.parameters()}
+        if self.training_config.recompute_experts:
+            from torch.utils.checkpoint import checkpoint
+
+            def run(hidden, weights):
+                return self.experts.train_forward(replace(tokens, hidden=hidden, topk_weights=weights), params)
+
+            out = checkpoint(run, tokens.hidden, tokens.topk_weights, use_reentrant=False)
+        else:
+            out = self.experts.train_forward(tokens, params)
+        if not bool((tokens.topk_ids >= 0).any()):  # no routed row here: the experts used no parameter
+            out = _ZeroGrads.apply(out, *params.values())
+        return out
 
     def _arm_watchdog(self, phase: str = "dispatch"):
         """Arm the watchdog for this call (epmoe/core/watchdog.py); None when it is off for this layer."""
@@ -860,6 +1120,11 @@ class DecodeRunner:
         if T > self.max_tokens:
             raise ValueError(f"{T} tokens exceed this decode runner's max_tokens={self.max_tokens}; "
                              "build a runner for more tokens or use EPMoE.forward")
+        if torch.is_grad_enabled() and (self.layer.training_config is not None or any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden_states, router_logits, topk_weights))):
+            raise RuntimeError(
+                "decode runners do not train (their static buffers and CUDA graphs hold no autograd graph); call "
+                "the runner under torch.no_grad() / torch.inference_mode(), or EPMoE.forward for training")
         error = self.layer._check_local(hidden_states, router_logits, topk_ids, topk_weights)
         if error is not None:
             raise error

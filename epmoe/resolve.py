@@ -186,6 +186,7 @@ def resolve_plan(
     environment: Optional[Environment] = None,
     ep_size: int = 1,
     max_tokens_per_rank: Optional[int] = None,
+    training: bool = False,
 ) -> QuantPlan:
     """Resolve the plan once. Raises ValueError naming the conflicting settings and the fix.
 
@@ -197,6 +198,8 @@ def resolve_plan(
                     EPMoE passes `detect_environment(device)`)
     ep_size:        ranks in the EP group
     max_tokens_per_rank: the batch `experts="auto"` picks for (MEASURED_AUTO); None: the largest
+    training:       gradients flow through the layer: the dispatcher and the experts must answer yes to
+                    `supports_training` (quantized modes and wires are inference-only); docs/training.md
     """
     env = environment or Environment()
     _check_choice("dispatch dtype", dispatch_dtype, DISPATCH_DTYPES)
@@ -215,8 +218,9 @@ def resolve_plan(
         model_dtype=dtype_name(config.dtype), act_format=md.act_format, humming=md.humming,
         mxfp8_act_scaling=md.mxfp8_act_scaling, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_experts=config.num_experts, top_k=config.top_k,
-        checkpoint=md.family, has_bias=config.has_bias,
+        checkpoint=md.family, has_bias=config.has_bias, training=bool(training),
     )
+
     # the dispatcher must run here at all (bf16 wire, or the explicit one)
     first_wire = "bf16" if dispatch_dtype == "auto" else dispatch_dtype
     ok = _ask(d_cls, "supports", replace(base, wire=first_wire))
@@ -225,6 +229,12 @@ def resolve_plan(
             f"dispatcher {dispatcher!r} cannot run this plan ({md.mode} experts, dispatch {dispatch_dtype}, "
             f"{md.arch}): {ok.reason}" + (f"; {ok.hint}" if ok.hint else "")
         )
+
+    if training:
+        ok = _ask_training(d_cls, replace(base, wire=first_wire))
+        if not ok:
+            raise ValueError(f"training through dispatcher {dispatcher!r} (dispatch {dispatch_dtype}): {ok.reason}"
+                             + (f"; {ok.hint}" if ok.hint else ""))
 
     order = experts_preference(md.arch) if experts == "auto" else [experts]
     measured = measured_choice(md.arch, md.mode, max_tokens_per_rank) if experts == "auto" else None
@@ -267,7 +277,7 @@ def resolve_plan(
         expert_mode=md.mode, dispatch_dtype=chosen.wire, combine_dtype="bf16", experts_backend=chosen.name,
         dispatcher=dispatcher, arch=md.arch, act_format=md.act_format, checkpoint_quant=md.family,
         humming=md.humming, mxfp8_act_scaling=md.mxfp8_act_scaling, flashinfer_version=env.flashinfer_version,
-        notes=tuple(notes), layout=base.layout, skipped=tuple(skipped),
+        notes=tuple(notes), layout=base.layout, skipped=tuple(skipped), training=bool(training),
     )
 
 
@@ -277,6 +287,10 @@ def _try_experts(name: str, base: BackendRequest, d_cls, dispatch_dtype: str):
     ok = _ask(e_cls, "supports", base)
     if not ok:
         return ok
+    if base.training:
+        ok = _ask_training(e_cls, base)
+        if not ok:
+            return ok
     consumed = e_cls.consumes(base) if hasattr(e_cls, "consumes") else "bf16"
     if dispatch_dtype == "auto":
         if consumed == "bf16":
@@ -309,6 +323,14 @@ def _ask(cls, what: str, request: BackendRequest) -> Availability:
     if fn is None:
         ok = request.wire == "bf16" and request.layout == "flat"
         return Availability(ok, "" if ok else "it declares no capabilities (supports) beyond bf16, flat layout")
+    return fn(request)
+
+
+def _ask_training(cls, request: BackendRequest) -> Availability:
+    """cls.supports_training(request); a registered class without it does not train."""
+    fn = getattr(cls, "supports_training", None)
+    if fn is None:
+        return Availability.no(f"{getattr(cls, 'name', cls.__name__)!r} declares no training support")
     return fn(request)
 
 

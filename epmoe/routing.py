@@ -103,6 +103,29 @@ def route_torch(
     return Routing(topk_ids=ids.to(torch.int32), topk_weights=weights.to(torch.float32))
 
 
+def routing_weights(config: MoEConfig, router_logits: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The top-k weights of the experts `topk_ids` [T, K] (chosen by `route`) as a differentiable function
+    of `router_logits` [T, E] (training: the choice itself has no gradient, as in every MoE). The same
+    ops as `route_torch` after its top-k, so float32 logits give its weights bit for bit; computed in
+    float32, float64 for float64 logits. Slots of id -1 get weight 0."""
+    dt = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
+    logits = router_logits.to(dt)
+    ids = topk_ids.long()
+    valid = ids >= 0
+    safe = ids.clamp(min=0)
+    if config.routing == "softmax":
+        weights = torch.softmax(logits, dim=-1).gather(1, safe)
+        weights = torch.where(valid, weights, torch.zeros((), dtype=dt, device=weights.device))
+        if config.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights
+    weights = torch.sigmoid(logits).gather(1, safe)
+    weights = torch.where(valid, weights, torch.zeros((), dtype=dt, device=weights.device))
+    if config.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * config.routed_scaling_factor
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -38,7 +38,8 @@ class BackendRequest:
                      limits check it)
     checkpoint:      the checkpoint family ("none" = unquantized, quantized online at load; "fp8",
                      "nvfp4", "mxfp4", "mxfp8"): some kernels need what only a checkpoint carries
-    has_bias:        the experts carry biases (b13, b2)"""
+    has_bias:        the experts carry biases (b13, b2)
+    training:        gradients must flow through the layer (`supports_training` answers; docs/training.md)"""
 
     expert_mode: str = "bf16"
     layout: str = "flat"
@@ -57,6 +58,7 @@ class BackendRequest:
     top_k: int = 8
     checkpoint: str = "none"
     has_bias: bool = False
+    training: bool = False
 
     def has(self, package: str) -> bool:
         return package in self.packages

@@ -10,6 +10,16 @@ with *local* ids (-1 where the expert lives elsewhere) and the matching weights.
 partial outputs of a token over ranks, in rank order (deterministic where the backend allows it).
 
 Every call returns its own handle: a dispatcher keeps no per-call state.
+
+Training (docs/training.md): a dispatcher that trains (`supports_training` says yes) also implements
+
+    grad_hidden [T, H], grad_weights [T, K] = dispatcher.dispatch_backward(grad_recv_hidden [N, H],
+                                                                           grad_recv_weights [N, K], handle)
+    grad_expert_out [N, H]                  = dispatcher.combine_backward(grad_out [T, H], handle)
+
+dispatch's backward is a combine (rows travel back along the reverse route and are summed per source
+token), combine's backward is a dispatch (each token's gradient goes to every rank it was sent to), on
+the same group. `epmoe.dispatch.autograd` wraps both as autograd Functions.
 """
 
 from __future__ import annotations
@@ -162,6 +172,9 @@ class Dispatcher(abc.ABC):
     # True: its kernels wait on the GPU for peers' tokens (one-sided all-to-all), where no host timeout
     # reaches; EPMoE then arms the watchdog (epmoe/core/watchdog.py) around dispatch..combine
     waits_on_device: ClassVar[bool] = False
+    # why this dispatcher refuses training (`supports_training`); a dispatcher that trains overrides
+    # `supports_training` and implements dispatch_backward / combine_backward
+    no_training_reason: ClassVar[str] = "its all-to-all has no backward in epmoe (inference only)"
 
     @property
     def keeps_routing(self) -> bool:
@@ -179,6 +192,13 @@ class Dispatcher(abc.ABC):
                 f"use dispatch dtype 'auto' or one of {cls.wires}, or another dispatcher",
             )
         return Availability.yes()
+
+    @classmethod
+    def supports_training(cls, request: BackendRequest) -> Availability:
+        """Can gradients flow back through this dispatcher for `request` (static facts only)? The layer
+        asks before any rank computes (docs/training.md); default: no, with `no_training_reason`."""
+        return Availability.no(f"dispatcher {cls.name!r} does not train: {cls.no_training_reason}",
+                               "use dispatcher 'torch' (gloo or NCCL) for training")
 
     def __init__(self, spec: DispatchSpec):
         self.options = type(self).Options.parse(spec.options, f"dispatcher {self.name!r}")
@@ -207,6 +227,17 @@ class Dispatcher(abc.ABC):
     @abc.abstractmethod
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         ...
+
+    def dispatch_backward(self, grad_hidden: torch.Tensor, grad_weights: Optional[torch.Tensor],
+                          handle: DispatchHandle) -> "tuple[torch.Tensor, torch.Tensor]":
+        """The gradient of `dispatch` (collective): grad_hidden [N, H] of the received rows (model dtype)
+        and grad_weights [N, K] of their weights (None: zero) -> (grad of hidden [T, H] in the model
+        dtype, grad of topk_weights [T, K] float32 (float64 for a float64 model))."""
+        raise NotImplementedError(f"dispatcher {self.name!r} has no backward: {self.no_training_reason}")
+
+    def combine_backward(self, grad_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """The gradient of `combine` (collective): grad_out [T, H] -> grad of expert_output [N, H]."""
+        raise NotImplementedError(f"dispatcher {self.name!r} has no backward: {self.no_training_reason}")
 
     def close(self) -> None:
         """Release workspaces (collective for backends with symmetric memory)."""

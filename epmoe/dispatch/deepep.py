@@ -503,6 +503,10 @@ class DeepEPDispatcher(_DeepEPBase):
     where the id is -1 (DeepEP's convention)."""
 
     name = "deepep"
+    # DeepEP's normal kernels have a backward contract (a dispatch's backward is a combine); epmoe does
+    # not wire it yet
+    no_training_reason = ("epmoe does not wire DeepEP's backward (its normal kernels' dispatch/combine "
+                          "pair) yet")
     layout = "flat"
     low_latency = False
 
@@ -589,6 +593,7 @@ class DeepEPLowLatencyDispatcher(_DeepEPBase):
     per-expert counts -> low_latency_combine (weights applied there). M = max_tokens_per_rank."""
 
     name = "deepep_ll"
+    no_training_reason = "DeepEP's low-latency kernels are decode (inference) kernels without a backward"
     layout = "masked"
     low_latency = True
 

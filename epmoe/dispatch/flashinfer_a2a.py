@@ -223,6 +223,7 @@ class FlashInferA2ADispatcher(Dispatcher):
     domain; needs flashinfer, cuda-python and pynvml; flat layout."""
 
     name = "flashinfer"
+    no_training_reason = "FlashInfer's one-sided MoE all-to-all is an inference kernel without a backward"
     layout = "flat"
     wires = ("bf16", "nvfp4")
     Options = FlashInferA2AOptions

@@ -9,7 +9,11 @@ dispatch (per call, three collectives):
      uint8 row [hidden payload | local top-k ids int32 | top-k weights f32] (one collective instead
      of three; FP8 scales travel as bytes, which gloo needs anyway).
 combine: all_to_all of the expert outputs back (model dtype), then each rank adds its partial sums
-  per source rank in rank order, in fp32: deterministic on every device.
+  per source rank in rank order, in fp32 (float64 for a float64 model): deterministic on every device.
+backward (training, docs/training.md): combine's backward sends each token's output gradient to every
+  rank its row went to (one all_to_all, the dispatch direction); dispatch's backward sends the received
+  rows' gradients [hidden | top-k weights] back as one packed row (the combine direction) and adds them
+  per source token in rank order. Split sizes come from the handle: no exchange, no host sync.
 
 Host syncs: the split sizes must reach the host (all_to_all_single takes python ints), so a call over
 several ranks reads both [ep] count vectors back in ONE device -> host copy; the rows to send are then
@@ -34,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from epmoe.core import dist as edist
+from epmoe.core.availability import Availability
+from epmoe.core.capability import BackendRequest
 from epmoe.core.fault import run_collective
 from epmoe.dispatch.base import Agreement, DispatchedTokens, DispatchHandle, Dispatcher, DispatchSpec
 from epmoe.quant import codec
@@ -43,9 +49,12 @@ from epmoe.quant.payload import PayloadFormat
 @dataclass(frozen=True)
 class TorchA2AHandle(DispatchHandle):
     """send_token_idx [S] int64: source token of each sent row (rank-major, tokens ascending);
+    send_on_dest [S, K] bool: which top-k slots of each sent row live on its destination rank (what
+    dispatch's backward needs to hand the weights' gradients back; a view of what dispatch computed);
     send_counts / recv_counts: rows per peer rank (python ints, used as split sizes)."""
 
     send_token_idx: Optional[torch.Tensor] = None
+    send_on_dest: Optional[torch.Tensor] = None
     send_counts: Tuple[int, ...] = ()
     recv_counts: Tuple[int, ...] = ()
 
@@ -64,9 +73,11 @@ class _RowCodec:
         self.spec = spec
         self.wire: PayloadFormat = spec.wire_format
         H, K = spec.hidden_size, spec.top_k
+        # the top-k weights travel in float32; a float64 model keeps them in float64 (gradient checks)
+        self.weight_dtype = torch.float64 if spec.combine_dtype == torch.float64 else torch.float32
         self.payload_bytes = codec.wire_bytes_per_token(self.wire, H) if self.wire.is_quantized \
             else self.wire.data_bytes_per_token(H)
-        self.routing_bytes = K * 4 + K * 4
+        self.routing_bytes = K * 4 + K * self.weight_dtype.itemsize
         self.row_bytes = self.payload_bytes + self.routing_bytes
 
     def pack(self, hidden: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -74,13 +85,13 @@ class _RowCodec:
             payload = codec.pack_rows(codec.quantize_for_wire(hidden, self.wire))
         else:
             payload = _as_bytes(hidden.to(self.wire.dtype))
-        return torch.cat([payload, _as_bytes(local_ids.to(torch.int32)), _as_bytes(weights.to(torch.float32))], dim=1)
+        return torch.cat([payload, _as_bytes(local_ids.to(torch.int32)), _as_bytes(weights.to(self.weight_dtype))], dim=1)
 
     def unpack(self, rows: torch.Tensor) -> Tuple[object, torch.Tensor, torch.Tensor]:
         N, H, K = rows.shape[0], self.spec.hidden_size, self.spec.top_k
         o = self.payload_bytes
         ids = rows[:, o : o + 4 * K].contiguous().view(torch.int32).reshape(N, K)
-        w = rows[:, o + 4 * K :].contiguous().view(torch.float32).reshape(N, K)
+        w = rows[:, o + 4 * K :].contiguous().view(self.weight_dtype).reshape(N, K)
         if not self.wire.is_quantized:
             return rows[:, :o].contiguous().view(self.wire.dtype).reshape(N, H), ids, w
         hidden = codec.unpack_rows(rows[:, :o].contiguous(), self.wire, H)
@@ -102,6 +113,8 @@ class TorchA2ADispatcher(Dispatcher):
         self._codec = _RowCodec(spec)
         self._distributed = edist.is_distributed(spec.group)
         self._combine_elem = torch.empty((), dtype=spec.combine_dtype).element_size()
+        # combine sums in fp32; a float64 model in float64
+        self._acc_dtype = torch.float64 if spec.combine_dtype == torch.float64 else torch.float32
         # gloo moves host memory only: CUDA tensors are staged through the host (shared-GPU mode)
         self._host_staging = self._distributed and dist.get_backend(spec.group) == "gloo"
 
@@ -230,7 +243,7 @@ class TorchA2ADispatcher(Dispatcher):
         row_ids = ids[token_of_row]
         on_dest = dest[token_of_row] == row_dest
         local_ids = torch.where(on_dest, row_ids - row_dest * E_local, torch.full_like(row_ids, -1))
-        local_w = torch.where(on_dest, topk_weights[token_of_row].float(), torch.zeros((), device=hidden.device))
+        local_w = torch.where(on_dest, topk_weights[token_of_row].to(self._codec.weight_dtype), torch.zeros((), device=hidden.device))
         send_rows = self._codec.pack(hidden[token_of_row], local_ids, local_w)
 
         recv_rows = torch.empty(sum(recv_counts), self._codec.row_bytes, dtype=torch.uint8, device=hidden.device)
@@ -248,7 +261,7 @@ class TorchA2ADispatcher(Dispatcher):
         fmt["payload"] += sent_remote * self._codec.payload_bytes
         fmt["routing"] += sent_remote * self._codec.routing_bytes
         handle = TorchA2AHandle(
-            num_tokens=hidden.shape[0], bytes_sent=nbytes, send_token_idx=token_of_row,
+            num_tokens=hidden.shape[0], bytes_sent=nbytes, send_token_idx=token_of_row, send_on_dest=on_dest,
             send_counts=tuple(send_counts), recv_counts=tuple(recv_counts),
         )
         return DispatchedTokens(hidden=recv_hidden, topk_ids=recv_ids, topk_weights=recv_w), handle
@@ -260,7 +273,8 @@ class TorchA2ADispatcher(Dispatcher):
         quantizes and dequantizes: the same numbers as over the wire)."""
         T = hidden.shape[0]
         ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)  # no-op calls skipped
-        w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+        wdt = self._codec.weight_dtype
+        w = topk_weights if topk_weights.dtype == wdt else topk_weights.to(wdt)
         if self._codec.wire.is_quantized:
             recv_hidden, ids, w = self._codec.unpack(self._codec.pack(hidden, ids, w))
         else:
@@ -296,10 +310,69 @@ class TorchA2ADispatcher(Dispatcher):
         self.stats.combine_bytes_sent += (sum(c for r, c in enumerate(handle.recv_counts) if r != me) * s.hidden_size
                                           * self._combine_elem)
 
-        out = torch.zeros(handle.num_tokens, s.hidden_size, dtype=torch.float32, device=expert_output.device)
+        return self._sum_per_token(got, handle).to(s.combine_dtype)
+
+    def _sum_per_token(self, rows: torch.Tensor, handle: TorchA2AHandle) -> torch.Tensor:
+        """rows [S, C] in send order -> [T, C] (accumulation dtype): each token's rows summed, rank by
+        rank (each rank's rows name distinct tokens: a fixed summation order on every device)."""
+        out = torch.zeros(handle.num_tokens, rows.shape[1], dtype=self._acc_dtype, device=rows.device)
         start = 0
-        for c in handle.send_counts:  # rank order: a fixed summation order on every device
+        for c in handle.send_counts:
             if c:
-                out.index_add_(0, handle.send_token_idx[start : start + c], got[start : start + c].float())
+                out.index_add_(0, handle.send_token_idx[start : start + c], rows[start : start + c].to(self._acc_dtype))
             start += c
-        return out.to(s.combine_dtype)
+        return out
+
+    # ------------------------------------------------------------------ backward (training)
+    @classmethod
+    def supports_training(cls, request: BackendRequest) -> Availability:
+        if request.wire != "bf16":
+            return Availability.no(
+                f"dispatcher 'torch' trains with unquantized tokens only, not a {request.wire} wire "
+                "(quantized wires are inference-only)", "use dispatch dtype 'auto' or 'bf16' for training")
+        if request.layout != "flat":
+            return Availability.no(f"dispatcher 'torch' trains on the flat layout, not {request.layout}")
+        return Availability.yes("reverse all_to_all of the same group (gloo or NCCL)")
+
+    def _check_backward_handle(self, handle) -> None:
+        if self.spec.static_shapes:
+            raise RuntimeError("a static-shape (CUDA-graph) dispatch has no backward; decode runners do not train")
+
+    def combine_backward(self, grad_out: torch.Tensor, handle: TorchA2AHandle) -> torch.Tensor:
+        """Each token's output gradient goes to every rank its row was sent to: [T, H] -> [N, H]."""
+        self._check_backward_handle(handle)
+        s = self.spec
+        grad_out = grad_out.to(s.combine_dtype)
+        if handle.send_token_idx is None:  # one rank: the rows are the tokens
+            return grad_out
+        rows = grad_out.index_select(0, handle.send_token_idx).contiguous()
+        got = torch.empty(sum(handle.recv_counts), s.hidden_size, dtype=s.combine_dtype, device=grad_out.device)
+        self._all_to_all(got, rows, list(handle.recv_counts), list(handle.send_counts), "all_to_all of output gradients")
+        return got
+
+    def dispatch_backward(self, grad_hidden: torch.Tensor, grad_weights: Optional[torch.Tensor],
+                          handle: TorchA2AHandle) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The received rows' gradients [hidden | weights] travel back as one packed row and are summed
+        per source token in rank order; a weight's gradient comes back from the one rank that holds
+        its expert."""
+        self._check_backward_handle(handle)
+        s = self.spec
+        wdt = self._codec.weight_dtype
+        N, K = grad_hidden.shape[0], s.top_k
+        if grad_weights is None:
+            grad_weights = torch.zeros(N, K, dtype=wdt, device=grad_hidden.device)
+        if handle.send_token_idx is None:  # one rank: in place, every slot the caller's
+            return grad_hidden.to(s.combine_dtype), grad_weights.to(wdt)
+        gh = grad_hidden.to(s.combine_dtype)
+        row_h = s.hidden_size * gh.element_size()
+        back = torch.cat([_as_bytes(gh), _as_bytes(grad_weights.to(wdt))], dim=1)
+        got = torch.empty(sum(handle.send_counts), back.shape[1], dtype=torch.uint8, device=grad_hidden.device)
+        self._all_to_all(got, back, list(handle.send_counts), list(handle.recv_counts),
+                         "all_to_all of token-row gradients")
+        S = got.shape[0]
+        g_rows = got[:, :row_h].contiguous().view(s.combine_dtype).reshape(S, s.hidden_size)
+        w_rows = got[:, row_h:].contiguous().view(wdt).reshape(S, K)
+        w_rows = torch.where(handle.send_on_dest, w_rows, torch.zeros((), dtype=wdt, device=w_rows.device))
+        grad_x = self._sum_per_token(g_rows, handle).to(s.combine_dtype)
+        grad_w = self._sum_per_token(w_rows, handle).to(wdt)
+        return grad_x, grad_w

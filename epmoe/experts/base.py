@@ -8,6 +8,11 @@
 For the "flat" layout the output row n is sum_k topk_weights[n, k] * expert_{topk_ids[n, k]}(x_n) over
 the k whose local id is >= 0 (rows with no local expert are 0). For "masked" it is the unweighted
 per-slot expert output [E_local, M, H] (weights are applied by the dispatcher's combine).
+
+Training (docs/training.md): a backend that trains answers `supports_training(request)` with yes and
+implements `train_forward(tokens, params)`: its forward under autograd, computing with `params` (name ->
+tensor shaped like `parameters()[name]`: the layer's nn.Parameters, which share the storage of
+`parameters()`), differentiable in tokens.hidden, tokens.topk_weights and `params`.
 Never imports `epmoe.dispatch`.
 """
 
@@ -79,6 +84,7 @@ class Experts(abc.ABC):
     accepts_wire(request, wire) -> Availability  may tokens arrive in `wire` (dequantized on arrival
                                         when it differs from what the kernel consumes)?
     availability(spec) -> Availability  the live check at construction (device, prebuilt modules)
+    supports_training(request) -> Availability  can gradients flow through it (default: no)
     Options                             frozen dataclass of its options (unknown keys: TypeError)
     """
 
@@ -97,6 +103,18 @@ class Experts(abc.ABC):
         if request.layout not in cls.accepted_layouts:
             return Availability.no(f"it takes the {'/'.join(cls.accepted_layouts)} layout, not {request.layout}")
         return Availability.yes()
+
+    @classmethod
+    def supports_training(cls, request: BackendRequest) -> Availability:
+        """Can this backend compute gradients for `request` (static facts)? Default: no."""
+        return Availability.no(f"experts backend {cls.name!r} has no backward (inference kernels only)",
+                               "use experts 'reference' (any device) or 'grouped_mm' (sm90 / sm100, bf16)")
+
+    def train_forward(self, tokens, params: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The forward with autograd, computing with `params` (name -> tensor shaped like `parameters()`):
+        differentiable in tokens.hidden, tokens.topk_weights and `params`; the same math as `forward`
+        (backends that train override it)."""
+        raise NotImplementedError(f"experts backend {self.name!r} does not train")
 
     @classmethod
     def consumes(cls, request: BackendRequest) -> str:

@@ -11,7 +11,10 @@ checked against, and the CPU default. It runs every expert mode of the quant pla
 Per local expert e, on the rows that chose it (fp32 throughout, cast to the model dtype at the end):
     h = x @ w13[e].T (+ b13[e]);  a = act(h);  y = a @ w2[e].T (+ b2[e]);  out[rows] += w * y
 Experts are visited in ascending order and each adds to distinct rows, so the result is
-deterministic on every device.
+deterministic on every device. A float64 model computes in float64 instead (the gradient checks).
+
+Training: unquantized plans only; `train_forward` is this forward under autograd (torch saves, per
+expert, its input rows, the FC1 output and the activation).
 """
 
 from __future__ import annotations
@@ -58,6 +61,16 @@ class ReferenceExperts(Experts):
         return Availability.yes("emulation in float32" + ("" if request.arch == "cpu" else "; slow on GPUs"))
 
     @classmethod
+    def supports_training(cls, request: BackendRequest) -> Availability:
+        if request.expert_mode != "bf16":
+            return Availability.no(
+                f"{request.expert_mode} experts are inference-only (quantized weights and activations have no "
+                "gradient)", "train with an unquantized checkpoint (quant=None)")
+        if request.layout != "flat":
+            return Availability.no(f"experts 'reference' trains on the flat layout, not {request.layout}")
+        return Availability.yes("plain torch under autograd")
+
+    @classmethod
     def consumes(cls, request: BackendRequest) -> str:
         # a wire in this dtype is used as received (codec.ACT_FORMAT_WIRE)
         return codec.ACT_FORMAT_WIRE.get(request.act_format, "bf16")
@@ -73,6 +86,9 @@ class ReferenceExperts(Experts):
         self._quantizes = codec.quantizes_activations(self._act_format)
         payload = codec.ACT_FORMAT_PAYLOAD.get(self._act_format)
         self._act: Optional[PayloadFormat] = codec.payload_format(payload, self.config.dtype) if payload else None
+        # float32 arithmetic, float64 for a float64 model (unquantized: nothing rounds to float32 there)
+        self._compute = torch.float64 if self.config.dtype == torch.float64 and not self._quantizes \
+            and self._weight_format in ("bf16", None) else torch.float32
 
     @property
     def payload_format(self) -> PayloadFormat:
@@ -80,6 +96,11 @@ class ReferenceExperts(Experts):
 
     def parameters(self) -> Dict[str, torch.Tensor]:
         return dict(self._params)
+
+    def train_forward(self, tokens, params: Dict[str, torch.Tensor]) -> torch.Tensor:
+        if isinstance(tokens.hidden, QuantizedActivation) or self._quantizes:
+            raise TypeError("experts 'reference' trains unquantized plans only (quantized modes are inference-only)")
+        return self._run(tokens, params)
 
     def _emulated(self, weights: ExpertWeights) -> ExpertWeights:
         """The values the plan's kernels would compute with, unquantized (float32 when quantized)."""
@@ -116,6 +137,9 @@ class ReferenceExperts(Experts):
         self.commit_weights(self.prepare_weights(weights))
 
     def forward(self, tokens) -> torch.Tensor:
+        return self._run(tokens, self._params)
+
+    def _run(self, tokens, params: Dict[str, torch.Tensor]) -> torch.Tensor:
         if tokens.layout != "flat":
             raise ValueError(f"experts backend {self.name!r} takes the flat layout, got {tokens.layout!r}")
         if not self._params:
@@ -124,24 +148,23 @@ class ReferenceExperts(Experts):
         if isinstance(x, QuantizedActivation):
             x = codec.dequantize_activation(x, torch.float32)  # already in the activation format
         else:
-            x = self._quant_act(x.float())
-        out = torch.zeros(x.shape[0], self.config.hidden_size, dtype=torch.float32, device=x.device)
+            x = self._quant_act(x.to(self._compute))
+        out = torch.zeros(x.shape[0], self.config.hidden_size, dtype=self._compute, device=x.device)
         ids, w = tokens.topk_ids, tokens.topk_weights
         for e in range(self.spec.num_local_experts):
             if tokens.static:
                 # no host sync, fixed shapes (CUDA-graph safe): the expert runs on every row and rows
                 # that did not choose it get weight 0 (E_local x the FLOPs; fine for decode batches)
-                we = torch.where(ids == e, w.float(), torch.zeros((), device=x.device)).sum(dim=1)
-                out += we.unsqueeze(1) * self._expert(e, x)
+                we = torch.where(ids == e, w.to(self._compute), torch.zeros((), device=x.device)).sum(dim=1)
+                out += we.unsqueeze(1) * self._expert(e, x, params)
                 continue
             rows, ks = (ids == e).nonzero(as_tuple=True)
             if rows.numel():
-                out.index_add_(0, rows, self._expert(e, x[rows]) * w[rows, ks].float().unsqueeze(1))
+                out.index_add_(0, rows, self._expert(e, x[rows], params) * w[rows, ks].to(self._compute).unsqueeze(1))
         return out.to(self.config.dtype)
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def _expert(self, e: int, x: torch.Tensor, p: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Local expert e on rows x [n, H] (fp32) -> [n, H] fp32 (FC2 input quantized per the plan)."""
-        p = self._params
         if self._quantizes:
             # the FC2 input is quantized: compute it in float64 so its rounding (a discontinuity)
             # matches the float64 oracle's (reference_moe(plan=)) instead of flipping on float32 noise
@@ -150,11 +173,13 @@ class ReferenceExperts(Experts):
                 h = h + p["b13"][e].double()
             a = self._quant_act(apply_activation(self.config, h).float())
         else:
-            h = x @ p["w13"][e].float().t()
+            c = self._compute
+            h = x @ p["w13"][e].to(c).t()
             if "b13" in p:
-                h = h + p["b13"][e].float()
+                h = h + p["b13"][e].to(c)
             a = apply_activation(self.config, h)
-        y = a @ p["w2"][e].float().t()
+        c = self._compute
+        y = a.to(c) @ p["w2"][e].to(c).t()
         if "b2" in p:
-            y = y + p["b2"][e].float()
+            y = y + p["b2"][e].to(c)
         return y

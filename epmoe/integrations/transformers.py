@@ -5,6 +5,13 @@
     out = model.generate(input_ids, max_new_tokens=16)            # every rank; own prompts, or None
     update_weights(model, trainer.state_dict())                   # HF names, local experts in place
 
+Training (docs/training.md): `load_model(path, group=ep_group, training=True)` gives a model whose
+`loss.backward()` reaches transformers' own parameters (router, attention, shared experts, ...) and
+this rank's routed experts (nn.Parameters of each block's `ep_moe`); `sync_dense_gradients(model)`
+sums the dense gradients over the group (each rank's loss covers its own batch), and
+`expert_gradients(model)` gives the local experts' gradients under transformers' names and layouts.
+Rollouts run the same model under torch.no_grad (generate does): the inference path.
+
 What is replaced and what stays transformers' own: the model is transformers' own class, built and
 loaded the way `from_pretrained` does it, except that the routed experts of every MoE block run
 through one `EPMoE` layer per block. The router (gate), shared experts, attention, norms, the cache
@@ -294,7 +301,8 @@ def load_model(
     dtype:   activation / weight dtype (default: the checkpoint's `dtype`)
     device:  default cuda (current device) when the group is NCCL, else cpu
     dispatcher, max_num_tokens_per_rank, timeout_s, **epmoe_options: passed to every `EPMoE`
-             (e.g. experts="reference", deterministic=True, eplb=EPLBConfig(...)); all MoE layers share
+             (e.g. experts="reference", deterministic=True, eplb=EPLBConfig(...), training=True: the
+             model trains, docs/training.md); all MoE layers share
              one dispatcher. With eplb each layer balances its own experts (rebalancing between steps,
              which every rank runs in lockstep, so generate keeps working).
 
@@ -515,6 +523,71 @@ def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for k, v in dense.items():
             own[k].copy_(v)
+
+
+# ---------------------------------------------------------------------------------------------- training
+def _expert_param_names(model: Any) -> set:
+    st = _state(model)
+    names = set()
+    for site in st.sites:
+        for pname, _ in model.get_submodule(site.name).named_parameters():
+            names.add(f"{site.name}.{pname}")
+    return names
+
+
+def sync_dense_gradients(model: Any, average: bool = False) -> None:
+    """Sum (average=True: average) the gradients of every parameter that is not a routed expert over the
+    EP group, so that each rank holds the gradient of the sum of all ranks' losses, as the routed
+    experts already do (their tokens came from every rank). Collective; a missing gradient counts as 0.
+    With average=True divide the loss by the group size instead of averaging expert gradients."""
+    st = _state(model)
+    group = st.layers[0].group
+    if not edist.is_distributed(group):
+        return
+    import torch.distributed as dist
+
+    experts = _expert_param_names(model)
+    dense = [p for n, p in model.named_parameters() if n not in experts and p.requires_grad]
+    if not dense:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in dense])
+    dist.all_reduce(flat, group=group)
+    if average:
+        flat /= edist.group_size(group)
+    at = 0
+    for p in dense:
+        n = p.numel()
+        g = flat[at:at + n].view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+        at += n
+
+
+def expert_gradients(model: Any) -> Dict[str, torch.Tensor]:
+    """The gradients of this rank's routed experts under transformers' names and layouts:
+    '{experts module}.gate_up_proj' / 'down_proj' (+ '_bias') -> [E_local, ...], rows = the experts
+    [layer.first_local_expert, + layer.num_local_experts) of that block's EPMoE (ep_layers). Only blocks
+    that received a gradient are listed. Needs load_model(..., training=True)."""
+    st = _state(model)
+    out: Dict[str, torch.Tensor] = {}
+    I = st.moe_config.intermediate_size
+    for site, layer in zip(st.sites, st.layers):
+        g = layer.expert_gradients()
+        if g is None:
+            continue
+        if site.is_concatenated:
+            gu = torch.cat([g.w1, g.w3], dim=1)  # [e, 2I, H]
+        else:
+            gu = torch.stack([g.w1, g.w3], dim=2).reshape(g.w1.shape[0], 2 * I, -1)  # gate j, up j interleaved
+        out[f"{site.name}.gate_up_proj"] = gu.transpose(1, 2) if site.is_transposed else gu
+        out[f"{site.name}.down_proj"] = g.w2.transpose(1, 2) if site.is_transposed else g.w2
+        if site.has_bias:
+            b = g.b13 if site.is_concatenated else torch.stack([g.b13[:, :I], g.b13[:, I:]], dim=2).reshape(g.b13.shape[0], 2 * I)
+            out[f"{site.name}.gate_up_proj_bias"] = b
+            out[f"{site.name}.down_proj_bias"] = g.b2
+    return out
 
 
 def expert_memory(model: Any) -> ExpertMemory:

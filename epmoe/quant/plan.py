@@ -105,7 +105,8 @@ class QuantPlan:
     flashinfer_version: the FlashInfer version the plan was resolved against (None: not installed)
     notes:            human-readable decisions (defaults taken, inert options)
     layout:           "flat" or "masked": what the dispatcher delivers (its class says)
-    skipped:          "backend: why" for every candidate the resolver skipped, in priority order"""
+    skipped:          "backend: why" for every candidate the resolver skipped, in priority order
+    training:         resolved for training: its dispatcher and experts have a backward (docs/training.md)"""
 
     expert_mode: str = "bf16"
     dispatch_dtype: str = "bf16"
@@ -121,6 +122,7 @@ class QuantPlan:
     notes: Tuple[str, ...] = field(default_factory=tuple)
     layout: str = "flat"
     skipped: Tuple[str, ...] = field(default_factory=tuple)
+    training: bool = False
 
     @property
     def weight_format(self) -> str:
@@ -168,6 +170,7 @@ class QuantPlan:
             "plan.checkpoint_quant": self.checkpoint_quant,
             "plan.humming": repr(self.humming),
             "plan.mxfp8_act_scaling": repr(self.mxfp8_act_scaling),
+            "plan.training": repr(self.training),
             "plan.flashinfer_version": repr(self.flashinfer_version),
             "plan.layout": self.layout,
         }

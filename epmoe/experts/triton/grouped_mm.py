@@ -15,6 +15,14 @@ activation 0.40 GB, combine 0.53 GB (~0.35 ms at 4.3 TB/s) where the torch compo
 it (kept as `grouped_mm_epilogue=torch`) made ~12 fp32 passes (~5 ms). `fused_grouped_mm_forward`
 is also the bf16 prefill path of the `triton` backend (its own weights, gate/up interleaved).
 
+Training (docs/training.md): `train_forward` runs `grouped_mm_train_forward`, the same stage in torch ops
+under autograd (torch._grouped_mm has a backward: grouped GEMMs for the input and the weight
+gradients). It sorts the routed entries by expert and keeps exactly the valid ones (one host sync for
+their count), so no garbage row past offs[-1] reaches a gradient. Saved for backward: the sorted input
+rows [n, H], the FC1 output [n, R] (fp32), the activation [n, I] and the FC2 output [n, H] (bf16; fp32
+with biases), with n = routed (token, local expert) pairs; `TrainingConfig(recompute_experts=True)` saves only the
+received tokens and recomputes these in backward.
+
 `torch._grouped_mm(mat_a [M, K] bf16, mat_b [G, K, N] bf16 (column-major view), offs [G] int32
 cumulative row ends)`: rows past offs[-1] are left unwritten (garbage); no later pass reads them.
 Strides must be 16-byte aligned (H and I multiples of 8). FP8: PyTorch's `_scaled_grouped_mm` has
@@ -188,6 +196,41 @@ def torch_grouped_mm_forward(hidden, topk_ids, topk_weights, params, config, num
     return y_by_entry.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
 
 
+def grouped_mm_train_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                             params: Dict[str, torch.Tensor], config, num_experts: int) -> torch.Tensor:
+    """The experts stage under autograd: hidden [N, H], topk_ids [N, K] local ids (-1: elsewhere),
+    topk_weights [N, K], params w13 [E, R, H] (gate then up), w2 [E, H, I], optional fp32 biases b13
+    [>=E, R], b2 [>=E, H] -> [N, H] in hidden's dtype. Differentiable in hidden, topk_weights and params.
+    Runs wherever torch._grouped_mm runs (bf16 on sm90 / sm100; float32 on CPU too). One host sync."""
+    cfg, E = config, num_experts
+    N, K = topk_ids.shape
+    H, I = hidden.shape[1], cfg.intermediate_size
+    flat = topk_ids.reshape(-1).long()
+    valid = flat >= 0
+    key = torch.where(valid, flat, torch.full_like(flat, E))
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    n = int(counts.sum())  # the valid entries come first in `order`
+    if n == 0:  # no routed entry here: nothing to compute (the layer gives the parameters zero gradients)
+        return torch.zeros(N, H, dtype=hidden.dtype, device=hidden.device)
+    order = order[:n]
+    offs = counts.cumsum(0).to(torch.int32)
+    token = order // K
+    expert = flat.index_select(0, order)
+    xs = hidden.index_select(0, token)
+    h = torch._grouped_mm(xs, params["w13"].transpose(1, 2), offs=offs).float()
+    if "b13" in params:
+        h = h + params["b13"][:E].float().index_select(0, expert)
+    a = apply_activation(cfg, h[:, :I], h[:, I:] if cfg.is_gated else None).to(hidden.dtype)
+    y = torch._grouped_mm(a, params["w2"].transpose(1, 2), offs=offs)
+    if "b2" in params:
+        y = y.float() + params["b2"][:E].float().index_select(0, expert)
+    # bf16 rows times fp32 weights: the product is fp32 (type promotion, no separate fp32 copy of y)
+    y = y * topk_weights.reshape(-1).index_select(0, order).float().unsqueeze(1)
+    out = torch.zeros(N, H, dtype=torch.float32, device=hidden.device).index_add(0, token, y)
+    return out.to(hidden.dtype)
+
+
 @dataclass(frozen=True)
 class GroupedMMOptions(ExpertsOptions):
     """grouped_mm_epilogue: "triton" (fused gather / activation / combine; default where Triton runs)
@@ -220,6 +263,22 @@ class GroupedMMExperts(Experts):
         if not hasattr(torch, "_grouped_mm"):
             return Availability.no(f"torch {torch.__version__} has no torch._grouped_mm", "install torch >= 2.8")
         return Availability.yes()
+
+    @classmethod
+    def supports_training(cls, request: BackendRequest) -> Availability:
+        if request.expert_mode != "bf16":
+            return Availability.no(f"{request.expert_mode} experts are inference-only (quantized weights have no "
+                                   "gradient)", "train with an unquantized checkpoint (quant=None)")
+        return Availability.yes("torch._grouped_mm under autograd (grouped GEMMs in backward)")
+
+    def train_forward(self, tokens, params: Dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = tokens.hidden
+        if isinstance(hidden, QuantizedActivation):
+            raise TypeError("experts 'grouped_mm' trains on bf16 tokens; quantized wires are inference-only")
+        if hidden.shape[0] == 0:
+            return torch.zeros(0, self.config.hidden_size, dtype=hidden.dtype, device=hidden.device)
+        return grouped_mm_train_forward(hidden, tokens.topk_ids, tokens.topk_weights, params, self.config,
+                                        self.num_experts)
 
     @classmethod
     def availability(cls, spec: ExpertsSpec) -> Availability:

@@ -48,7 +48,7 @@ import json
 import os
 import re
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -73,6 +73,7 @@ from transformers.integrations.moe import ExpertsInterface  # noqa: E402
 from epmoe.config import MoEConfig, parse_dtype
 from epmoe.core import dist as edist
 from epmoe.layer import DEFAULT_MAX_TOKENS_PER_RANK, EPMoE
+from epmoe.checkpoint import load_expert_weights
 from epmoe.quant.weights import ExpertWeights
 
 IMPLEMENTATION = "epmoe"
@@ -536,6 +537,30 @@ def ep_layers(model: Any) -> List[EPMoE]:
     return list(_state(model).layers)
 
 
+def describe(model: Any) -> str:
+    """What runs where, in the words of `--plan`: the checkpoint, the routed experts (how they are stored,
+    how many this rank holds, the layers' quant plan) and who loaded the rest of the model (transformers'
+    quantizer and whether it dequantized). The same on every rank but for nothing (ranks agree on the plan)."""
+    st = _state(model)
+    cfg, layer, q = st.moe_config, st.layers[0], st.quantized
+    what = f"quantized {q.quant_method}: {QUANTIZED_CHECKPOINTS[(cfg.model_type, q.quant_method)]}" if q else "unquantized"
+    lines = [
+        f"checkpoint: {st.checkpoint} ({cfg.model_type}, {what})",
+        f"routed experts: {len(st.layers)} MoE layers x {cfg.num_experts} experts through EPMoE on {layer.device}, "
+        f"{layer.num_local_experts} per rank on {layer.ep_size} rank(s); each rank reads only its experts' tensors"
+        + (f", kept as stored ({q.expert_format})" if q else ""),
+        "  " + layer.plan.describe().replace("\n", "\n  "),
+    ]
+    if q is None:
+        lines.append(f"rest of the model: transformers' own modules as stored, in {cfg.dtype}")
+    else:
+        dense = (f"{len(q.dense_fp8)} FP8 block linears (attention, shared experts, dense MLPs): {q.dense_runs_as}; "
+                 if q.dense_fp8 else f"{q.dense_runs_as}; ")
+        lines.append(f"rest of the model: transformers' {q.quantizer} (dequantize={q.dequantized}): {dense}"
+                     f"embeddings, norms, routers and lm_head as stored, in {cfg.dtype}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- generate
 def generate(model: Any, inputs: Optional[torch.Tensor] = None, **kwargs: Any):
     """transformers' `generate` on this rank's prompts, kept in lockstep with the other ranks of the EP
@@ -615,7 +640,11 @@ def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
     `gate_proj` / `up_proj` / `down_proj`). Every MoE layer must be present; each is updated through
     `EPMoE.update_weights` (in place, all-or-nothing across the group, dtypes and shapes fixed).
     Other tensors: copied in place into the parameters / buffers of the same name; a name the model
-    does not have is a ValueError, raised on every rank before anything changes."""
+    does not have is a ValueError, raised on every rank before anything changes.
+
+    A model of a quantized checkpoint takes the trainer's unquantized tensors and quantizes them on the
+    way in with the checkpoint's recipe (`_quantize_like_checkpoint`; transformers' FP8Linear weights
+    into weight + weight_scale_inv), in place: the experts keep the checkpoint's format and storage."""
     st = _state(model)
     own = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
     own.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -631,6 +660,8 @@ def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
                 unknown.append(k)
             elif tuple(v.shape) != tuple(own[k].shape):
                 raise ValueError(f"update_weights: {k} has shape {list(v.shape)}; the model's is {list(own[k].shape)}")
+            elif own[k].dtype == torch.float8_e4m3fn and v.dtype != torch.float8_e4m3fn:
+                dense.update(_quantize_fp8_linear(model, k, v, own))
             else:
                 dense[k] = v
         if unknown:
@@ -645,25 +676,82 @@ def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
     for site, layer in zip(st.sites, st.layers):
         p = site.name + "."
         fused = {k[len(p):]: v for k, v in state_dict.items() if k.startswith(p) and k[len(p):] in _FUSED_NAMES}
-        if fused:
-            try:
-                if layer.placement.is_contiguous:
-                    lo = layer.first_local_expert
-                    weights: Any = _local_from_fused(site, fused, st.moe_config, lo, lo + layer.num_local_experts)
-                else:  # all experts as views: the layer copies the rows of its slots (every replica)
-                    weights = _local_from_fused(site, fused, st.moe_config, 0, st.moe_config.num_experts, copy=False)
-            except ValueError as e:
-                weights, err = None, e
-            else:
-                err = None
-            flags = edist.gather_ints([0 if err is None else 1], layer.group)
-            edist.raise_if_any_failed(err, [r for r in range(flags.shape[0]) if flags[r, 0]], layer.group)
-            layer.update_weights(weights)
-        else:
+        trainer_float = st.quantized is not None and not fused and not _stored_quantized(state_dict, site)
+        if not fused and not trainer_float:  # per-expert names in the layer's own format: the loader reads them
             layer.update_weights(state_dict, layer_idx=site.layer_idx)
+            continue
+        corr = None
+        try:
+            if fused and layer.placement.is_contiguous:
+                lo = layer.first_local_expert
+                weights: Any = _local_from_fused(site, fused, st.moe_config, lo, lo + layer.num_local_experts)
+            elif fused:  # all experts as views: the layer copies the rows of its slots (every replica)
+                weights = _local_from_fused(site, fused, st.moe_config, 0, st.moe_config.num_experts, copy=False)
+            else:  # a trainer's per-expert names, unquantized, into a quantized model
+                lo, hi = (layer.first_local_expert, layer.first_local_expert + layer.num_local_experts) \
+                    if layer.placement.is_contiguous else (0, st.moe_config.num_experts)
+                loaded = load_expert_weights(state_dict, st.moe_config.replace(quant_method=None), experts=(lo, hi),
+                                             layer_idx=site.layer_idx)
+                weights, corr = loaded.experts, loaded.e_score_correction_bias
+            if st.quantized is not None:
+                weights = _quantize_like_checkpoint(weights, st.quantized, layer)
+        except ValueError as e:
+            weights, err = None, e
+        else:
+            err = None
+        flags = edist.gather_ints([0 if err is None else 1], layer.group)
+        edist.raise_if_any_failed(err, [r for r in range(flags.shape[0]) if flags[r, 0]], layer.group)
+        layer.update_weights(weights, e_score_correction_bias=corr)
     with torch.no_grad():
         for k, v in dense.items():
             own[k].copy_(v)
+
+
+def _stored_quantized(state_dict: Mapping[str, torch.Tensor], site: ExpertsSite) -> bool:
+    """Whether the per-expert tensors given for this layer are already in a quantized checkpoint format."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", site.name)
+    layer = f"layers.{m.group(1)}." if m else site.name
+    return any(layer in k and ".experts." in k and k.endswith(("weight_scale_inv", "_blocks", "_scales"))
+               for k in state_dict)
+
+
+def _quantize_like_checkpoint(weights: ExpertWeights, q: QuantizedLoad, layer: EPMoE) -> ExpertWeights:
+    """A trainer's unquantized experts -> the checkpoint's format with its recipe: FP8 128x128 blocks with
+    scale amax / 448 (DeepSeek-V3's weight_scale_inv), MXFP4 with E8M0 scales rounded up (transformers'
+    MXFP4 quantizer: triton_kernels downcast_to_mxfp, ROUND_UP). Biases keep the dtype the layer holds."""
+    from epmoe.quant.weights import quantize_expert_weights
+
+    if weights.is_quantized:
+        if weights.format != q.expert_format:
+            raise ValueError(
+                f"update_weights: expert tensors in format {weights.format} for a model whose checkpoint stores "
+                f"{q.expert_format}; pass the trainer's unquantized tensors"
+            )
+        return weights
+    w = replace(weights, **{n: t.contiguous() for n, t in weights.tensors().items()})
+    out = quantize_expert_weights(w, q.expert_format, scale_rounding="ceil")
+    held = getattr(layer, "_loaded_dtypes", {})
+    casts = {n: getattr(out, n).to(held[n]) for n in ("b13", "b2")
+             if getattr(out, n) is not None and n in held and getattr(out, n).dtype != held[n]}
+    return replace(out, **casts) if casts else out
+
+
+def _quantize_fp8_linear(model: Any, key: str, value: torch.Tensor, own: Mapping[str, torch.Tensor]
+                         ) -> Dict[str, torch.Tensor]:
+    """A trainer's unquantized weight of one of transformers' FP8Linear modules -> {weight: e4m3,
+    weight_scale_inv: float32} in the module's block size (the checkpoint's recipe, scale amax / 448)."""
+    from epmoe.quant import fp8_block
+
+    module_name, _, pname = key.rpartition(".")
+    scale_key = f"{module_name}.weight_scale_inv"
+    block = getattr(model.get_submodule(module_name), "block_size", None) if module_name else None
+    if pname != "weight" or scale_key not in own or block is None:
+        raise ValueError(
+            f"update_weights: {key} is float8_e4m3fn in the model but has no 128x128 weight_scale_inv beside it; "
+            "only FP8 block linears are quantized on the way in"
+        )
+    q = fp8_block.quantize_weight(value.float(), tuple(block), pad_edges=True)
+    return {key: q.data, scale_key: q.scales}
 
 
 def expert_memory(model: Any) -> ExpertMemory:

@@ -29,6 +29,12 @@ Extension points used, and the one place that needs transformers internals:
     mark the model quantized and collide with real quantized checkpoints), hence these private
     calls; they are pinned by the `hf` extra (transformers >= 5.17, < 6) and tested on 5.17.
 
+Quantized checkpoints (QUANTIZED_CHECKPOINTS: GPT-OSS MXFP4, DeepSeek-V3 FP8 blocks, as shipped): the
+routed experts are read as stored by `EPMoE.load_weights` and run through the layer's quant plan;
+everything else goes through transformers' own quantizer for the checkpoint (`get_hf_quantizer`, then
+`preprocess_model` / the loader's conversions / `postprocess_model`, as from_pretrained calls them),
+with the experts modules added to its `modules_to_not_convert` so they stay the model's own.
+
 Lockstep (why generate works with different prompts per rank): `EPMoE.forward` is collective, so every
 rank must call every MoE layer the same number of times. Each forward of the model is one *step*:
 a forward pre-hook on the model all-gathers "I am running a step" over the EP group. The returned
@@ -85,7 +91,7 @@ SUPPORTED_FAMILIES: Dict[str, str] = {
     "qwen2_moe": "Qwen2-MoE (routed experts; shared expert and its gate stay transformers')",
     "qwen3_moe": "Qwen3-MoE",
     "deepseek_v3": "DeepSeek-V3 (routed experts; grouped sigmoid router and shared experts stay transformers')",
-    "gpt_oss": "GPT-OSS (unquantized checkpoints; clamped SwiGLU with biases)",
+    "gpt_oss": "GPT-OSS (clamped SwiGLU with biases; bf16 or MXFP4 checkpoints)",
     "olmoe": "OLMoE",
     "phimoe": "PhiMoE (its sparsemixer router stays transformers')",
     "glm4_moe": "GLM-4.5 MoE (grouped sigmoid router and shared experts stay transformers')",

@@ -351,3 +351,52 @@ def test_refusals_before_loading(ckpts, tmp_path, monkeypatch):
     monkeypatch.setattr(qfp8, "is_accelerate_available", lambda: False)
     with pytest.raises(ImportError, match="cannot load this fp8 checkpoint.*accelerate"):
         load_model(ckpts["deepseek_v3"])
+
+
+# ------------------------------------------------------------------------------- what each rank reads
+def _reads_worker(rank, world_size, paths):
+    """Loads each checkpoint logging (a) every checkpoint tensor transformers' loader materializes
+    (`WeightTransform.add_tensor`, which receives each one read) and (b) every tensor epmoe's expert loader
+    reads through safetensors (whole or row-sliced)."""
+    import safetensors
+    from transformers import core_model_loading
+
+    from epmoe.integrations.transformers import load_model
+    from tests.cpu.test_checkpoint_formats import _counting_safe_open
+
+    out = {}
+    for family, path in paths.items():
+        hf_keys, ep_reads = [], []
+        real_add = core_model_loading.WeightTransform.add_tensor
+
+        def add_tensor(self, target_key, source_key, *a, **k):
+            hf_keys.append(source_key)
+            return real_add(self, target_key, source_key, *a, **k)
+
+        core_model_loading.WeightTransform.add_tensor = add_tensor
+        real_open = _counting_safe_open(ep_reads)
+        try:
+            model = load_model(path, dtype=torch.float32)
+        finally:
+            core_model_loading.WeightTransform.add_tensor = real_add
+            safetensors.safe_open = real_open
+        layer = model.model.layers[-1].mlp.experts.ep_moe
+        out[family] = dict(hf=hf_keys, ep=ep_reads, lo=layer.first_local_expert,
+                           hi=layer.first_local_expert + layer.num_local_experts)
+    return out
+
+
+def test_each_rank_reads_only_its_experts(ckpts):
+    import re
+
+    for rank, per_family in enumerate(run_group(_reads_worker, 2, ckpts, timeout=300, pg_timeout=120)):
+        for family, r in per_family.items():
+            assert r["hf"] and not [k for k in r["hf"] if ".mlp.experts." in k], (family, rank)
+            expert_reads = [(k, rows) for k, rows in r["ep"] if ".mlp.experts." in k]
+            assert expert_reads, (family, rank)
+            for key, rows in expert_reads:
+                m = re.search(r"experts\.(\d+)\.", key)
+                if m:  # per-expert tensors (FP8): this rank's experts only
+                    assert r["lo"] <= int(m[1]) < r["hi"], (family, rank, key)
+                else:  # stacked MXFP4 tensors: this rank's rows only
+                    assert rows == (r["lo"], r["hi"]), (family, rank, key, rows)

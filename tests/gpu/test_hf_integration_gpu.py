@@ -138,7 +138,10 @@ def test_quantized_checkpoints_two_ranks_sharing_one_gpu(tmp_path):
     cuda:0 (gloo, shared_gpu=True), rank 1 generating for no prompts. Bound, on the truth's routing:
     max|ep_bf16 - truth| <= 2 * max|hf_bf16 - truth| + 2^-8 * scale (MXFP4 W4A16: bf16 activations, the
     weights exact), + 2^-3 * scale for FP8 (e4m3 activations per 1x128 block, the CPU test's bound)."""
-    pytest.importorskip("accelerate")
+    from transformers.utils import is_accelerate_available
+
+    if not is_accelerate_available():  # transformers' quantizers check for the package (metadata only)
+        pytest.skip("transformers' quantizers need accelerate: pip install accelerate")
     from tests.cpu.hf_models import write_quantized_model
     from tests.cpu.mp import run_group
 
@@ -158,6 +161,7 @@ def test_quantized_checkpoints_two_ranks_sharing_one_gpu(tmp_path):
                   f"bound={bound:.4g} mode={r['mode']} backend={r['backend']}")
             if rank == 0:
                 print(r["describe"])
+                print("refusal without quantization_config:", r.get("refusal"))
             assert r["mode"] == ("fp8_block" if fp8 else "mxfp4_w4a16"), r
             assert r["backend"] == "triton", r  # the Hopper experts of the format
             assert r["ep"] <= bound, (rank, family, r, bound)

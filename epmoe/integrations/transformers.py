@@ -36,6 +36,12 @@ Extension points used, and the one place that needs transformers internals:
     mark the model quantized and collide with real quantized checkpoints), hence these private
     calls; they are pinned by the `hf` extra (transformers >= 5.17, < 6) and tested on 5.17.
 
+Quantized checkpoints (QUANTIZED_CHECKPOINTS: GPT-OSS MXFP4, DeepSeek-V3 FP8 blocks, as shipped): the
+routed experts are read as stored by `EPMoE.load_weights` and run through the layer's quant plan;
+everything else goes through transformers' own quantizer for the checkpoint (`get_hf_quantizer`, then
+`preprocess_model` / the loader's conversions / `postprocess_model`, as from_pretrained calls them),
+with the experts modules added to its `modules_to_not_convert` so they stay the model's own.
+
 Lockstep (why generate works with different prompts per rank): `EPMoE.forward` is collective, so every
 rank must call every MoE layer the same number of times. Each forward of the model is one *step*:
 a forward pre-hook on the model all-gathers "I am running a step" over the EP group. The returned
@@ -55,8 +61,8 @@ import json
 import os
 import re
 import types
-from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Union
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -80,6 +86,7 @@ from transformers.integrations.moe import ExpertsInterface  # noqa: E402
 from epmoe.config import MoEConfig, parse_dtype
 from epmoe.core import dist as edist
 from epmoe.layer import DEFAULT_MAX_TOKENS_PER_RANK, EPMoE
+from epmoe.checkpoint import load_expert_weights
 from epmoe.quant.weights import ExpertWeights
 
 IMPLEMENTATION = "epmoe"
@@ -91,11 +98,19 @@ SUPPORTED_FAMILIES: Dict[str, str] = {
     "qwen2_moe": "Qwen2-MoE (routed experts; shared expert and its gate stay transformers')",
     "qwen3_moe": "Qwen3-MoE",
     "deepseek_v3": "DeepSeek-V3 (routed experts; grouped sigmoid router and shared experts stay transformers')",
-    "gpt_oss": "GPT-OSS (unquantized checkpoints; clamped SwiGLU with biases)",
+    "gpt_oss": "GPT-OSS (clamped SwiGLU with biases; bf16 or MXFP4 checkpoints)",
     "olmoe": "OLMoE",
     "phimoe": "PhiMoE (its sparsemixer router stays transformers')",
     "glm4_moe": "GLM-4.5 MoE (grouped sigmoid router and shared experts stay transformers')",
     "dots1": "dots.llm1 (grouped sigmoid router and shared experts stay transformers')",
+}
+
+# Quantized checkpoints accepted, as they ship: (model_type, MoEConfig.quant_method) -> what they are.
+# Checked on CPU against transformers' own model of the same checkpoint (tests/cpu/test_hf_quantized.py).
+QUANTIZED_CHECKPOINTS: Dict[tuple, str] = {
+    ("gpt_oss", "mxfp4"): "GPT-OSS as released: routed experts MXFP4 (blocks + E8M0 scales), everything else bf16",
+    ("deepseek_v3", "fp8"): "DeepSeek-V3 / R1 / Kimi-K2 FP8: every linear but lm_head float8_e4m3fn with 128x128 "
+                            "weight_scale_inv blocks, dynamic activation scales",
 }
 
 _STATE_ATTR = "_epmoe_state"
@@ -170,6 +185,26 @@ class _Lockstep:
         return served
 
 
+@dataclass(frozen=True)
+class QuantizedLoad:
+    """How a quantized checkpoint was loaded (`describe` prints it).
+
+    quant_method:  the checkpoint's (MoEConfig.quant_method: "fp8", "mxfp4")
+    expert_format: how the routed experts are stored and held (ExpertWeights.format: "fp8_block", "mxfp4")
+    quantizer:     transformers' quantizer class that loaded everything outside the routed experts
+    dequantized:   whether that quantizer dequantized what it loads (its `dequantize`, decided for this
+                   machine by transformers, or by the caller's quantization_config)
+    dense_fp8:     the modules outside the routed experts stored quantized in the checkpoint (FP8 linears:
+                   attention, shared experts, dense MLPs), with how transformers runs them"""
+
+    quant_method: str
+    expert_format: str
+    quantizer: str
+    dequantized: bool
+    dense_fp8: Tuple[str, ...]
+    dense_runs_as: str
+
+
 @dataclass
 class _State:
     sites: List[ExpertsSite]
@@ -177,6 +212,7 @@ class _State:
     lockstep: _Lockstep
     moe_config: MoEConfig
     checkpoint: str
+    quantized: Optional[QuantizedLoad] = None
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -203,16 +239,17 @@ def moe_config_for(hf_config: Any, ep_size: int, dtype: Optional[torch.dtype] = 
             f"model_type={model_type!r} is not a Mixture-of-Experts model ({e}); epmoe shards the routed "
             "experts of MoE models only, load dense models with transformers directly"
         ) from None
-    if cfg.quant_method is not None:
-        raise ValueError(
-            f"the checkpoint is quantized (quant_method={cfg.quant_method!r}); this integration loads unquantized "
-            "checkpoints only (EPMoE.load_weights reads quantized experts, but the rest of the model would need "
-            "transformers' quantizer): use an unquantized (bf16) checkpoint"
-        )
     if model_type not in SUPPORTED_FAMILIES:
         raise ValueError(
             f"model_type={model_type!r} is not supported by epmoe.integrations.transformers; supported: "
             f"{sorted(SUPPORTED_FAMILIES)}"
+        )
+    if cfg.quant_method is not None and (model_type, cfg.quant_method) not in QUANTIZED_CHECKPOINTS:
+        raise ValueError(
+            f"the checkpoint is quantized (quant_method={cfg.quant_method!r}) and model_type={model_type!r}; "
+            "this integration loads quantized checkpoints as they ship for "
+            f"{sorted(f'{t} {m}' for t, m in QUANTIZED_CHECKPOINTS)} only: use an unquantized (bf16) checkpoint "
+            "of this model, or EPMoE.load_weights for the experts alone"
         )
     act = str(raw.get("hidden_act", "silu")).lower()
     if model_type != "gpt_oss" and act != "silu":
@@ -282,6 +319,94 @@ def _default_device(group: Any) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
+# ---------------------------------------------------------------------------------------------- quantized
+def _hf_quantizer(hf_config: Any, moe_cfg: MoEConfig, quantization_config: Any, device_map: dict,
+                  dtype: torch.dtype):
+    """transformers' quantizer for the checkpoint, built and validated as `from_pretrained` does it
+    (`get_hf_quantizer`: merges `quantization_config`, then `validate_environment`, which decides
+    for this machine whether it dequantizes). ValueError / ImportError with the fix when transformers
+    cannot load the non-expert part here."""
+    from transformers.quantizers.auto import get_hf_quantizer
+    from transformers.utils import is_kernels_available
+
+    method = moe_cfg.quant_method
+    if method == "mxfp4":
+        if quantization_config is not None:
+            raise ValueError(
+                "quantization_config= is not used for a GPT-OSS MXFP4 checkpoint: only its routed experts are "
+                "quantized, and epmoe runs them (quant= chooses how); leave quantization_config unset"
+            )
+        from transformers import Mxfp4Config
+
+        # The MXFP4 quantizer converts the routed experts only (the rest of the checkpoint is unquantized).
+        # dequantize=True is transformers' own option; it keeps its quantizer from swapping the experts /
+        # MLP forward for its hub kernels, which epmoe replaces anyway.
+        quantization_config = Mxfp4Config(dequantize=True)
+    try:
+        hf_quantizer, _, _ = get_hf_quantizer(hf_config, quantization_config, device_map, True, {})
+    except ImportError as e:
+        raise ImportError(
+            f"transformers cannot load this {method} checkpoint on this machine: {e} (transformers' quantizer "
+            "loads everything outside the routed experts)"
+        ) from e
+    qc = hf_quantizer.quantization_config
+    if method == "fp8" and not getattr(qc, "dequantize", False) and not is_kernels_available():
+        raise ValueError(
+            "transformers runs this FP8 checkpoint's non-expert linears (attention, shared experts, dense MLPs) "
+            "on this GPU as FP8Linear with the finegrained-fp8 Triton kernel of the `kernels` package, which is "
+            "not installed: pip install kernels (it fetches kernels-community/finegrained-fp8), or pass "
+            f"quantization_config=FineGrainedFP8Config(dequantize=True) to dequantize them to {dtype} at load, "
+            "as transformers does on a machine without a GPU"
+        )
+    return hf_quantizer
+
+
+def _keep_experts_unconverted(model: torch.nn.Module, hf_quantizer: Any, sites: List[ExpertsSite]) -> None:
+    """Add the routed experts modules to the quantizer's modules_to_not_convert (keeping transformers'
+    default skips, e.g. lm_head, which apply when the checkpoint lists none)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    qc = hf_quantizer.quantization_config
+    if not hasattr(qc, "modules_to_not_convert"):
+        return
+    keep = list(qc.modules_to_not_convert) if qc.modules_to_not_convert is not None else get_keys_to_not_convert(model)
+    qc.modules_to_not_convert = keep + [s.name for s in sites if s.name not in keep]
+
+
+def _quantized_load(model: torch.nn.Module, hf_quantizer: Any, moe_cfg: MoEConfig, expert_prefixes,
+                    files: List[str]) -> QuantizedLoad:
+    from epmoe.quant.plan import checkpoint_family
+
+    qc = hf_quantizer.quantization_config
+    dequantized = bool(getattr(qc, "dequantize", False))
+    dense: List[str] = []
+    runs_as = "none: only the routed experts are quantized in this checkpoint"
+    if moe_cfg.quant_method == "fp8":
+        from transformers.integrations.finegrained_fp8 import FP8Linear
+
+        stored = {k.rsplit(".", 1)[0] for k in _checkpoint_keys(files) if k.endswith(".weight_scale_inv")}
+        dense = sorted(n for n in stored if not n.startswith(expert_prefixes))
+        fp8 = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+        runs_as = (f"dequantized to {model.dtype} at load by transformers" if dequantized or not fp8 else
+                   "transformers' FP8Linear (finegrained-fp8 kernel, dynamic 1x128 activation scales)")
+    family = checkpoint_family(moe_cfg.quant_method)
+    expert_format = {"fp8": "fp8_block", "mxfp4": "mxfp4"}[family]
+    return QuantizedLoad(quant_method=moe_cfg.quant_method, expert_format=expert_format,
+                         quantizer=type(hf_quantizer).__name__, dequantized=dequantized, dense_fp8=tuple(dense),
+                         dense_runs_as=runs_as)
+
+
+def _checkpoint_keys(files: List[str]) -> List[str]:
+    """Tensor names of the checkpoint (safetensors headers only)."""
+    from safetensors import safe_open
+
+    keys: List[str] = []
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            keys += list(h.keys())
+    return keys
+
+
 # ---------------------------------------------------------------------------------------------- loading
 def load_model(
     path: Union[str, os.PathLike],
@@ -292,6 +417,7 @@ def load_model(
     dispatcher: str = "torch",
     max_num_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK,
     timeout_s: Optional[float] = None,
+    quantization_config: Any = None,
     **epmoe_options: Any,
 ):
     """Load a transformers MoE checkpoint directory (written by `save_pretrained`, safetensors) as a
@@ -306,8 +432,18 @@ def load_model(
              one dispatcher. With eplb each layer balances its own experts (rebalancing between steps,
              which every rank runs in lockstep, so generate keeps working).
 
+    quantization_config: transformers' loading options for a quantized checkpoint's non-expert part, as
+             `from_pretrained` takes them (e.g. `FineGrainedFP8Config(dequantize=True)`); FP8 only.
+
+    Quantized checkpoints (QUANTIZED_CHECKPOINTS): the routed experts are read as stored (only this
+    rank's) and run in the checkpoint's format through the plan the resolver picks for the machine
+    (`quant=` as for EPMoE, e.g. quant="bf16" dequantizes them at load); everything else is loaded by
+    transformers' own quantizer for that checkpoint, which decides per machine whether it dequantizes.
+    `describe(model)` says what runs where.
+
     Checks that raise ValueError on every rank before anything is read: not an MoE model, an
-    unsupported family, an EP size that does not divide the experts."""
+    unsupported family, an EP size that does not divide the experts, a quantized checkpoint this
+    integration does not load, or one whose non-expert part transformers cannot run here."""
     path = os.fspath(path)
     hf_config = _read_config(path)
     ep_size = edist.group_size(group)
@@ -327,9 +463,16 @@ def load_model(
 
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     hf_config._experts_implementation = IMPLEMENTATION
+    device_map = {"": str(device)}
+    hf_quantizer = None
+    if moe_cfg.quant_method is not None:
+        hf_quantizer = _hf_quantizer(hf_config, moe_cfg, quantization_config, device_map, dtype)
+        dtype = hf_quantizer.update_dtype(dtype)
+    elif quantization_config is not None:
+        raise ValueError("quantization_config= is for quantized checkpoints; this checkpoint has no quantization_config")
     hf_config.dtype = dtype
     # 1. Build on the meta device exactly as from_pretrained does (nothing allocated).
-    with ContextManagers(model_cls.get_init_context(dtype, False, False, None)):
+    with ContextManagers(model_cls.get_init_context(dtype, hf_quantizer is not None, False, None)):
         model = model_cls(hf_config)
         try:
             from transformers.monkey_patching import patch_output_recorders
@@ -337,7 +480,13 @@ def load_model(
             patch_output_recorders(model)
         except ImportError:  # older 5.x: nothing to patch
             pass
-    sites = _find_sites(model)
+        sites = _find_sites(model)
+        if hf_quantizer is not None:
+            # transformers' quantizer converts what it loads; the routed experts are epmoe's, so they
+            # stay the model's own experts modules (which dispatch to the "epmoe" implementation).
+            _keep_experts_unconverted(model, hf_quantizer, sites)
+            hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map=device_map, checkpoint_files=files,
+                                          use_kernels=False)
     if not sites:
         raise ValueError(f"{model_cls.__name__} has no transformers experts modules; this model is not supported")
     for site in sites:
@@ -349,10 +498,12 @@ def load_model(
         for pname in [n for n, _ in m.named_parameters(recurse=False)]:
             delattr(m, pname)
         m._is_hf_initialized = True  # transformers' flag: skip `_init_weights` (which would touch them)
-    # 3. Everything else: transformers' own loading (renames, dtype plan, tied weights, buffers).
+    # 3. Everything else: transformers' own loading (renames, dtype plan, tied weights, buffers, and for
+    #    a quantized checkpoint its quantizer's conversions).
     load_config = LoadStateDictConfig(
-        pretrained_model_name_or_path=path, device_map={"": str(device)}, dtype=dtype,
-        dtype_plan=model._get_dtype_plan(dtype), weight_mapping=get_model_conversion_mapping(model),
+        pretrained_model_name_or_path=path, device_map=device_map, dtype=dtype,
+        dtype_plan=model._get_dtype_plan(dtype), weight_mapping=get_model_conversion_mapping(model, None, hf_quantizer),
+        hf_quantizer=hf_quantizer,
     )
     info, _ = model_cls._load_pretrained_model(model, None, files, load_config)
     prefixes = tuple(s.name + "." for s in sites)
@@ -361,6 +512,11 @@ def load_model(
     model.eval()
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)
+    quantized = None
+    if hf_quantizer is not None:
+        quantized = _quantized_load(model, hf_quantizer, moe_cfg, prefixes, files)
+        model.hf_quantizer = hf_quantizer
+        hf_quantizer.postprocess_model(model)  # as from_pretrained (drops the config when dequantized)
     # 4. The routed experts: one EPMoE per MoE block, reading only this rank's experts.
     layers: List[EPMoE] = []
     for site in sites:
@@ -377,7 +533,7 @@ def load_model(
     if lockstep.distributed:
         model.register_forward_pre_hook(lockstep.before_forward)
         model.register_forward_hook(lockstep.after_forward)
-    setattr(model, _STATE_ATTR, _State(sites, layers, lockstep, moe_cfg, path))
+    setattr(model, _STATE_ATTR, _State(sites, layers, lockstep, moe_cfg, path, quantized))
     # The instance's generate keeps the ranks in step; transformers' own is type(model).generate.
     model.generate = types.MethodType(generate, model)
     return model
@@ -393,6 +549,30 @@ def _state(model: Any) -> _State:
 def ep_layers(model: Any) -> List[EPMoE]:
     """The EPMoE layers of a model from load_model, in call order."""
     return list(_state(model).layers)
+
+
+def describe(model: Any) -> str:
+    """What runs where, in the words of `--plan`: the checkpoint, the routed experts (how they are stored,
+    how many this rank holds, the layers' quant plan) and who loaded the rest of the model (transformers'
+    quantizer and whether it dequantized). The same on every rank but for nothing (ranks agree on the plan)."""
+    st = _state(model)
+    cfg, layer, q = st.moe_config, st.layers[0], st.quantized
+    what = f"quantized {q.quant_method}: {QUANTIZED_CHECKPOINTS[(cfg.model_type, q.quant_method)]}" if q else "unquantized"
+    lines = [
+        f"checkpoint: {st.checkpoint} ({cfg.model_type}, {what})",
+        f"routed experts: {len(st.layers)} MoE layers x {cfg.num_experts} experts through EPMoE on {layer.device}, "
+        f"{layer.num_local_experts} per rank on {layer.ep_size} rank(s); each rank reads only its experts' tensors"
+        + (f", kept as stored ({q.expert_format})" if q else ""),
+        "  " + layer.plan.describe().replace("\n", "\n  "),
+    ]
+    if q is None:
+        lines.append(f"rest of the model: transformers' own modules as stored, in {cfg.dtype}")
+    else:
+        dense = (f"{len(q.dense_fp8)} FP8 block linears (attention, shared experts, dense MLPs): {q.dense_runs_as}; "
+                 if q.dense_fp8 else f"{q.dense_runs_as}; ")
+        lines.append(f"rest of the model: transformers' {q.quantizer} (dequantize={q.dequantized}): {dense}"
+                     f"embeddings, norms, routers and lm_head as stored, in {cfg.dtype}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------- generate
@@ -474,7 +654,11 @@ def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
     `gate_proj` / `up_proj` / `down_proj`). Every MoE layer must be present; each is updated through
     `EPMoE.update_weights` (in place, all-or-nothing across the group, dtypes and shapes fixed).
     Other tensors: copied in place into the parameters / buffers of the same name; a name the model
-    does not have is a ValueError, raised on every rank before anything changes."""
+    does not have is a ValueError, raised on every rank before anything changes.
+
+    A model of a quantized checkpoint takes the trainer's unquantized tensors and quantizes them on the
+    way in with the checkpoint's recipe (`_quantize_like_checkpoint`; transformers' FP8Linear weights
+    into weight + weight_scale_inv), in place: the experts keep the checkpoint's format and storage."""
     st = _state(model)
     own = dict(model.named_parameters(remove_duplicate=False))  # tied weights under every name
     own.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -490,6 +674,8 @@ def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
                 unknown.append(k)
             elif tuple(v.shape) != tuple(own[k].shape):
                 raise ValueError(f"update_weights: {k} has shape {list(v.shape)}; the model's is {list(own[k].shape)}")
+            elif own[k].dtype == torch.float8_e4m3fn and v.dtype != torch.float8_e4m3fn:
+                dense.update(_quantize_fp8_linear(model, k, v, own))
             else:
                 dense[k] = v
         if unknown:
@@ -504,22 +690,32 @@ def update_weights(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
     for site, layer in zip(st.sites, st.layers):
         p = site.name + "."
         fused = {k[len(p):]: v for k, v in state_dict.items() if k.startswith(p) and k[len(p):] in _FUSED_NAMES}
-        if fused:
-            try:
-                if layer.placement.is_contiguous:
-                    lo = layer.first_local_expert
-                    weights: Any = _local_from_fused(site, fused, st.moe_config, lo, lo + layer.num_local_experts)
-                else:  # all experts as views: the layer copies the rows of its slots (every replica)
-                    weights = _local_from_fused(site, fused, st.moe_config, 0, st.moe_config.num_experts, copy=False)
-            except ValueError as e:
-                weights, err = None, e
-            else:
-                err = None
-            flags = edist.gather_ints([0 if err is None else 1], layer.group)
-            edist.raise_if_any_failed(err, [r for r in range(flags.shape[0]) if flags[r, 0]], layer.group)
-            layer.update_weights(weights)
-        else:
+        trainer_float = st.quantized is not None and not fused and not _stored_quantized(state_dict, site)
+        if not fused and not trainer_float:  # per-expert names in the layer's own format: the loader reads them
             layer.update_weights(state_dict, layer_idx=site.layer_idx)
+            continue
+        corr = None
+        try:
+            if fused and layer.placement.is_contiguous:
+                lo = layer.first_local_expert
+                weights: Any = _local_from_fused(site, fused, st.moe_config, lo, lo + layer.num_local_experts)
+            elif fused:  # all experts as views: the layer copies the rows of its slots (every replica)
+                weights = _local_from_fused(site, fused, st.moe_config, 0, st.moe_config.num_experts, copy=False)
+            else:  # a trainer's per-expert names, unquantized, into a quantized model
+                lo, hi = (layer.first_local_expert, layer.first_local_expert + layer.num_local_experts) \
+                    if layer.placement.is_contiguous else (0, st.moe_config.num_experts)
+                loaded = load_expert_weights(state_dict, st.moe_config.replace(quant_method=None), experts=(lo, hi),
+                                             layer_idx=site.layer_idx)
+                weights, corr = loaded.experts, loaded.e_score_correction_bias
+            if st.quantized is not None:
+                weights = _quantize_like_checkpoint(weights, st.quantized, layer)
+        except ValueError as e:
+            weights, err = None, e
+        else:
+            err = None
+        flags = edist.gather_ints([0 if err is None else 1], layer.group)
+        edist.raise_if_any_failed(err, [r for r in range(flags.shape[0]) if flags[r, 0]], layer.group)
+        layer.update_weights(weights, e_score_correction_bias=corr)
     with torch.no_grad():
         for k, v in dense.items():
             own[k].copy_(v)
@@ -588,6 +784,53 @@ def expert_gradients(model: Any) -> Dict[str, torch.Tensor]:
             out[f"{site.name}.gate_up_proj_bias"] = b
             out[f"{site.name}.down_proj_bias"] = g.b2
     return out
+
+
+def _stored_quantized(state_dict: Mapping[str, torch.Tensor], site: ExpertsSite) -> bool:
+    """Whether the per-expert tensors given for this layer are already in a quantized checkpoint format."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", site.name)
+    layer = f"layers.{m.group(1)}." if m else site.name
+    return any(layer in k and ".experts." in k and k.endswith(("weight_scale_inv", "_blocks", "_scales"))
+               for k in state_dict)
+
+
+def _quantize_like_checkpoint(weights: ExpertWeights, q: QuantizedLoad, layer: EPMoE) -> ExpertWeights:
+    """A trainer's unquantized experts -> the checkpoint's format with its recipe: FP8 128x128 blocks with
+    scale amax / 448 (DeepSeek-V3's weight_scale_inv), MXFP4 with E8M0 scales rounded up (transformers'
+    MXFP4 quantizer: triton_kernels downcast_to_mxfp, ROUND_UP). Biases keep the dtype the layer holds."""
+    from epmoe.quant.weights import quantize_expert_weights
+
+    if weights.is_quantized:
+        if weights.format != q.expert_format:
+            raise ValueError(
+                f"update_weights: expert tensors in format {weights.format} for a model whose checkpoint stores "
+                f"{q.expert_format}; pass the trainer's unquantized tensors"
+            )
+        return weights
+    w = replace(weights, **{n: t.contiguous() for n, t in weights.tensors().items()})
+    out = quantize_expert_weights(w, q.expert_format, scale_rounding="ceil")
+    held = getattr(layer, "_loaded_dtypes", {})
+    casts = {n: getattr(out, n).to(held[n]) for n in ("b13", "b2")
+             if getattr(out, n) is not None and n in held and getattr(out, n).dtype != held[n]}
+    return replace(out, **casts) if casts else out
+
+
+def _quantize_fp8_linear(model: Any, key: str, value: torch.Tensor, own: Mapping[str, torch.Tensor]
+                         ) -> Dict[str, torch.Tensor]:
+    """A trainer's unquantized weight of one of transformers' FP8Linear modules -> {weight: e4m3,
+    weight_scale_inv: float32} in the module's block size (the checkpoint's recipe, scale amax / 448)."""
+    from epmoe.quant import fp8_block
+
+    module_name, _, pname = key.rpartition(".")
+    scale_key = f"{module_name}.weight_scale_inv"
+    block = getattr(model.get_submodule(module_name), "block_size", None) if module_name else None
+    if pname != "weight" or scale_key not in own or block is None:
+        raise ValueError(
+            f"update_weights: {key} is float8_e4m3fn in the model but has no 128x128 weight_scale_inv beside it; "
+            "only FP8 block linears are quantized on the way in"
+        )
+    q = fp8_block.quantize_weight(value.float(), tuple(block), pad_edges=True)
+    return {key: q.data, scale_key: q.scales}
 
 
 def expert_memory(model: Any) -> ExpertMemory:

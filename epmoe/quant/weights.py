@@ -269,10 +269,14 @@ class ExpertWeights:
 
 
 # ----------------------------------------------------------------------------- codecs
-def quantize_expert_weights(weights: ExpertWeights, fmt: str) -> ExpertWeights:
+def quantize_expert_weights(weights: ExpertWeights, fmt: str, *, scale_rounding: str = "floor") -> ExpertWeights:
     """Quantize unquantized canonical weights to `fmt` at load (online quantization) with epmoe's
-    reference formats: MXFP4 / MXFP8 per 32 along K, FP8 128x128 blocks, NVFP4 per 16 with one global
-    scale per expert (stored as a dequantization factor, this module's convention). Biases stay."""
+    reference formats: MXFP4 / MXFP8 per 32 along K, FP8 128x128 blocks (partial edge blocks padded,
+    as checkpoints with H = 2880 have them), NVFP4 per 16 with one global scale per expert (stored as a
+    dequantization factor, this module's convention). Biases stay.
+
+    scale_rounding: the MXFP4 E8M0 scale rounding ("floor": OCP MX; "ceil": triton_kernels' and
+    FlashInfer's, see epmoe.quant.mxfp4)."""
     import importlib
 
     if fmt not in WEIGHT_FORMATS:
@@ -290,7 +294,9 @@ def quantize_expert_weights(weights: ExpertWeights, fmt: str) -> ExpertWeights:
             q = codec.quantize(w, gs[:, None].expand(w.shape[:-1]).contiguous())
             out[name + "_global_scale"] = (1.0 / gs).float().contiguous()
         elif fmt == "fp8_block":
-            q = codec.quantize_weight(w)
+            q = codec.quantize_weight(w, pad_edges=True)
+        elif fmt == "mxfp4":
+            q = codec.quantize(w, scale_rounding=scale_rounding)
         else:
             q = codec.quantize(w)
         out[name], out[name + "_scale"] = q[0], q[1]

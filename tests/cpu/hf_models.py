@@ -154,3 +154,68 @@ def bf16_logit_errors(path: str, device, experts: str = "auto", rank: int = 0, r
     errors = dict(ep=err(ep_logits), hf=err(hf_logits), scale=float(truth[valid].abs().max()),
                   experts_backend=ep.model.layers[-1].mlp.experts.ep_moe.experts.name)
     return errors, ids, mask, hf, ep
+
+
+# ---------------------------------------------------------------------------------------------- quantized
+# family -> the format its released checkpoints ship in (epmoe.quant.checkpoint_formats names)
+QUANTIZED_FORMATS = {"gpt_oss": "mxfp4-gpt-oss", "deepseek_v3": "fp8"}
+
+
+def write_quantized_model(family: str, directory: str, seed: int = 0, **shape) -> str:
+    """A tiny random model of `family` (save_pretrained, float32), rewritten in the format its released
+    checkpoints ship in, with config.json's `quantization_config` as they carry it; returns the path.
+
+    gpt_oss      (openai/gpt-oss-*): the routed experts as MXFP4 `experts.{gate_up,down}_proj_{blocks,scales}`
+                 (+ float biases); everything else unquantized.
+    deepseek_v3  (DeepSeek-V3 / R1, Kimi-K2): every nn.Linear except lm_head (attention, dense MLPs, shared
+                 and routed experts) as float8_e4m3fn `weight` + float32 `weight_scale_inv` per 128x128 block;
+                 embeddings, norms, the router and lm_head unquantized.
+    The expert tensors come from the launcher's synthetic-checkpoint writer (`epmoe.launch.synthetic`),
+    the dense FP8 blocks from the same projection writer."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from epmoe.checkpoint import load_expert_weights
+    from epmoe.config import MoEConfig
+    from epmoe.launch.presets import CHECKPOINT_STYLE
+    from epmoe.launch.synthetic import _expert_tensors, _quantized_projection
+    from epmoe.quant.checkpoint_formats import QUANTIZATION_CONFIGS
+
+    fmt = QUANTIZED_FORMATS[family]
+    src = write_tiny_model(family, os.path.join(directory, "unquantized"), seed=seed, **shape)
+    path = os.path.join(directory, family)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        raw = json.load(f)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    cfg = MoEConfig.from_hf_config(raw, dtype=torch.float32)
+    style = CHECKPOINT_STYLE.get(family, "hf")
+    out = dict(tensors)
+    for L in range(raw["num_hidden_layers"]):
+        prefix = f"model.layers.{L}.mlp."
+        if not any(k.startswith(prefix + "experts.") for k in tensors):
+            continue  # a dense layer (DeepSeek's first_k_dense_replace)
+        experts = load_expert_weights(tensors, cfg, layer_idx=L).experts
+        for k in [k for k in out if k.startswith(prefix + "experts.")]:
+            del out[k]
+        rows: Dict[str, List[torch.Tensor]] = {}
+        for e in range(cfg.num_experts):
+            per, row = _expert_tensors(cfg, fmt, style, prefix, experts.slice_experts(e, e + 1), e)
+            out.update(per)
+            for k, t in row.items():
+                rows.setdefault(k, []).append(t)
+        out.update({k: torch.stack(v).contiguous() for k, v in rows.items()})
+    if fmt == "fp8":
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+        linears = [n for n, m in meta.named_modules() if type(m) is torch.nn.Linear and n != "lm_head"]
+        for n in linears:
+            out.update({f"{n}.{s}": t.contiguous()
+                        for s, t in _quantized_projection("fp8", tensors[f"{n}.weight"], "w1", 0).items()})
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    raw["quantization_config"] = QUANTIZATION_CONFIGS[fmt]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    return path

@@ -9,6 +9,7 @@ experts backends (plain torch; no optional packages).
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -177,3 +178,22 @@ def grouped_gemm_reference(config: MoEConfig, x, topk_ids, topk_weights, w13, w2
             y = grouped_gemm_expert_reference(config, x[rows], w13[e], w2[e], fp8)
             out.index_add_(0, rows, y * topk_weights[rows, slots].double()[:, None])
     return out
+
+
+def fresh_seed() -> int:
+    """A fresh seed per test, printed with every figure; EPMOE_TEST_SEED=N replays one."""
+    if os.environ.get("EPMOE_TEST_SEED"):
+        return int(os.environ["EPMOE_TEST_SEED"])
+    return int.from_bytes(os.urandom(4), "little") % (2**31)
+
+
+def poison_cuda_allocator(nbytes: int = 3 << 30) -> None:
+    """Fill free cached CUDA memory with 0xFF (NaN in bf16/fp32/fp8) so reused blocks start poisoned."""
+    torch.cuda.synchronize()
+    try:
+        junk = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    except torch.cuda.OutOfMemoryError:
+        return
+    junk.fill_(0xFF)
+    del junk
+    torch.cuda.synchronize()

@@ -13,7 +13,6 @@ with experts="deepgemm", against `reference_moe` with the plan; a CUDA-graph dec
 """
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -35,24 +34,6 @@ BOUND = 1e-2
 EXPERT_BOUND = 2.5e-2  # one expert of the masked layout on its own (a few rows: a noisy statistic)
 DS = dict(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048)  # ep 8 -> 32 local
 ODD = dict(num_experts=6, top_k=2, hidden_size=512, intermediate_size=256)  # ep 2 -> 3 local
-
-
-def _seed() -> int:
-    """A fresh seed per test, printed with every figure; EPMOE_TEST_SEED=N replays one."""
-    if os.environ.get("EPMOE_TEST_SEED"):
-        return int(os.environ["EPMOE_TEST_SEED"])
-    return int.from_bytes(os.urandom(4), "little") % (2**31)
-
-
-def _poison(nbytes: int = 3 << 30) -> None:
-    torch.cuda.synchronize()
-    try:
-        junk = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    except torch.cuda.OutOfMemoryError:
-        return
-    junk.fill_(0xFF)
-    del junk
-    torch.cuda.synchronize()
 
 
 _CACHE = {}
@@ -89,14 +70,14 @@ CASES = [("fp8_block", DS, 8, N) for N in (1, 200, 4096)] + [("bf16", DS, 8, N) 
 
 @pytest.mark.parametrize("mode,shape,ep,N", CASES, ids=lambda v: str(v) if not isinstance(v, dict) else f"H{v['hidden_size']}")
 def test_flat_layout_matches_float64(mode, shape, ep, N):
-    seed = _seed()
+    seed = T.fresh_seed()
     ex, w, w13, w2 = _experts(mode, shape, ep, seed)
     cfg, E = ex.config, ex.spec.num_local_experts
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     x = torch.randn(N, cfg.hidden_size, generator=g, device="cuda").bfloat16()
     empty = 2 if N > 4 else 0
     ids, tw = T.random_local_routing(N, cfg.top_k, E, "cuda", seed + 2, invalid_frac=0.25, empty_rows=empty)
-    _poison()
+    T.poison_cuda_allocator()
     out = ex(DispatchedTokens(x, ids, tw))
     torch.cuda.synchronize()
     msg = f"deepgemm/{mode} E_local={E} N={N} seed={seed}"
@@ -117,7 +98,7 @@ def test_fp8_payload_equals_bf16_input():
     quantized in the gather (the same codec)."""
     from epmoe.experts.deepgemm.backend import FP8_PAYLOAD
 
-    seed = _seed()
+    seed = T.fresh_seed()
     ex, *_ = _experts("fp8_block", DS, 8, seed)
     cfg, E = ex.config, ex.spec.num_local_experts
     x = torch.randn(300, cfg.hidden_size, device="cuda").bfloat16()
@@ -136,7 +117,7 @@ def test_masked_layout_matches_float64(mode, fp8_tokens):
 
     if fp8_tokens and mode == "bf16":
         pytest.skip("bf16 experts take bf16 tokens")
-    seed = _seed()
+    seed = T.fresh_seed()
     ex, w, w13, w2 = _experts(mode, DS, 8, seed)
     cfg, E, H = ex.config, ex.spec.num_local_experts, ex.config.hidden_size
     M = 128
@@ -149,7 +130,7 @@ def test_masked_layout_matches_float64(mode, fp8_tokens):
         q, s = kf.quantize_fp8_tokens(x.view(E * M, H))
         s_cm = s.view(E, M, H // 128).transpose(1, 2).contiguous().transpose(1, 2)
         hidden = QuantizedActivation(FP8_PAYLOAD, q.view(E, M, H), s_cm, H)
-    _poison()
+    T.poison_cuda_allocator()
     out = ex(DispatchedTokens(hidden, None, None, layout="masked", expert_counts=counts))
     torch.cuda.synchronize()
     assert out.shape == (E, M, H)
@@ -176,7 +157,7 @@ def test_masked_layout_matches_float64(mode, fp8_tokens):
 def test_cuda_graph_replay_equals_eager_and_sees_reloads(mode):
     from epmoe.experts.graphs import CapturedExperts
 
-    seed = _seed()
+    seed = T.fresh_seed()
     ex, w, *_ = _experts(mode, DS, 8, seed)
     E, K, H = ex.spec.num_local_experts, ex.config.top_k, ex.config.hidden_size
     graph = CapturedExperts(ex, max_rows=64, top_k=K)

@@ -24,7 +24,6 @@ What remains is the Hopper fp8 MMA's own accumulation (~13-bit alignment inside 
 promoted to fp32 per block): d ~1e-4, ~4e-3 output error by the numbers above.
 """
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -53,22 +52,6 @@ GPTOSS = dict(
 )  # fmt: skip
 GPTOSS_EP = 8  # 16 local experts
 RELU2 = dict(num_experts=64, top_k=6, hidden_size=2048, intermediate_size=1024, activation="relu2")
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little") % (2**31)
-
-
-def _poison_allocator(nbytes: int = 3 << 30) -> None:
-    """Fill free cached memory with 0xFF (NaN in bf16/fp32/fp8) so reused blocks start poisoned."""
-    torch.cuda.synchronize()
-    try:
-        junk = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    except torch.cuda.OutOfMemoryError:
-        return
-    junk.fill_(0xFF)
-    del junk
-    torch.cuda.synchronize()
 
 
 _CACHE = {}
@@ -123,7 +106,7 @@ def _reference(ex, w, x, ids, tw):
 
 
 def _run_case(name, mode, cfg_kwargs, ep_size, N, invalid_frac=0.25, options=()):
-    seed = _seed()
+    seed = T.fresh_seed()
     ex, w = _backend(name, mode, cfg_kwargs, ep_size, seed, options)
     cfg = ex.config
     E = ex.spec.num_local_experts
@@ -131,7 +114,7 @@ def _run_case(name, mode, cfg_kwargs, ep_size, N, invalid_frac=0.25, options=())
     x = torch.randn(N, cfg.hidden_size, generator=g, device="cuda").bfloat16()
     empty = min(2, N - 1) if N > 1 else 0
     ids, tw = T.random_local_routing(N, cfg.top_k, E, "cuda", seed + 2, invalid_frac=invalid_frac, empty_rows=empty)
-    _poison_allocator()
+    T.poison_cuda_allocator()
     out = ex(DispatchedTokens(x, ids, tw))
     torch.cuda.synchronize()
     msg = f"{name}/{mode}{list(options) if options else ''} N={N} seed={seed}"
@@ -182,7 +165,7 @@ def test_triton_bf16_grouped_mm_path(N):
     combine, gate/up interleaved weights); N = 4096 is what `auto` picks at this shape."""
     ex, *_ = _run_case("triton", "bf16", DS, DS_EP, N, options=GMM_ON)
     assert ex.uses_grouped_mm(N * DS["top_k"])
-    auto, _ = _backend("triton", "bf16", DS, DS_EP, _seed())
+    auto, _ = _backend("triton", "bf16", DS, DS_EP, T.fresh_seed())
     assert auto.uses_grouped_mm(4096 * DS["top_k"]), "auto: T=4096 over 32 local experts takes grouped_mm"
 
 
@@ -233,7 +216,7 @@ def _pow2_groups(shape, block_rows, block_cols, lo, hi, g):
 def test_fp8_quantizer_is_the_codec():
     """The in-kernel 1x128 quantizer equals `kernel_formats.quantize_fp8_tokens` (the torch codec the
     dispatcher and the reference use) bit for bit, on plain and on pow2-scaled bf16 rows."""
-    seed = _seed()
+    seed = T.fresh_seed()
     ex, _ = _backend("triton", "fp8_block", DS, DS_EP, seed)
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(2048, DS["hidden_size"], generator=g, device="cuda")
@@ -249,7 +232,7 @@ def test_fp8_quantizer_is_the_codec():
 def test_triton_fp8_nonuniform_groups(N):
     """fp8_block with activation groups and weight blocks scaled by 2^-4..2^4 / 2^-3..2^3: every
     scale-indexing mistake (row, K step, gate/up grid, n tile) becomes a large error."""
-    seed = _seed()
+    seed = T.fresh_seed()
     _CACHE.clear()
     _REF_CACHE.clear()
     from epmoe.experts import EXPERTS
@@ -266,7 +249,7 @@ def test_triton_fp8_nonuniform_groups(N):
     x = torch.randn(N, cfg.hidden_size, generator=g, device="cuda")
     x = (x * _pow2_groups(x.shape, 1, 128, -4, 4, g)).bfloat16()
     ids, tw = T.random_local_routing(N, cfg.top_k, E, "cuda", seed + 2, invalid_frac=0.25)
-    _poison_allocator()
+    T.poison_cuda_allocator()
     out = ex(DispatchedTokens(x, ids, tw))
     err = T.relative_error(out, _reference(ex, w, x, ids, tw))
     print(f"triton/fp8_block nonuniform N={N} seed={seed}: rel err {err:.2e}")
@@ -276,7 +259,7 @@ def test_triton_fp8_nonuniform_groups(N):
 
 def test_triton_bf16_blocked_gate_up_layout():
     """The [gate; up] w13 layout (option triton_gate_up=blocked) on the prefill tiles (split tails)."""
-    seed = _seed()
+    seed = T.fresh_seed()
     _CACHE.clear()
     from epmoe.experts import EXPERTS
 
@@ -299,7 +282,7 @@ def test_triton_bf16_blocked_gate_up_layout():
 
 @pytest.mark.parametrize("name", ["triton", "grouped_mm"])
 def test_reload_in_place_on_gpu(name):
-    seed = _seed()
+    seed = T.fresh_seed()
     ex, w = _backend(name, "bf16", GPTOSS, GPTOSS_EP, seed)
     ptrs = {k: v.data_ptr() for k, v in ex.parameters().items()}
     w2 = T.random_expert_weights(ex.config, ex.spec.num_local_experts, "cuda", seed + 7, first_expert=w.first_expert)
@@ -316,7 +299,7 @@ def test_reload_in_place_on_gpu(name):
 def test_cuda_graph_replay_equals_eager(name, mode, options):
     from epmoe.experts.graphs import CapturedExperts
 
-    seed = _seed()
+    seed = T.fresh_seed()
     ex, w = _backend(name, mode, DS, DS_EP, seed, options)
     E, K, H = ex.spec.num_local_experts, ex.config.top_k, ex.config.hidden_size
     # 32 rows x top-8 over 32 experts: the decode tile preset (kernels already built by the N=1 tests)
@@ -345,7 +328,7 @@ def test_fp4_packed_conversion_equals_legacy(mode, shape, N):
     test_fp4_words_conversion_equals_asm, its only check) and the packed Triton-ops one. bf16 subnormal
     operands (code 0.5 -> 2^-127) survive the bf16 multiply, and the nvfp4 2^-7 folded into the
     global scale changes no bit."""
-    seed = _seed()
+    seed = T.fresh_seed()
     cfg_kwargs, ep = (DS, DS_EP) if shape == "ds" else (GPTOSS, GPTOSS_EP)
     # the Triton kernels at every tile size (decode tiles would otherwise run the Gluon kernels,
     # which sum K in another order: test_w4a16_gluon_decode)
@@ -405,7 +388,7 @@ def test_fp4_words_conversion_equals_asm(mode, shape, N, preset, decode):
     word of the weights; a kernel that packed other bytes would give other values."""
     from epmoe.experts import EXPERTS
 
-    seed = _seed()
+    seed = T.fresh_seed()
     cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
     opts = (("triton_w4a16_decode", decode),) + ((("triton_config", preset),) if preset else ())
     asm, w = _backend("triton", mode, cfg_kwargs, ep, seed, (("triton_fp4_convert", "asm"),) + opts)
@@ -463,7 +446,7 @@ def test_w4a16_gluon_decode_split(mode, shape, N):
     from epmoe.experts.triton import triton_experts as TE
 
     cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
-    ex, _ = _backend("triton", mode, cfg_kwargs, ep, _seed())
+    ex, _ = _backend("triton", mode, cfg_kwargs, ep, T.fresh_seed())
     ex.config_override = TE.presets_for(mode)["decode_split"]
     try:
         assert ex.uses_gluon_w4a16(ex.config_override)
@@ -494,7 +477,7 @@ def test_w4a16_gluon_variants(mode, unroll, preset, block_n, warps, monkeypatch)
     for cfg_kwargs, ep, N in ((DS, DS_EP, 60), (GPTOSS, GPTOSS_EP, 40)):
         if cfg_kwargs["intermediate_size"] % block_n or cfg_kwargs["hidden_size"] % block_n:
             continue  # (GPT-OSS 2880 rows: 64-row programs only)
-        ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
+        ex, w = _backend("triton", mode, cfg_kwargs, ep, T.fresh_seed())
         ex.config_override = TE.presets_for(mode)[preset]
         try:
             assert ex.uses_gluon_w4a16(ex.config_override)
@@ -516,7 +499,7 @@ def test_w4a16_fp4_row_tiles(mode, shape, N):
     cfg_kwargs, ep = {"ds": (DS, DS_EP), "gptoss": (GPTOSS, GPTOSS_EP), "relu2": (RELU2, 8)}[shape]
     tiles = (("triton_fp4_layout", "tiles"),)
     ex_t, x, ids, tw, out_t = _run_case("triton", mode, cfg_kwargs, ep, N, options=tiles)
-    _, w = _backend("triton", mode, cfg_kwargs, ep, _seed(), tiles)  # cached: the weights _run_case used
+    _, w = _backend("triton", mode, cfg_kwargs, ep, T.fresh_seed(), tiles)  # cached: the weights _run_case used
     assert ex_t.fp4_tiles
     ex = EXPERTS.get("triton")(ExpertsSpec(ex_t.config, ep - 1, ep, torch.device("cuda"), plan=QuantPlan(expert_mode=mode),
                                            options=(("triton_fp4_layout", "rows"),)))  # fmt: skip
@@ -537,7 +520,7 @@ def test_nvfp4_zero_and_negative_block_scales(N):
     float64 math on the checkpoint's own dequantized weights; the caller's scale tensors untouched."""
     from epmoe.experts import EXPERTS
 
-    seed = _seed()
+    seed = T.fresh_seed()
     cfg = MoEConfig(**DS)
     spec = ExpertsSpec(cfg, DS_EP - 1, DS_EP, torch.device("cuda"), plan=QuantPlan(expert_mode="nvfp4_w4a16"))
     w = T.random_expert_weights(cfg, spec.num_local_experts, device="cuda", seed=seed, first_expert=spec.first_local_expert)
@@ -556,7 +539,7 @@ def test_nvfp4_zero_and_negative_block_scales(N):
     d = kf.dequantize_expert_weights(q)
     x = torch.randn(N, cfg.hidden_size, generator=g, device="cuda").bfloat16()
     ids, tw = T.random_local_routing(N, cfg.top_k, spec.num_local_experts, "cuda", seed + 4, invalid_frac=0.25)
-    _poison_allocator()
+    T.poison_cuda_allocator()
     out = ex(DispatchedTokens(x, ids, tw))
     cfg_t = ex.tile_config(N * cfg.top_k)
     assert ex.uses_gluon_w4a16(cfg_t), cfg_t.describe()
@@ -580,7 +563,7 @@ def test_w4a16_gluon_wgmma(mode, preset):
 
     cfg_t = TE.presets_for(mode)[preset]
     for cfg_kwargs, ep, N in ((DS, DS_EP, 600), (RELU2, 8, 300), (GPTOSS, GPTOSS_EP, 700)):  # GPT-OSS: 2880 = 45 x 64
-        ex, w = _backend("triton", mode, cfg_kwargs, ep, _seed())
+        ex, w = _backend("triton", mode, cfg_kwargs, ep, T.fresh_seed())
         runs = ex.uses_gluon_w4a16(cfg_t)
         divides = (cfg_kwargs["intermediate_size"] % ex._wgmma_block_n(True, cfg_t) == 0
                    and cfg_kwargs["hidden_size"] % ex._wgmma_block_n(False, cfg_t) == 0
@@ -628,7 +611,7 @@ def test_w4a16_wgmma_tail_tiles(mode, tail):
     from epmoe.experts.triton import align as A
     from epmoe.experts.triton import triton_experts as TE
 
-    seed = _seed()
+    seed = T.fresh_seed()
     ex, w = _backend("triton", mode, DS, DS_EP, seed)
     E, cfg = ex.spec.num_local_experts, ex.config
     with_tails = replace(TE.presets_for(mode)["wgmma_w4r128_kp_pend_t32"], tail_rows=tail, name=f"tails{tail}")
@@ -651,7 +634,7 @@ def test_w4a16_wgmma_tail_tiles(mode, tail):
     for cfg_t in (with_tails, TE.presets_for(mode)["wgmma_w4r128_kp_pend"]):
         ex.config_override = cfg_t
         try:
-            _poison_allocator()
+            T.poison_cuda_allocator()
             outs[cfg_t.name] = ex(DispatchedTokens(x, ids, tw))
             again = ex(DispatchedTokens(x, ids, tw))
         finally:
@@ -675,7 +658,7 @@ def test_w4a16_wgmma_scale_ring(mode, preset, monkeypatch):
     from epmoe.experts.triton import triton_experts as TE
 
     for cfg_kwargs, ep, N in ((DS, DS_EP, 900), (RELU2, 8, 300)):
-        seed = _seed()
+        seed = T.fresh_seed()
         ex, w = _backend("triton", mode, cfg_kwargs, ep, seed)
         ex.config_override = TE.presets_for(mode)[preset]
         assert ex.uses_gluon_w4a16(ex.config_override)
@@ -686,7 +669,7 @@ def test_w4a16_wgmma_scale_ring(mode, preset, monkeypatch):
         outs = {}
         for ring in (True, False):
             monkeypatch.setattr(TE, "WGMMA_SCALE_RING", ring)
-            _poison_allocator()
+            T.poison_cuda_allocator()
             outs[ring] = ex(DispatchedTokens(x, ids, tw))
         err = T.relative_error(outs[True], _reference(ex, w, x, ids, tw))
         print(f"{mode} {preset} H={ex.config.hidden_size} seed={seed}: scale ring rel err {err:.2e}")
@@ -703,7 +686,7 @@ def test_w4a16_tail_tiles_in_cuda_graph(mode):
     other work on the stream, equals the eager call bit for bit and stays within the float64 bound."""
     from epmoe.experts.graphs import CapturedExperts
 
-    seed = _seed()
+    seed = T.fresh_seed()
     ex, w = _backend("triton", mode, DS, DS_EP, seed)
     E, K, H = ex.spec.num_local_experts, ex.config.top_k, ex.config.hidden_size
     n = 1024  # 256 rows per expert on average: the wgmma preset, tails of every size
@@ -730,7 +713,7 @@ def test_triton_alignment_equals_torch(E, K, N, block_m):
     def launch(name, grid, args, kwargs):
         getattr(kernel_module(torch.device("cuda")), name)[grid](*args, **kwargs)
 
-    seed = _seed()
+    seed = T.fresh_seed()
     g = torch.Generator(device="cuda").manual_seed(seed)
     ids = torch.randint(-1, E + 1, (N, K), generator=g, device="cuda", dtype=torch.int32)
     ref_sort = A.sort_by_expert(ids, E)

@@ -944,7 +944,8 @@ def _main(argv: Optional[List[str]] = None) -> int:
             else str(device)
         print(f"epmoe launch: {cfg.model_type} ep={ep} ({le.launcher}, {comm} "
               f"on {where}) layers={num_layers} tokens/rank={args.tokens} jitter={args.tokens_jitter} "
-              f"max_tokens_per_rank={max_tokens} dtype={dtype_name(cfg.dtype)}")
+              f"max_tokens_per_rank={max_tokens} dtype={dtype_name(cfg.dtype)}"
+              + (" routing=skewed" if args.routing == "skewed" else ""))
         print(_plan_text(layers[0].plan, cfg))
         sys.stdout.flush()
 
@@ -970,6 +971,9 @@ def _main(argv: Optional[List[str]] = None) -> int:
         step_bytes = 0
         for L, layer in enumerate(layers):
             logits = x.float() @ gates[L].float().t()
+            bias = launch_eplb.routing_bias(args, cfg.num_experts, layer_idx[L], step)
+            if bias is not None:
+                logits = logits + bias.to(logits.device)
             out = layer(x, logits, return_stats=True)
             if tracker is not None:
                 line = tracker.record(step, L, layer, out.stats)
@@ -1140,7 +1144,7 @@ def _summary(args, cfg, ep, layer, gathered, stats: RunStats, tol: float, failed
     ]
     eplb_json = None
     if tracker is not None:
-        eplb_rows, eplb_json = tracker.summary([g[5] for g in gathered])
+        eplb_rows, eplb_json = tracker.summary([g[5] for g in gathered], args.routing)
         rows.extend(eplb_rows)
     passed: Optional[bool] = None
     if args.check:

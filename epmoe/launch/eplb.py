@@ -5,6 +5,7 @@
     eplb_config(args, num_nodes)      EPLBConfig for EPMoE(eplb=...), None without EPLB
     num_slots(cfg, args)              E + R
     slot_config(cfg, args)            the config the backends see (one expert per slot)
+    routing_bias(args, E, layer, step)  --routing skewed: the per-expert logit bias of a step (or None)
     plan_lines(cfg, args, ep)         what --plan prints about the placement
     move_memory_line(...)             what --plan prints about a rebalance's memory
     LoadTracker                       per-rank load before the first rebalance and after the last; the
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 from epmoe.config import MoEConfig
 from epmoe.eplb import EPLBConfig, initial_placement
@@ -28,6 +31,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rebalance-every", type=int, default=None, metavar="N",
                    help="EPLB: every N steps, plan a placement from the load of the last N steps and move the experts "
                         "that change place (between two steps, all ranks at once); default: never")
+    p.add_argument("--routing", default="gate", choices=("gate", "skewed"),
+                   help="gate: the router's own logits (a synthetic router spreads tokens about evenly); skewed: "
+                        "plus a per-expert logit bias (a Zipf skew over a random order of the experts, which "
+                        "changes once, at the middle step), so a few experts take most tokens and EPLB has work "
+                        "to do; --check compares the biased routing too")
 
 
 def enabled(args: argparse.Namespace) -> bool:
@@ -40,6 +48,25 @@ def flag_error(args: argparse.Namespace) -> Optional[str]:
     if args.rebalance_every is not None and args.rebalance_every < 1:
         return f"--rebalance-every {args.rebalance_every}: must be >= 1 (steps)"
     return None
+
+
+def routing_bias(args: argparse.Namespace, num_experts: int, layer_idx: int, step: int) -> Optional[torch.Tensor]:
+    """--routing skewed: float32 [E] added to the router logits of `layer_idx` at `step` (the same on every
+    rank): -1.5 * ln(1 + r) for the expert of rank r in a random order of the experts (seeded by --seed and
+    the layer), so with top-k routing the first few experts take most tokens; the order is drawn again
+    from the middle step on (total steps // 2), so a rebalance planned from the first half meets a new
+    skew. None for --routing gate."""
+    if args.routing != "skewed":
+        return None
+    half = int(step >= (args.warmup + args.steps) // 2)
+    g = torch.Generator().manual_seed(args.seed * 1009 + layer_idx * 31 + half * 7 + 1)
+    order = torch.randperm(num_experts, generator=g)
+    bias = torch.empty(num_experts)
+    bias[order] = -SKEW * torch.log1p(torch.arange(num_experts, dtype=torch.float32))
+    return bias
+
+
+SKEW = 1.5  # --routing skewed: logit bias -SKEW * ln(1 + r) for the expert of rank r in the heat order
 
 
 def num_slots(cfg: MoEConfig, args: argparse.Namespace) -> int:
@@ -134,7 +161,8 @@ class LoadTracker:
             self.switches.append(step)
         return f"eplb: layer {layer_idx} before step {step}: {report.format()}"
 
-    def summary(self, per_rank_load: List[List[int]]) -> Tuple[List[Tuple[str, str]], Dict[str, Any]]:
+    def summary(self, per_rank_load: List[List[int]], routing: str = "gate"
+                ) -> Tuple[List[Tuple[str, str]], Dict[str, Any]]:
         """Rows for the summary table and the JSON section, from every rank's per-step load."""
         steps = min(len(x) for x in per_rank_load) if per_rank_load else 0
 
@@ -151,5 +179,7 @@ class LoadTracker:
                     f"the last (steps {last}-{steps - 1}); {len(self.switches)} rebalance(s) moved experts")
         else:
             text = f"max/mean {fmt(before)} over steps 0-{steps - 1}; no rebalance moved experts"
+            if routing == "gate":
+                text += " (the router spreads tokens about evenly; --routing skewed gives EPLB work)"
         return [("rank load", text)], {"rank_load_before": before, "rank_load_after": after,
                                        "rebalance_steps": list(self.switches)}

@@ -77,6 +77,25 @@ def test_torchrun_two_ranks_eplb(tmp_path):
     assert bad.returncode == 2 and "pass --redundant-experts 4 or 8" in bad.stderr, bad.stderr
 
 
+def test_torchrun_two_ranks_skewed_routing_rebalances(tmp_path):
+    """--routing skewed: a few experts take most tokens, so a rebalance moves experts and lowers the rank
+    load; the skew changes at the middle step and a later rebalance follows it; --check still passes
+    (the reference sees the biased logits). Without it the summary says why nothing moved."""
+    out = tmp_path / "run.json"
+    r = _run(["--preset", "tiny", "--check", "--steps", "10", "--tokens", "64", "--redundant-experts", "2",
+              "--rebalance-every", "3", "--routing", "skewed", "--json", str(out)], nproc=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "routing=skewed" in r.stdout and "check | passed" in r.stdout, r.stdout
+    moved = [ln for ln in r.stderr.splitlines() if ln.startswith("eplb: layer 0") and "moved" in ln]
+    assert moved and "before step 3" in moved[0], r.stderr  # the first window already sees the skew
+    assert any("before step 9" in ln for ln in moved), r.stderr  # the skew moved at step 6: step 9 follows it
+    eplb = json.loads(out.read_text())["eplb"]
+    assert eplb["rank_load_after"] < eplb["rank_load_before"] and eplb["rebalance_steps"][0] == 3, eplb
+    even = _run(["--preset", "tiny", "--steps", "4", "--tokens", "32", "--redundant-experts", "2",
+                 "--rebalance-every", "2"], nproc=2)
+    assert even.returncode == 0 and "--routing skewed gives EPLB work" in even.stdout, even.stdout + even.stderr
+
+
 def test_preset_too_large_asks_for_scale():
     r = _run(["--preset", "dsv3", "--steps", "1"])
     assert r.returncode == 2
@@ -89,6 +108,7 @@ def test_preset_too_large_asks_for_scale():
     (["--preset", "nope"], "invalid choice"),
     (["--rebalance-every", "0"], "--rebalance-every 0: must be >= 1"),
     (["--redundant-experts", "-2"], "--redundant-experts -2: must be >= 0"),
+    (["--routing", "zipf"], "argument --routing: invalid choice: 'zipf'"),
 ])
 def test_bad_flags(args, needle):
     r = _run(args + ["--steps", "1"])

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
+
+from epmoe.core import imports
 
 MODULE = "deep_ep"
 PYPI_DIST = "sgl-deep-ep"
@@ -31,6 +32,22 @@ V1_BUFFER_INIT_ARGS = ("num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "n
                        "allow_nvlink_for_low_latency_mode", "explicitly_destroy")
 INSTALL_HINT = ("pip install 'epmoe[deepep]' (sgl-deep-ep: CUDA 13 wheels for the one torch release each pins), "
                 "or build DeepEP V1 from source against your torch (docs/deepep.md)")
+SOURCE_BUILD = "bash scripts/build_deepep.sh (DeepEP V1 built against this torch, docs/deepep.md)"
+# (sgl-deep-ep version, torch minor) -> torch symbols its native module needs that this torch lacks: read
+# from the wheels' undefined symbols against torch 2.11.0+cu130's exported ones (no run). Every release
+# misses some, so on torch 2.11 the source build is the way.
+KNOWN_MISSING: Dict[Tuple[str, str], int] = {
+    ("0.1.0", "2.11"): 1, ("0.1.1", "2.11"): 2, ("0.1.2", "2.11"): 2, ("0.1.2.post1", "2.11"): 2,
+}
+NO_WHEEL_FITS = {"2.11"}  # torch minors no sgl-deep-ep release loads on (every one in KNOWN_MISSING misses symbols)
+
+
+def install_hint(torch_version: str = "") -> str:
+    """How to get a DeepEP epmoe can use with this torch."""
+    if imports.torch_minor(torch_version) in NO_WHEEL_FITS:
+        return (f"no sgl-deep-ep release loads on torch {torch_version} (each needs torch symbols it lacks); "
+                f"{SOURCE_BUILD}")
+    return INSTALL_HINT
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,7 @@ class DeepEPInstall:
     cuda_major: Optional[int] = None  # the CUDA major a wheel was built for (its _build_info.py)
     torch_cuda: Optional[str] = None
     cuda_ok: Optional[bool] = None
+    known_missing: Optional[int] = None  # torch symbols the wheel's module lacks here (KNOWN_MISSING; None = not checked)
     import_error: Optional[str] = None
 
     @property
@@ -59,52 +77,29 @@ class DeepEPInstall:
         return self.kind != "absent"
 
     def describe(self) -> str:
-        if not self.found:
-            return "not installed"
-        what = {"pypi": f"PyPI {self.distribution} {self.version}",
-                "source": f"source build, distribution {self.distribution} {self.version}",
-                "unpackaged": "unpackaged (no distribution metadata)"}[self.kind]
-        return f"{what} at {self.location}" + (f" ({self.note})" if self.note else "")
+        return imports.describe_install(self.kind, self.distribution, self.version, self.location, self.note)
 
     def problems(self) -> List[str]:
         """Why epmoe cannot use this DeepEP (empty: nothing known against it)."""
         out = []
         if not self.found:
-            return [f"deep_ep is not installed; {INSTALL_HINT}"]
+            return [f"deep_ep is not installed; {install_hint(self.torch_version)}"]
         if self.v1_api is False:
             out.append(f"no usable V1 API: {self.v1_detail}; epmoe drives deep_ep.Buffer (DeepEP V1)")
-        if self.torch_ok is False:
+        if self.known_missing:
+            out.append(f"{self.distribution} {self.version}'s native module needs {self.known_missing} torch symbol(s) "
+                       f"torch {self.torch_version} lacks (read from the symbol tables; no sgl-deep-ep release loads "
+                       f"on this torch); {SOURCE_BUILD}")
+        elif self.torch_ok is False:
             out.append(f"{self.distribution} {self.version} is built for {self.torch_requirement}, this torch is "
                        f"{self.torch_version} (its import fails, usually with an undefined symbol); install that "
-                       "torch, or build DeepEP V1 from source against this one (docs/deepep.md)")
+                       f"torch, or {SOURCE_BUILD}")
         if self.cuda_ok is False:
             out.append(f"{self.distribution} {self.version} is built for CUDA {self.cuda_major}, this torch for CUDA "
                        f"{self.torch_cuda or 'none (CPU build)'}; install a torch built with CUDA {self.cuda_major}")
         if self.import_error:
             out.append(f"import deep_ep failed: {self.import_error}")
         return out
-
-
-def _norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
-def _owning_distributions(origin_dir: str) -> Tuple[List[importlib.metadata.Distribution], List[str]]:
-    """(distributions whose files hold the package found at origin_dir, other distributions that ship
-    a deep_ep package somewhere else)."""
-    owners, elsewhere = [], []
-    names = importlib.metadata.packages_distributions().get(MODULE, [])
-    for name in dict.fromkeys(names):
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        init = os.path.realpath(str(dist.locate_file(os.path.join(MODULE, "__init__.py"))))
-        if os.path.dirname(init) == origin_dir:
-            owners.append(dist)
-        else:
-            elsewhere.append(f"{dist.metadata['Name']} {dist.version}")
-    return owners, elsewhere
 
 
 def _torch_requirement(dist: importlib.metadata.Distribution) -> str:
@@ -115,7 +110,7 @@ def _torch_requirement(dist: importlib.metadata.Distribution) -> str:
             req = Requirement(text)
         except InvalidRequirement:
             continue
-        if _norm(req.name) == "torch" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+        if imports.same_name(req.name, "torch") and (req.marker is None or req.marker.evaluate({"extra": ""})):
             return f"torch{req.specifier}" if str(req.specifier) else ""
     return ""
 
@@ -199,14 +194,10 @@ def probe(torch_version: Optional[str] = None, torch_cuda: Optional[str] = "") -
 
     torch_version = torch.__version__ if torch_version is None else torch_version
     torch_cuda = torch.version.cuda if torch_cuda == "" else torch_cuda
-    try:
-        spec = importlib.util.find_spec(MODULE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
+    package_dir = imports.package_dir(MODULE)
+    if package_dir is None:
         return DeepEPInstall("absent", torch_version=torch_version, torch_cuda=torch_cuda)
-    package_dir = os.path.realpath(list(spec.submodule_search_locations)[0])
-    owners, elsewhere = _owning_distributions(package_dir)
+    owners, elsewhere = imports.owning_distributions(MODULE, package_dir)
     note = f"shadows {', '.join(elsewhere)} installed elsewhere" if elsewhere else ""
     ok, detail = v1_api(package_dir)
     base = dict(location=package_dir, note=note, v1_api=ok, v1_detail=detail, torch_version=torch_version,
@@ -215,20 +206,19 @@ def probe(torch_version: Optional[str] = None, torch_cuda: Optional[str] = "") -
         return DeepEPInstall("unpackaged", **base)
     dist = owners[0]
     name = dist.metadata["Name"] or MODULE
-    kind = "pypi" if _norm(name) == PYPI_DIST else "source"
+    kind = "pypi" if imports.same_name(name, PYPI_DIST) else "source"
     req = _torch_requirement(dist)
     cuda_major = _wheel_cuda_major(package_dir)
     cuda_ok = None
     if cuda_major is not None:
         cuda_ok = bool(torch_cuda) and str(torch_cuda).split(".")[0] == str(cuda_major)
+    missing = KNOWN_MISSING.get((dist.version, imports.torch_minor(torch_version))) if kind == "pypi" else None
     return DeepEPInstall(kind, distribution=name, version=dist.version, torch_requirement=req,
                          torch_ok=_torch_matches(req, torch_version) if req else None, cuda_major=cuda_major,
-                         cuda_ok=cuda_ok, **base)
+                         cuda_ok=cuda_ok, known_missing=missing, **base)
 
 
 def import_check(timeout_s: float = 180.0) -> str:
     """Import deep_ep in a child process: "" when it imports, else its error in one line. The child absorbs
     the import's side effects (NCCL checks, JIT set-up, NVSHMEM environment) and any crash."""
-    from epmoe.core.imports import import_in_child
-
-    return import_in_child(MODULE, timeout_s)
+    return imports.import_in_child(MODULE, timeout_s)

@@ -87,6 +87,23 @@ def test_pypi_wheel_with_its_torch_pin_and_cuda_major(tmp_path, on_path):
     assert "deep_ep" not in sys.modules
 
 
+@pytest.mark.parametrize("version, missing", [("0.1.0", 1), ("0.1.2.post1", 2)])
+def test_every_pypi_release_on_torch_2_11_points_to_the_source_build(tmp_path, on_path, version, missing):
+    """The symbol tables say no sgl-deep-ep release loads on torch 2.11: the verdict says so and names the
+    source build, whatever the wheel's pin says; an absent DeepEP on 2.11 gets the same advice."""
+    _package(tmp_path, wheel_layout=True, cuda_major=13)
+    _dist(tmp_path, "sgl-deep-ep", version, ["torch==2.11.0"])  # even a pin that matches
+    on_path(tmp_path)
+    d = di.probe(torch_version="2.11.0+cu130", torch_cuda="13.0")
+    assert d.known_missing == missing and d.torch_ok and d.cuda_ok
+    assert d.problems() == [f"sgl-deep-ep {version}'s native module needs {missing} torch symbol(s) torch 2.11.0+cu130 "
+                            "lacks (read from the symbol tables; no sgl-deep-ep release loads on this torch); bash "
+                            "scripts/build_deepep.sh (DeepEP V1 built against this torch, docs/deepep.md)"], d.problems()
+    assert di.probe(torch_version="2.14.1+cu130", torch_cuda="13.0").known_missing is None  # not checked there
+    absent = di.DeepEPInstall("absent", torch_version="2.11.0+cu130").problems()[0]
+    assert "no sgl-deep-ep release loads on torch 2.11.0+cu130" in absent and "scripts/build_deepep.sh" in absent
+
+
 def test_source_build_and_unpackaged_directory(tmp_path, on_path):
     build, loose = tmp_path / "site", tmp_path / "build"
     _package(build, wheel_layout=False)

@@ -64,6 +64,17 @@ def test_pypi_wheel_and_what_its_symbol_table_says_of_torch_2_11(tmp_path, on_pa
     assert "deep_gemm" not in sys.modules
 
 
+def test_a_directory_on_the_path_shadowing_the_wheel_is_named(tmp_path, on_path):
+    site, loose = tmp_path / "site", tmp_path / "build"
+    _package(site)
+    _dist(site, "sgl-deep-gemm", "0.1.2")
+    _package(loose, head="")
+    on_path(loose, site)
+    d = dgi.probe(torch_version="2.11.0+cu130")
+    assert d.kind == "unpackaged" and d.note == "shadows sgl-deep-gemm 0.1.2 installed elsewhere", d
+    assert d.describe().endswith("(torch extension, shadows sgl-deep-gemm 0.1.2 installed elsewhere)"), d.describe()
+
+
 def test_no_compiler_and_absent(tmp_path, on_path, monkeypatch):
     _package(tmp_path, head="")
     on_path(tmp_path)

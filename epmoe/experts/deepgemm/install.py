@@ -12,12 +12,12 @@ tries the import in a child process on a CUDA host.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import os
 import shutil
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
+
+from epmoe.core import imports
 
 MODULE = "deep_gemm"
 PYPI_DIST = "sgl-deep-gemm"
@@ -44,6 +44,7 @@ class DeepGEMMInstall:
     nvcc: str = ""
     torch_version: str = ""
     known_missing: Optional[int] = None
+    note: str = ""
     import_error: Optional[str] = None
 
     @property
@@ -51,12 +52,8 @@ class DeepGEMMInstall:
         return self.kind != "absent"
 
     def describe(self) -> str:
-        if not self.found:
-            return "not installed"
-        what = {"pypi": f"PyPI {self.distribution} {self.version}",
-                "source": f"distribution {self.distribution} {self.version}",
-                "unpackaged": "unpackaged (no distribution metadata)"}[self.kind]
-        return f"{what} at {self.location}" + (f", {self.native}" if self.native else "")
+        return imports.describe_install(self.kind, self.distribution, self.version, self.location,
+                                        ", ".join(x for x in (self.native, self.note) if x))
 
     def problems(self) -> List[str]:
         """Why epmoe cannot use this DeepGEMM (empty: nothing known against it)."""
@@ -77,13 +74,6 @@ class DeepGEMMInstall:
         return out
 
 
-def _version(dist_name: str) -> str:
-    try:
-        return importlib.metadata.version(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
 def _nvcc() -> str:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
@@ -96,33 +86,26 @@ def probe(torch_version: Optional[str] = None) -> DeepGEMMInstall:
     import torch
 
     torch_version = torch.__version__ if torch_version is None else torch_version
-    try:
-        spec = importlib.util.find_spec(MODULE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
+    package_dir = imports.package_dir(MODULE)
+    if package_dir is None:
         return DeepGEMMInstall("absent", torch_version=torch_version)
-    package_dir = os.path.realpath(list(spec.submodule_search_locations)[0])
     try:
         with open(os.path.join(package_dir, "__init__.py"), encoding="utf-8") as f:
             source = f.read()
     except OSError:
-        source = None
-    native = "" if source is None else "tvm-ffi module" if "import tvm_ffi" in source else "torch extension"
-    owners = [d for d in importlib.metadata.packages_distributions().get(MODULE, [])]
-    name = owners[0] if owners else ""
-    version = _version(name) if name else ""
-    kind = "absent" if source is None else ("pypi" if name.lower().replace("_", "-") == PYPI_DIST else
-                                        "source" if name else "unpackaged")
-    minor = ".".join(torch_version.split("+")[0].split(".")[:2])
+        return DeepGEMMInstall("absent", torch_version=torch_version)
+    native = "tvm-ffi module" if "import tvm_ffi" in source else "torch extension"
+    owners, elsewhere = imports.owning_distributions(MODULE, package_dir)
+    name = (owners[0].metadata["Name"] or MODULE) if owners else ""
+    version = owners[0].version if owners else ""
+    kind = ("pypi" if imports.same_name(name, PYPI_DIST) else "source") if owners else "unpackaged"
     return DeepGEMMInstall(
         kind, distribution=name, version=version, location=package_dir, native=native,
-        tvm_ffi=_version("apache-tvm-ffi"), nvcc=_nvcc(), torch_version=torch_version,
-        known_missing=KNOWN_MISSING.get((version, minor)) if kind == "pypi" else None,
+        tvm_ffi=imports.dist_version("apache-tvm-ffi"), nvcc=_nvcc(), torch_version=torch_version,
+        known_missing=KNOWN_MISSING.get((version, imports.torch_minor(torch_version))) if kind == "pypi" else None,
+        note=f"shadows {', '.join(elsewhere)} installed elsewhere" if elsewhere else "",
     )
 
 
 def import_check(timeout_s: float = 180.0) -> str:
-    from epmoe.core.imports import import_in_child
-
-    return import_in_child(MODULE, timeout_s)
+    return imports.import_in_child(MODULE, timeout_s)

@@ -32,11 +32,20 @@ def test_every_row_names_a_backend_that_runs_the_mode(key):
                                         ("mxfp4_w4a8", "flashinfer_cutlass")])
 @pytest.mark.parametrize("tokens", [None, 1, 128, 4096])
 def test_auto_picks_the_measured_backend_and_says_why(mode, want, tokens):
+    if mode == "fp8_block" and (tokens is None or tokens > 128):
+        want = "deepgemm"  # prefill: DeepGEMM's contiguous grouped GEMMs, measured 2026-12-05
     plan = resolve_plan(CFG, quant=mode, environment=_env(), max_tokens_per_rank=tokens)
     assert plan.experts_backend == want
     note = [n for n in plan.notes if n.startswith("experts auto")]
-    assert note and "measured fastest" in note[0] and "H200 2026-12-04" in note[0], plan.notes
+    day = "H200 2026-12-05" if want == "deepgemm" else "H200 2026-12-04"
+    assert note and "measured fastest" in note[0] and day in note[0], plan.notes
     assert measured_choice("sm90", mode, tokens).backend == want
+
+
+def test_fp8_block_prefill_without_deepgemm_falls_back_to_triton_with_the_reason():
+    plan = resolve_plan(CFG, quant="fp8_block", environment=_env(deep_gemm="x"), max_tokens_per_rank=4096)
+    assert plan.experts_backend == "triton"
+    assert any("not the measured deepgemm" in n for n in plan.notes), plan.notes
 
 
 def test_batch_size_picks_the_row():

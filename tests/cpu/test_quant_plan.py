@@ -172,7 +172,9 @@ def test_deepep_nvfp4_rejected_auto_bf16_or_fp8():
     p = resolve_quant_plan(cfg("nvfp4"), arch="sm100", dispatcher="deepep", ep_size=4, flashinfer_version=FI)
     assert p.dispatch_dtype == "bf16"
     p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher="deepep", ep_size=4)
-    assert p.dispatch_dtype == "fp8" and p.experts_backend == "triton"  # triton consumes fp8 1x128
+    assert p.dispatch_dtype == "fp8" and p.experts_backend == "deepgemm"  # deepgemm consumes fp8 1x128
+    p = resolve_quant_plan(cfg("fp8"), arch="sm90", dispatcher="deepep", ep_size=4, experts_backend="triton")
+    assert p.dispatch_dtype == "fp8"  # triton consumes fp8 1x128 too
 
 
 def test_flashinfer_dispatcher_never_gets_fp8():
@@ -297,7 +299,7 @@ def test_explicit_w4a8_implies_path():
         (None, None, "cpu", None, "torch", "reference"),
         (None, None, "cpu", FI, "torch", "reference"),
         (None, None, "sm90", None, "torch", "triton"),
-        ("fp8", None, "sm90", FI, "torch", "triton"),
+        ("fp8", None, "sm90", FI, "torch", "deepgemm"),  # the largest batch: measured fastest (MEASURED_AUTO)
         ("nvfp4", None, "sm90", FI, "torch", "triton"),
         ("mxfp4", None, "sm90", None, "torch", "triton"),
         ("nvfp4", None, "sm100", FI, "flashinfer", "flashinfer_cutedsl"),

@@ -16,7 +16,7 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterable, List, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 _CTX = None
 _HF_PRELOAD = [
@@ -121,24 +121,43 @@ def run_group(fn: Callable, world_size: int, *args: Any, timeout: float = 120, p
     return [results[r][1] for r in range(world_size)]
 
 
-def run_checks(tag: str, checks: Iterable[Tuple[str, Callable[[], Any]]]) -> Dict[str, Tuple[bool, str]]:
+class SkipCheck(Exception):
+    """Raised by a check that cannot run here (a package or the GPU it needs is missing): reported as
+    skipped with the reason, never as passed."""
+
+
+def run_checks(tag: str, checks: Iterable[Tuple[str, Callable[[], Any]]]) -> Dict[str, Tuple[Optional[bool], str]]:
     """Inside a worker: run every (name, fn) check, keep going after a failure, print one line each.
-    -> name -> (ok, message: fn's return value and the time, or the exception with its traceback)."""
+    -> name -> (ok, message: fn's return value and the time, or the exception with its traceback);
+    ok is None for a check that raised SkipCheck (the message is the reason)."""
     out = {}
     for name, fn in checks:
         t0 = time.perf_counter()
         try:
             msg = fn() or ""
             out[name] = (True, f"{msg} [{time.perf_counter() - t0:.1f}s]")
+        except SkipCheck as e:
+            out[name] = (None, str(e))
         except BaseException as e:  # noqa: BLE001 - reported per check
             out[name] = (False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        print(f"[{tag}] {name}: {'ok' if out[name][0] else 'FAILED'} {out[name][1].splitlines()[0]}", flush=True)
+        word = {True: "ok", False: "FAILED", None: "skipped:"}[out[name][0]]
+        print(f"[{tag}] {name}: {word} {out[name][1].splitlines()[0] if out[name][1] else ''}", flush=True)
     return out
 
 
-def assert_checks(per_rank: List[Dict[str, Tuple[bool, str]]], names: Iterable[str], seed: int) -> None:
-    """In the test: every rank's `run_checks` result passed for each of `names`."""
+def assert_checks(per_rank: List[Dict[str, Tuple[Optional[bool], str]]], names: Iterable[str], seed: int) -> List[str]:
+    """In the test: every rank's `run_checks` result passed for each of `names`, or skipped on every
+    rank. -> "name: reason" of the skipped ones (the caller skips or says so)."""
+    skipped = []
+    names = list(names)
     for rank, res in enumerate(per_rank):
         for name in names:
             ok, msg = res[name]
-            assert ok, f"seed {seed} rank {rank} {name}: {msg}"
+            assert ok is not False, f"seed {seed} rank {rank} {name}: {msg}"
+    for name in names:
+        states = {res[name][0] for res in per_rank}
+        assert states != {True, None}, f"seed {seed} {name}: skipped on some ranks only: " + \
+            "; ".join(f"rank {r}: {res[name][1]}" for r, res in enumerate(per_rank))
+        if states == {None}:
+            skipped.append(f"{name}: {per_rank[0][name][1]}")
+    return skipped

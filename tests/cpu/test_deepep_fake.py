@@ -310,10 +310,12 @@ def test_gpu_shared_workers_run_on_the_stand_in(worker):
     seed = fresh_seed()
     if worker == "normal":
         res = run_group(gpu._normal_worker, 4, seed, gpu.NM_COUNTS[4], False, True, timeout=240)
-        assert_checks(res, gpu.NORMAL_CHECKS, seed)
+        skipped = assert_checks(res, gpu.NORMAL_CHECKS, seed)
     else:
         res = run_group(gpu._ll_worker, 4, seed, gpu.LL_COUNTS[4], False, True, timeout=240)
-        assert_checks(res, gpu.LL_CHECKS, seed)
+        skipped = assert_checks(res, gpu.LL_CHECKS, seed)
+    # the checks with GPU experts (triton, deepgemm) cannot run here: skipped, named, never passed
+    assert skipped and all("needs the GPU" in s for s in skipped), skipped
 
 
 def test_fp8_diag_script_runs_on_the_stand_in():

@@ -423,12 +423,17 @@ def _normal_worker(rank, world, seed, counts, shared_gpu=True, fake=False):
         d.close()
         return f"T={T}: FP8 data and scales bit-identical to the torch dispatcher's FP8 wire; dequantized rows too"
 
-    def layer(quant):
-        return _layer_check(rank, world, seed, "deepep", "reference", quant, dev, shared_gpu and not fake,
-                            state["buffer"], LAYER_M)
+    def layer(quant, experts="reference", eplb=False):
+        return _layer_check(rank, world, seed, "deepep", experts, quant, dev, shared_gpu and not fake,
+                            state["buffer"], LAYER_M, eplb=eplb, fake=fake)
 
     checks = [("bf16_vs_torch", bf16_vs_torch), ("fp8_vs_torch", fp8_vs_torch),
-              ("layer_bf16", lambda: layer("bf16")), ("layer_fp8", lambda: layer("fp8_block"))]
+              ("layer_bf16", lambda: layer("bf16")), ("layer_fp8", lambda: layer("fp8_block")),
+              ("layer_bf16_triton", lambda: layer("bf16", "triton")),
+              ("layer_fp8_triton", lambda: layer("fp8_block", "triton")),
+              ("layer_bf16_deepgemm", lambda: layer("bf16", "deepgemm")),
+              ("layer_fp8_deepgemm", lambda: layer("fp8_block", "deepgemm")),
+              ("layer_eplb", lambda: layer("bf16", "triton" if not fake else "reference", eplb=True))]
     results = run_checks(f"deepep ep={world}", checks)
     if "buffer" in state:
         state["buffer"].close()
@@ -437,53 +442,83 @@ def _normal_worker(rank, world, seed, counts, shared_gpu=True, fake=False):
 
 LAYER_CFG = LL1  # H 2048: a DeepEP low-latency size; the same (H, E) as the low-latency workers' buffer
 LAYER_M = 32  # normal mode (its buffer does not grow with M); low latency uses LL1_M, its buffer's
+# EPLB: 12 experts + 4 redundant = 16 slots, the expert count the low-latency buffer is laid out for
+EPLB_CFG, EPLB_R = dict(LL1, num_experts=12), 4
+GPU_EXPERTS = ("triton", "deepgemm")  # experts that need the GPU (and, deepgemm, deep_gemm)
 
 
-def _layer_check(rank, world, seed, dispatcher, experts, quant, dev, shared_gpu, buffer, M) -> str:
-    """EPMoE over DeepEP (on the worker's DeepEPBuffer) against the float64 reference of what it
-    computes; tokens per rank [2M + 6, 0, M + 1, 5]: rank 0 in 3 rounds, one rank empty."""
-    from epmoe import EPMoE, MoEConfig, reference_moe
+def _experts_here(experts: str, fake: bool) -> None:
+    """Raise SkipCheck when `experts` cannot run in this worker."""
+    from tests.cpu.mp import SkipCheck
+
+    if experts in GPU_EXPERTS and fake:
+        raise SkipCheck(f"experts {experts} needs the GPU (the stand-in deep_ep runs on CPU)")
+    if experts == "deepgemm":
+        try:
+            import deep_gemm  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure means: not here
+            raise SkipCheck(f"deep_gemm does not import: {type(e).__name__}: {e}") from None
+
+
+def _layer_check(rank, world, seed, dispatcher, experts, quant, dev, shared_gpu, buffer, M, eplb=False,
+                 fake=False) -> str:
+    """EPMoE over DeepEP (on the worker's DeepEPBuffer) with `experts` against the float64 reference of
+    what it computes; tokens per rank [2M + 6, 0, M + 1, 5]: rank 0 in 3 rounds, one rank empty.
+    eplb: 12 experts in 16 slots (EPLB_R redundant), the same inputs again after a forced rebalance
+    that makes experts 10 and 11 hot: outputs before and after against the reference, slots moved."""
+    from epmoe import EPLBConfig, EPMoE, MoEConfig, reference_moe
     from epmoe.resolve import resolve_quant_plan
     from tests.cpu.helpers import random_inputs
 
-    cfg = MoEConfig(dtype=torch.bfloat16, **LAYER_CFG)
+    _experts_here(experts, fake)
+    cfg = MoEConfig(dtype=torch.bfloat16, **(EPLB_CFG if eplb else LAYER_CFG))
     plan = resolve_quant_plan(cfg, requested_mode=quant, dispatcher=dispatcher, experts_backend=experts, arch="sm90",
                               ep_size=world)
     layer = EPMoE(cfg, dispatcher=dispatcher, device=dev, plan=plan, max_num_tokens_per_rank=M,
-                  shared_gpu=shared_gpu, timeout_s=120, dispatcher_options={"deepep_buffer": buffer})
+                  shared_gpu=shared_gpu, timeout_s=120, dispatcher_options={"deepep_buffer": buffer},
+                  eplb=EPLBConfig(num_redundant_experts=EPLB_R) if eplb else None)
     w = random_weights(cfg, seed + 40)
     try:
         layer.load_weights(w)
         counts = [2 * M + 6, 0, M + 1, 5][:world]
         x, logits = random_inputs(cfg, counts[rank], seed + 41 + 101 * rank)
-        out = layer(x.to(dev), logits.to(dev), return_stats=True, return_routing=True)
-        routing = None
-        if counts[rank]:  # the layer's own routing (device softmax), so that near-ties cannot differ
-            from epmoe.routing import Routing
+        errs, moved = [], 0
+        for attempt in range(2 if eplb else 1):
+            if attempt:  # all ranks: experts 10 and 11 hot, so they get the redundant slots
+                report = layer.rebalance(load=[1] * 10 + [90, 80], force=True)
+                moved = report.moved_slots
+                assert moved > 0 and not report.skipped, report.format()
+            out = layer(x.to(dev), logits.to(dev), return_stats=True, return_routing=True)
+            routing = None
+            if counts[rank]:  # the layer's own routing (device softmax), so that near-ties cannot differ
+                from epmoe.routing import Routing
 
-            routing = Routing(topk_ids=out.routing.topk_ids.cpu(), topk_weights=out.routing.topk_weights.cpu())
-        if not counts[rank]:
-            ref = torch.zeros(0, cfg.hidden_size)
-        elif experts == "masked_reference" and quant != "bf16":
-            # masked_reference computes with the unquantized weights on the FP8 tokens DeepEP's
-            # low-latency kernels cast (epmoe/experts/masked.py): model that wire, not W8A8
-            from epmoe.dispatch import deepep as dd
+                routing = Routing(topk_ids=out.routing.topk_ids.cpu(), topk_weights=out.routing.topk_weights.cpu())
+            if not counts[rank]:
+                ref = torch.zeros(0, cfg.hidden_size)
+            elif experts == "masked_reference" and quant != "bf16":
+                # masked_reference computes with the unquantized weights on the FP8 tokens DeepEP's
+                # low-latency kernels cast (epmoe/experts/masked.py): model that wire, not W8A8
+                from epmoe.dispatch import deepep as dd
 
-            ref = reference_moe(cfg, dd.fp8_block_dequantize(*dd.fp8_block_quantize(x)), w, routing=routing)
-        else:
-            ref = reference_moe(cfg, x, w, routing=routing, plan=plan)
-        err = max_rel_err(out.hidden_states, ref)
-        tol = 3e-2 if quant != "bf16" else 2e-2
-        assert err < tol, f"T={counts}: max rel err {err:.3g} (tolerance {tol})"
-        assert out.stats.tokens_per_rank == tuple(counts)
-        assert out.stats.rounds == 3
-        return (f"experts {plan.expert_mode}, wire {plan.dispatch_dtype}; T={counts}, {out.stats.rounds} rounds: "
-                f"max rel err {err:.2e}")
+                ref = reference_moe(cfg, dd.fp8_block_dequantize(*dd.fp8_block_quantize(x)), w, routing=routing)
+            else:
+                ref = reference_moe(cfg, x, w, routing=routing, plan=plan)
+            err = max_rel_err(out.hidden_states, ref)
+            tol = 3e-2 if quant != "bf16" else 2e-2
+            assert err < tol, f"T={counts}{' after the rebalance' if attempt else ''}: max rel err {err:.3g} (tolerance {tol})"
+            assert out.stats.tokens_per_rank == tuple(counts)
+            assert out.stats.rounds == 3
+            errs.append(err)
+        where = f"; rebalanced ({moved} slots moved): {errs[1]:.2e}" if eplb else ""
+        return (f"experts {plan.experts_backend} {plan.expert_mode}, wire {plan.dispatch_dtype}; T={counts}, "
+                f"3 rounds: max rel err {errs[0]:.2e}{where}")
     finally:
         layer.dispatcher.close()
 
 
-NORMAL_CHECKS = ["bf16_vs_torch", "fp8_vs_torch", "layer_bf16", "layer_fp8"]
+NORMAL_CHECKS = ["bf16_vs_torch", "fp8_vs_torch", "layer_bf16", "layer_fp8", "layer_bf16_triton", "layer_fp8_triton",
+                 "layer_bf16_deepgemm", "layer_fp8_deepgemm", "layer_eplb"]
 NM_COUNTS = {2: [217, 0], 4: [200, 0, 131, 17]}
 
 
@@ -497,7 +532,7 @@ def test_normal_two_gpus():
 
 # ------------------------------------------------------------------ several ranks: low latency
 LL_COUNTS = {2: [40, 0], 4: [40, 0, 23, 7]}
-LL_CHECKS = ["ll_bf16", "ll_fp8", "layer_bf16", "layer_fp8"]
+LL_CHECKS = ["ll_bf16", "ll_fp8", "layer_bf16", "layer_fp8", "layer_bf16_deepgemm", "layer_fp8_deepgemm", "layer_eplb"]
 
 
 def _ll_worker(rank, world, seed, counts, shared_gpu=True, fake=False):
@@ -555,12 +590,15 @@ def _ll_worker(rank, world, seed, counts, shared_gpu=True, fake=False):
         assert d.stats.tokens_sent == remote
         return f"T={T}: max rel err {err:.2e}, {remote} messages to other ranks"
 
-    def layer(quant):  # shares the buffer: one NVSHMEM initialisation per process, the same (M, H, E)
-        return _layer_check(rank, world, seed, "deepep_ll", "masked_reference", quant, dev, shared_gpu and not fake,
-                            state["buffer"], LL1_M)
+    def layer(quant, experts="masked_reference", eplb=False):  # shares the buffer: one NVSHMEM initialisation
+        return _layer_check(rank, world, seed, "deepep_ll", experts, quant, dev,  # per process, the same (M, H, E)
+                            shared_gpu and not fake, state["buffer"], LL1_M, eplb=eplb, fake=fake)
 
     checks = [("ll_bf16", lambda: run("bf16")), ("ll_fp8", lambda: run("fp8_block")),
-              ("layer_bf16", lambda: layer("bf16")), ("layer_fp8", lambda: layer("fp8_block"))]
+              ("layer_bf16", lambda: layer("bf16")), ("layer_fp8", lambda: layer("fp8_block")),
+              ("layer_bf16_deepgemm", lambda: layer("bf16", "deepgemm")),
+              ("layer_fp8_deepgemm", lambda: layer("fp8_block", "deepgemm")),
+              ("layer_eplb", lambda: layer("fp8_block", "deepgemm" if not fake else "masked_reference", eplb=True))]
     results = run_checks(f"deepep_ll ep={world}", checks)
     if "buffer" in state:
         state["buffer"].close()
@@ -582,12 +620,14 @@ def shared_results(request):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("check", ["bf16_vs_torch", "fp8_vs_torch", "ll_bf16", "ll_fp8", "layer_bf16", "layer_fp8"])
+@pytest.mark.parametrize("check", list(dict.fromkeys(NORMAL_CHECKS + LL_CHECKS)))
 def test_sharing_one_gpu(shared_results, check):
     mode, seed, res = shared_results
     if check not in SHARED[mode][2]:
         pytest.skip(f"not a {mode} check")
-    assert_checks(res, [check], seed)
+    skipped = assert_checks(res, [check], seed)
+    if skipped:
+        pytest.skip(skipped[0])
 
 
 @pytest.mark.multigpu(2)

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_deepep.py --dry-run                 # CPU: the plan, buffer sizes, skips
     python benchmarks/bench_deepep.py --json bench.json         # GPU: one process per GPU (gloo group)
+    python benchmarks/bench_deepep.py --ranks 4                 # 4 ranks sharing fewer GPUs (no link measured)
 
 Default shape (DeepSeek-V3): H=7168, top-8, E=256, T = 128 and 4096 tokens per rank, BF16 and FP8.
 Normal mode needs 2, 4 or 8 ranks (DeepEP compiles its intranode kernels for those only); low-latency
@@ -300,7 +301,9 @@ def main(argv=None) -> int:
     os.close(fd)
     os.unlink(init_file)
     out_file = init_file + ".json"
-    print(f"[bench_deepep] {ranks} rank(s) on {n_gpu} GPU(s), {args.iters} iters after {args.warmup} warm-up",
+    shared = not args.cpu_fake and ranks > n_gpu
+    print(f"[bench_deepep] {ranks} rank(s) on {n_gpu} GPU(s), {args.iters} iters after {args.warmup} warm-up"
+          + (": ranks share GPUs, so the times are each rank's local cost and no link is measured" if shared else ""),
           flush=True)
     if any(not r.skip for r in runs):
         mp.spawn(_worker, args=(ranks, args, init_file, runs, out_file), nprocs=ranks, join=True)
@@ -310,6 +313,8 @@ def main(argv=None) -> int:
     else:
         per_rank = [[asdict(r) for r in runs]]
     rows = _report(runs, per_rank)
+    for row in rows:
+        row["gpus"], row["shared_gpu"] = n_gpu, shared
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

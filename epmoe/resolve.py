@@ -239,7 +239,9 @@ def resolve_plan(
                              + (f"; {ok.hint}" if ok.hint else ""))
 
     order = experts_preference(md.arch) if experts == "auto" else [experts]
-    measured = measured_choice(md.arch, md.mode, max_tokens_per_rank) if experts == "auto" else None
+    # the table was measured on the flat layout; the masked layout has its own backends
+    measured = measured_choice(md.arch, md.mode, max_tokens_per_rank) \
+        if experts == "auto" and base.layout == "flat" else None
     if measured is not None and measured.backend in order:
         order = [measured.backend] + [n for n in order if n != measured.backend]
     skipped: List[str] = []

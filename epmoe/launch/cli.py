@@ -849,13 +849,18 @@ def _main(argv: Optional[List[str]] = None) -> int:
         with watch.phase("placing the nodes"):
             nodes = edist.all_gather_objects((socket.gethostname(), le.node_rank), None, watch.collective_timeout)
         eplb = launch_eplb.eplb_config(args, launch_eplb.nodes_for(cfg, ep, nodes, args))
+    options = None
     try:
         for L in layer_idx:
             layers.append(EPMoE(cfg, dispatcher=args.dispatcher, device=device, max_num_tokens_per_rank=max_tokens,
                                 experts=args.experts, quant=args.quant, dispatch_dtype=args.dispatch_dtype,
                                 deterministic=args.deterministic, timeout_s=args.timeout,
                                 check_finite=args.check_finite, shared_gpu=shared_gpu, eplb=eplb,
-                                name=f"EPMoE[layer {L}]"))
+                                name=f"EPMoE[layer {L}]", dispatcher_options=options))
+            if options is None and hasattr(layers[0].dispatcher.Options, "deepep_buffer"):
+                # one DeepEP buffer for every layer, as serving frameworks hold it (one NVSHMEM
+                # allocation per process); the first layer's dispatcher owns it and closes last
+                options = {"deepep_buffer": layers[0].dispatcher.buffer}
     except (ValueError, TypeError) as e:  # agreed by the layer: every rank raises the same
         raise UsageError(str(e)) from None
     plan = layers[0].plan
@@ -1019,7 +1024,7 @@ def _main(argv: Optional[List[str]] = None) -> int:
     elif args.check and le.local_rank == 0:  # one verdict line per node, so each node's log says how it went
         print(f"node {le.node_rank} ({socket.gethostname()}, rank {le.rank}): check | "
               f"{'FAILED' if failed_check else 'passed'} (details on rank 0)")
-    for layer in layers:
+    for layer in reversed(layers):  # the owner of a shared buffer last
         layer.dispatcher.close()
     shutdown()
     if tmp is not None:

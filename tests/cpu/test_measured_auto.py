@@ -59,3 +59,9 @@ def test_measured_backend_missing_falls_back_with_the_reason():
     plan = resolve_plan(CFG, quant="bf16", environment=_env(triton="x"), max_tokens_per_rank=4096)
     assert plan.experts_backend != "triton"
     assert any("not the measured triton" in n for n in plan.notes), plan.notes
+
+
+def test_the_masked_layout_does_not_quote_the_flat_table():
+    plan = resolve_plan(CFG, quant="fp8_block", dispatcher="deepep_ll", environment=_env(), max_tokens_per_rank=64)
+    assert plan.experts_backend == "deepgemm" and plan.layout == "masked"
+    assert not any("measured" in n for n in plan.notes), plan.notes

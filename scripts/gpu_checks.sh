@@ -2,6 +2,7 @@
 # GPU checks and benchmarks in few, bounded steps (on a GPU machine). From the repo root:
 #   bash scripts/gpu_checks.sh tests    # every tests/gpu file, each under its own time limit
 #   bash scripts/gpu_checks.sh bench    # expert stage, full layer vs baseline, dispatchers
+#   bash scripts/gpu_checks.sh deepep|deepep-launch|deepep-faults   # DeepEP with ranks sharing the GPU
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
 # summary is printed last. FLASHINFER_DISABLE_JIT=1 makes any FlashInfer module that is not prebuilt
 # fail at once instead of compiling for minutes.
@@ -102,12 +103,79 @@ run_deepgemm() {
     grep -E "^==|smoke|peer |deepgemm|Error|error|Fatal|line [0-9]+ in" "$log" | tail -40
 }
 
+# DeepEP on one GPU with ranks sharing it (docs/deepep.md, docs/shared-gpu.md). Builds DeepEP V1 from
+# .deepep/ (scripts/build_deepep.sh; cached in /tmp while the machine stays up) and, when .whl/ holds
+# the sgl-deep-gemm wheel, installs it to /tmp/site (the deepgemm experts). Three parts, each within
+# one 10-minute device call:
+#   deepep          the dispatcher and layer checks of tests/gpu/test_deepep.py (ep = 1, 2, 4)
+#   deepep-launch   the launcher with --check: normal and low latency, bf16 and an FP8 checkpoint,
+#                   ep = 2 and 4, real experts behind them, EPLB under skewed routing; bench_deepep
+#   deepep-faults   a rank killed inside DeepEP's dispatch (the watchdog's DeepEP path)
+deepep_setup() {
+    bash scripts/build_deepep.sh > "$OUT/deepep_build.log" 2>&1 || { tail -20 "$OUT/deepep_build.log"; return 1; }
+    tail -2 "$OUT/deepep_build.log"
+    # shellcheck disable=SC1091
+    source .deepep/env.sh
+    if compgen -G ".whl/sgl_deep_gemm-*.whl" > /dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sgl_deep_gemm-*.whl \
+            && export PYTHONPATH="/tmp/site:$PYTHONPATH" DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/tmp/dgcache}"
+    fi
+    "$PY" -c "import deep_ep, torch; print('deep_ep', deep_ep.__file__, '| torch', torch.__version__)"
+    "$PY" -c "import deep_gemm; print('deep_gemm', deep_gemm.__file__)" 2>&1 | tail -1
+}
+
+run_deepep() {
+    local log="$OUT/deepep.log"
+    deepep_setup || return 1
+    timeout 560 "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs -p no:cacheprovider -k "not rank_killed" \
+        > "$log" 2>&1
+    echo "== test_deepep rc=$? at $(el)" | tee -a "$log"
+    grep -E "^\[deepep|^SKIPPED|passed|failed|Error" "$log" | grep -v " ok " | tail -40
+    grep -cE " ok " "$log" | sed 's/^/checks passed (all ranks): /'
+}
+
+run_deepep_launch() {
+    local log="$OUT/deepep_launch.log" base=(--preset qwen3-moe --scale 0.125 --layers 2 --device cuda --steps 3
+                                            --tokens 64 --tokens-jitter 1.0 --check)
+    : > "$log"
+    deepep_setup || return 1
+    launch() {  # name, nproc, flags...
+        local name="$1" n="$2"; shift 2
+        echo "== launch $name: $*" >> "$log"
+        timeout 150 torchrun --nproc-per-node "$n" -m epmoe.launch "${base[@]}" --ranks-per-gpu "$n" "$@" >> "$log" 2>&1
+        echo "== launch $name: rc=$? at $(el)" | tee -a "$log"
+    }
+    launch "normal bf16 triton ep=4" 4 --dispatcher deepep --experts triton
+    launch "normal fp8 deepgemm ep=4" 4 --dispatcher deepep --experts deepgemm --checkpoint-format fp8
+    launch "normal fp8 triton ep=2" 2 --dispatcher deepep --experts triton --checkpoint-format fp8
+    launch "ll bf16 deepgemm ep=4" 4 --dispatcher deepep_ll --experts deepgemm
+    launch "ll fp8 deepgemm ep=4" 4 --dispatcher deepep_ll --experts deepgemm --checkpoint-format fp8
+    launch "ll fp8 deepgemm ep=2" 2 --dispatcher deepep_ll --experts deepgemm --checkpoint-format fp8
+    launch "normal eplb skewed ep=4" 4 --dispatcher deepep --experts triton --redundant-experts 4 \
+        --rebalance-every 2 --routing skewed --steps 6
+    grep -E "^== |check \||rank load|eplb:|quant plan|Error|error:" "$log" | tail -60
+    timeout 150 "$PY" benchmarks/bench_deepep.py --ranks 4 --json "$OUT/bench_deepep_ep4.json" > "$OUT/bench_deepep.log" 2>&1
+    echo "== bench_deepep ep=4 (sharing the GPU) rc=$? at $(el)" | tee -a "$OUT/bench_deepep.log"
+    grep -E "deepep|rc=" "$OUT/bench_deepep.log" | tail -12
+}
+
+run_deepep_faults() {
+    local log="$OUT/deepep_faults.log"
+    deepep_setup || return 1
+    timeout 500 "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs -p no:cacheprovider -k rank_killed > "$log" 2>&1
+    echo "== rank_killed rc=$? at $(el)" | tee -a "$log"
+    grep -E "passed|failed|Error|rc |watchdog" "$log" | tail -20
+}
+
 case "${1:-tests}" in
     tests) run_tests ;;
     bench) run_bench ;;
     cutlass) run_cutlass ;;
     deepgemm) run_deepgemm ;;
+    deepep) run_deepep ;;
+    deepep-launch) run_deepep_launch ;;
+    deepep-faults) run_deepep_faults ;;
     all) run_tests; run_bench ;;
-    *) echo "usage: $0 tests|bench|cutlass|deepgemm|all" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|all" >&2; exit 2 ;;
 esac
 echo "done at $(el); logs in $OUT"

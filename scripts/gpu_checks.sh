@@ -127,6 +127,10 @@ deepep_setup() {
 run_deepep() {
     local log="$OUT/deepep.log"
     deepep_setup || return 1
+    timeout 120 "$PY" -m epmoe.launch --doctor --device cuda --dispatcher deepep_ll --experts deepgemm --quant fp8_block \
+        > "$OUT/doctor.log" 2>&1
+    echo "== doctor rc=$? (exit 3: the configuration cannot run here)" | tee -a "$OUT/doctor.log"
+    grep -i -E "deep_?ep|deep_?gemm|verdict" "$OUT/doctor.log" | head -12
     timeout 560 "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs -p no:cacheprovider -k "not rank_killed" \
         > "$log" 2>&1
     echo "== test_deepep rc=$? at $(el)" | tee -a "$log"

@@ -180,6 +180,10 @@ def _behaviour_worker(rank, world, seed, ckpt_dir):
                 f"{loads[2].imbalance:.2f} -> {loads[3].imbalance:.2f}; last: {r.format()}")
 
     def update_weights_after_rebalance():
+        if "layer" not in state:
+            from tests.cpu.mp import SkipCheck
+
+            raise SkipCheck("it continues on changing_skew's layer, and changing_skew failed")
         layer, cfg = state["layer"], state["cfg"]
         w2 = random_weights(cfg, seed + 5)
         ptrs = {k: v.data_ptr() for k, v in layer.experts.parameters().items()}

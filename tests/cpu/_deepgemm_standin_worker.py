@@ -58,7 +58,8 @@ def run(case: str, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     res = {}
     if layout == "flat":
-        N = {"empty": 0, "one": 1}.get(next((o for o in opts if o in ("empty", "one")), ""), 37)
+        # big: more than 1024 entries, where the row placement also writes m_indices and inv (3 launches)
+        N = {"empty": 0, "one": 1, "big": 600}.get(next((o for o in opts if o in ("empty", "one", "big")), ""), 37)
         x = torch.randn(N, H, generator=g).bfloat16()
         ids, tw = T.random_local_routing(N, cfg.top_k, E, seed=seed, invalid_frac=0.3 if "invalid" in opts else 0.0,
                                          empty_rows=2 if "invalid" in opts and N > 2 else 0)

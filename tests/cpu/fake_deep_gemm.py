@@ -30,6 +30,16 @@ class FakeDeepGEMM:
     def get_mk_alignment_for_contiguous_layout(self) -> int:
         return self.align
 
+    def _check_blocks(self, m_indices):
+        """DeepGEMM's contiguous kernels take a tile's expert from its first row and skip a tile whose
+        first row is -1: every tile must hold one expert's rows (then padding), or none."""
+        tiles = m_indices.view(-1, self.align)
+        first = tiles[:, :1]
+        assert bool(((tiles == first) | (tiles < 0)).all()), "a tile mixes the rows of two experts"
+        assert bool(((first >= 0) | (tiles < 0).all(dim=1, keepdim=True)).all()), \
+            "a tile starts with a padding row but holds real rows (DeepGEMM would skip them)"
+        assert bool((tiles[:, 1:] >= 0).le(tiles[:, :-1] >= 0).all()), "padding rows before real rows in a tile"
+
     def _record(self, name, sf=None):
         self.calls.append(dict(name=name, mn_major=None if sf is None else sf.stride(-2) == 1))
 
@@ -38,6 +48,7 @@ class FakeDeepGEMM:
         assert x.dtype == torch.float8_e4m3fn and w.dtype == torch.float8_e4m3fn and d.dtype == torch.bfloat16
         assert m_indices.dtype == torch.int32 and m_indices.shape == (x.shape[0],) and x.shape[0] % self.align == 0
         assert tuple(xs.shape) == (x.shape[0], x.shape[1] // 128), xs.shape
+        self._check_blocks(m_indices)
         self._record("fp8_contiguous", xs)
         for g in range(w.shape[0]):
             rows = (m_indices == g).nonzero().flatten()
@@ -46,6 +57,7 @@ class FakeDeepGEMM:
 
     def m_grouped_bf16_gemm_nt_contiguous(self, a, b, d, m_indices):
         assert a.dtype == b.dtype == d.dtype == torch.bfloat16 and a.shape[0] % self.align == 0
+        self._check_blocks(m_indices)
         self._record("bf16_contiguous")
         for g in range(b.shape[0]):
             rows = (m_indices == g).nonzero().flatten()

@@ -26,6 +26,8 @@ CASES = [
     "fp8:flat:empty",
     "bf16:flat",
     "bf16:flat:invalid",
+    "fp8:flat:big:invalid",  # > 1024 entries: m_indices and inv from the pass that places the rows
+    "bf16:flat:big",
     "fp8:masked",  # bf16 tokens quantized per expert slot
     "fp8:masked:fp8in",
     "bf16:masked",

@@ -4,8 +4,9 @@ Modes fp8_block (W8A8: e4m3 weights with 128x128 fp32 block scales, activations 
 
 Flat layout (dispatchers torch, flashinfer, deepep), DeepGEMM's contiguous grouped GEMMs:
 
-    align   rows of each local expert padded to DeepGEMM's M alignment (`align_blocks_triton`: one
-            launch); m_indices [P] = expert of each row (-1 padding), inv [N*K] = row of each entry
+    align   rows of each local expert padded to DeepGEMM's M alignment (`contiguous_layout_triton`: one
+            launch up to 1024 entries, else three and a fill); m_indices [P] = expert of each row
+            (-1 padding), inv [N*K] = row of each valid entry, written by the pass that places the rows
     gather  a [P, H] = x[token] of every valid (token, slot); fp8: quantized 1x128 once per token (or
             the e4m3 bytes and scales as dispatched), scales written MN-major for DeepGEMM's TMA
     gemm1   h = m_grouped_{fp8,bf16}_gemm_nt_contiguous(a, w13)      [P, R] bf16
@@ -254,7 +255,7 @@ class DeepGEMMExperts(Experts):
             raise TypeError(f"hidden has dtype {hidden.dtype}; expected bfloat16")
 
     def _forward_flat(self, hidden, topk_ids, topk_weights) -> torch.Tensor:
-        from epmoe.experts.triton.align import align_blocks_triton
+        from epmoe.experts.triton.align import contiguous_layout_triton
 
         self._check_wire(hidden)
         cfg, dev = self.config, self.device
@@ -268,15 +269,9 @@ class DeepGEMMExperts(Experts):
         if N == 0:
             return torch.empty(0, H, dtype=torch.bfloat16, device=dev)
         K = topk_ids.shape[1]
-        nk = N * K
         ids32 = (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
-        blocks = align_blocks_triton(ids32, E, self.align, self._launch_align)
-        P = blocks.num_padded_rows
-        real = blocks.sorted_ids < nk
-        m_indices = torch.where(real, blocks.block_expert[:, None].expand(-1, self.align).reshape(-1),
-                                torch.full((), -1, dtype=torch.int32, device=dev)).to(torch.int32)
-        inv = torch.zeros(nk + 1, dtype=torch.int32, device=dev)  # slot nk collects the padding rows
-        inv.scatter_(0, blocks.sorted_ids.long(), torch.arange(P, dtype=torch.int32, device=dev))
+        # rows per expert padded to DeepGEMM's alignment, their experts (m_indices) and each entry's row
+        P, m_indices, inv = contiguous_layout_triton(ids32, E, self.align, self._launch_align)
 
         # gather (and quantize once per token) into the contiguous layout
         a = torch.empty(P, H, dtype=torch.float8_e4m3fn if self.fp8 else torch.bfloat16, device=dev)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -266,6 +266,41 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
            dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=False, WITH_INV=False,
                 num_warps=_chunk(nk) // 256))  # fmt: skip
     return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)
+
+
+def contiguous_layout_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch
+                             ) -> Tuple[int, torch.Tensor, torch.Tensor]:
+    """DeepGEMM's contiguous layout of the entries j = n * K + k (rows of each local expert padded to
+    `block_m`, experts in order; the rows of `align_blocks_triton` bit for bit) -> (P, row_expert,
+    inverse): P padded rows (a host int, an upper bound: unused tiles at the end), row_expert [P] int32
+    the local expert of each row (-1: a padding row or an unused tile; DeepGEMM's `m_indices`), inverse
+    [N*K] int32 the row of each valid entry (entries of invalid ids are left unset: readers mask them by
+    their id). Above SINGLE_LAUNCH_MAX_ENTRIES, the scatter that places the rows also writes row_expert
+    and inverse (the launches of `align_blocks_triton` plus one fill); below, built from its blocks."""
+    flat = _flat_ids(topk_ids)
+    nk, E, dev = flat.numel(), num_experts, flat.device
+    if block_m <= 0 or E <= 0:
+        raise ValueError(f"block_m and num_experts must be positive, got {block_m} and {E}")
+    max_blocks = max_blocks_for(nk, E, block_m)
+    if max_blocks == 0:
+        empty = torch.empty(0, dtype=torch.int32, device=dev)
+        return 0, empty, empty
+    P = max_blocks * block_m
+    if single_launch_applies(nk, E):
+        blocks = align_blocks_triton(flat, E, block_m, launch)
+        real = blocks.sorted_ids < nk
+        row_expert = torch.where(real, blocks.block_expert.repeat_interleave(block_m),
+                                 torch.full((), -1, dtype=torch.int32, device=dev)).to(torch.int32)
+        inverse = torch.zeros(nk + 1, dtype=torch.int32, device=dev)  # slot nk collects the padding rows
+        inverse.scatter_(0, blocks.sorted_ids.long(), torch.arange(P, dtype=torch.int32, device=dev))
+        return P, row_expert, inverse[:nk]
+    _, starts, _, _, _, sorted_ids = _count_and_plan(flat, E, block_m, max_blocks, launch, P)
+    row_expert = torch.full((P,), -1, dtype=torch.int32, device=dev)
+    inverse = torch.empty(nk, dtype=torch.int32, device=dev)
+    launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, row_expert, inverse, nk, E),
+           dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=True, WITH_INV=True,
+                num_warps=_chunk(nk) // 256))  # fmt: skip
+    return P, row_expert, inverse
 
 
 # --------------------------------------------------------------------------- tail tiles

@@ -17,13 +17,13 @@ format rules stay in `epmoe.quant.plan`.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, replace
 from typing import Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 from epmoe.config import MoEConfig, dtype_name
 from epmoe.core.availability import Availability
 from epmoe.core.capability import PACKAGE_NAMES, BackendRequest
+from epmoe.core.imports import is_installed
 from epmoe.dispatch import DISPATCHERS
 from epmoe.experts import EXPERTS
 from epmoe.quant.plan import (
@@ -138,7 +138,7 @@ def detect_environment(device=None, arch: Optional[str] = None) -> Environment:
     metadata), installed optional packages (import specs only: nothing is imported, so DeepEP's and
     FlashInfer's import-time side effects never run) and FlashInfer's prebuilt fused-MoE module."""
     arch = normalize_arch(arch) if arch is not None else detect_arch(device if device is not None else "cpu")
-    packages = {p for p in PACKAGE_NAMES if _has_module(p)}
+    packages = {p for p in PACKAGE_NAMES if is_installed(p)}
     version = installed_flashinfer_version()
     if version is not None:
         packages.add("flashinfer")
@@ -149,13 +149,6 @@ def detect_environment(device=None, arch: Optional[str] = None) -> Environment:
 
                 packages.add(fused_moe_package(arch))
     return Environment(arch=arch, flashinfer_version=version, packages=frozenset(packages))
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def _fused_moe_prebuilt(arch: str) -> Optional[str]:

@@ -35,6 +35,14 @@ def import_in_child(module: str, timeout_s: float = 180.0) -> str:
 # ---------------------------------------------------------------------------- finding an installation
 # What `--doctor` reads about an optional native package (DeepEP, DeepGEMM) without importing it.
 
+def is_installed(module: str) -> bool:
+    """Can `module` be imported (found on sys.path; nothing is imported)?"""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def package_dir(module: str) -> Optional[str]:
     """The real path of the package directory `import module` would load, or None."""
     try:
@@ -46,10 +54,9 @@ def package_dir(module: str) -> Optional[str]:
     return os.path.realpath(list(spec.submodule_search_locations)[0])
 
 
-def owning_distributions(module: str, where: str
-                         ) -> Tuple[List[importlib.metadata.Distribution], List[str]]:
-    """(distributions whose files hold the package at `where`, "name version" of the others that ship a
-    `module` package somewhere else: what the one on sys.path shadows)."""
+def owning_distributions(module: str, where: str) -> Tuple[List[importlib.metadata.Distribution], str]:
+    """(distributions whose files hold the package at `where`, a note naming the others that ship a
+    `module` package somewhere else, which the one on sys.path shadows: "" when there are none)."""
     owners, elsewhere = [], []
     for name in dict.fromkeys(importlib.metadata.packages_distributions().get(module, [])):
         try:
@@ -61,7 +68,7 @@ def owning_distributions(module: str, where: str
             owners.append(dist)
         else:
             elsewhere.append(f"{dist.metadata['Name']} {dist.version}")
-    return owners, elsewhere
+    return owners, f"shadows {', '.join(elsewhere)} installed elsewhere" if elsewhere else ""
 
 
 def dist_version(name: str) -> str:

@@ -39,7 +39,8 @@ SOURCE_BUILD = "bash scripts/build_deepep.sh (DeepEP V1 built against this torch
 KNOWN_MISSING: Dict[Tuple[str, str], int] = {
     ("0.1.0", "2.11"): 1, ("0.1.1", "2.11"): 2, ("0.1.2", "2.11"): 2, ("0.1.2.post1", "2.11"): 2,
 }
-NO_WHEEL_FITS = {"2.11"}  # torch minors no sgl-deep-ep release loads on (every one in KNOWN_MISSING misses symbols)
+# torch minors on which every release checked misses symbols
+NO_WHEEL_FITS = {m for _, m in KNOWN_MISSING if all(n for (_, m2), n in KNOWN_MISSING.items() if m2 == m)}
 
 
 def install_hint(torch_version: str = "") -> str:
@@ -197,8 +198,7 @@ def probe(torch_version: Optional[str] = None, torch_cuda: Optional[str] = "") -
     package_dir = imports.package_dir(MODULE)
     if package_dir is None:
         return DeepEPInstall("absent", torch_version=torch_version, torch_cuda=torch_cuda)
-    owners, elsewhere = imports.owning_distributions(MODULE, package_dir)
-    note = f"shadows {', '.join(elsewhere)} installed elsewhere" if elsewhere else ""
+    owners, note = imports.owning_distributions(MODULE, package_dir)
     ok, detail = v1_api(package_dir)
     base = dict(location=package_dir, note=note, v1_api=ok, v1_detail=detail, torch_version=torch_version,
                 torch_cuda=torch_cuda)

@@ -50,6 +50,9 @@ def flag_error(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+SKEW = 1.5  # --routing skewed: logit bias -SKEW * ln(1 + r) for the expert of rank r in the heat order
+
+
 def routing_bias(args: argparse.Namespace, num_experts: int, layer_idx: int, step: int) -> Optional[torch.Tensor]:
     """--routing skewed: float32 [E] added to the router logits of `layer_idx` at `step` (the same on every
     rank): -1.5 * ln(1 + r) for the expert of rank r in a random order of the experts (seeded by --seed and
@@ -64,9 +67,6 @@ def routing_bias(args: argparse.Namespace, num_experts: int, layer_idx: int, ste
     bias = torch.empty(num_experts)
     bias[order] = -SKEW * torch.log1p(torch.arange(num_experts, dtype=torch.float32))
     return bias
-
-
-SKEW = 1.5  # --routing skewed: logit bias -SKEW * ln(1 + r) for the expert of rank r in the heat order
 
 
 def num_slots(cfg: MoEConfig, args: argparse.Namespace) -> int:

@@ -129,16 +129,6 @@ def _git_commit() -> Optional[str]:
         return None
 
 
-def _has_module(name: str) -> bool:
-    """Is `name` installed (found, not imported: importing DeepGEMM sets up its JIT)?"""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 # ---------------------------------------------------------------------------- figures from step outputs
 # bench_experts backends that are not ours: a Python loop of per-expert matmuls, host-bound (it ran at
 # 21-46 ms on the DeepSeek-V3 prefill shape in 11 H200 runs, docs/nightly.md "Bands")
@@ -345,7 +335,9 @@ def plan_steps(args, machine: Dict, out_dir: str) -> List[Step]:
         script = REPO / "benchmarks" / "bench_experts.py"
         why = ("the expert-stage benchmark needs a CUDA GPU" if not gpu
                else "" if script.exists() else f"{script} not found (needs a source checkout)")
-        backends = "triton,grouped_mm,torch_loop" + (",deepgemm" if _has_module("deep_gemm") else "")
+        from epmoe.core.imports import is_installed  # found, not imported (DeepGEMM's import sets up its JIT)
+
+        backends = "triton,grouped_mm,torch_loop" + (",deepgemm" if is_installed("deep_gemm") else "")
         argv = [sys.executable, str(script), "--quick", "--backends", backends,
                 "--modes", "bf16,fp8_block", "--experts", "32", "--decode-tokens", "128", "--prefill-tokens", "2048",
                 "--json", path]

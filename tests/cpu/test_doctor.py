@@ -251,7 +251,7 @@ def test_flashinfer_experts_with_flashinfer_installed_are_judged_by_the_resolver
     import epmoe.resolve as res
 
     monkeypatch.setattr(res, "installed_flashinfer_version", lambda: "0.7.2.post1")
-    monkeypatch.setattr(res, "_has_module", lambda name: True)
+    monkeypatch.setattr(res, "is_installed", lambda name: True)
     monkeypatch.setattr(res, "_fused_moe_prebuilt", lambda arch: None)  # like our H200: fused_moe_90 not built
     from epmoe.launch.presets import PRESETS
     from epmoe.config import MoEConfig

@@ -95,7 +95,7 @@ def probe(torch_version: Optional[str] = None) -> DeepGEMMInstall:
     except OSError:
         return DeepGEMMInstall("absent", torch_version=torch_version)
     native = "tvm-ffi module" if "import tvm_ffi" in source else "torch extension"
-    owners, elsewhere = imports.owning_distributions(MODULE, package_dir)
+    owners, note = imports.owning_distributions(MODULE, package_dir)
     name = (owners[0].metadata["Name"] or MODULE) if owners else ""
     version = owners[0].version if owners else ""
     kind = ("pypi" if imports.same_name(name, PYPI_DIST) else "source") if owners else "unpackaged"
@@ -103,7 +103,7 @@ def probe(torch_version: Optional[str] = None) -> DeepGEMMInstall:
         kind, distribution=name, version=version, location=package_dir, native=native,
         tvm_ffi=imports.dist_version("apache-tvm-ffi"), nvcc=_nvcc(), torch_version=torch_version,
         known_missing=KNOWN_MISSING.get((version, imports.torch_minor(torch_version))) if kind == "pypi" else None,
-        note=f"shadows {', '.join(elsewhere)} installed elsewhere" if elsewhere else "",
+        note=note,
     )
 
 

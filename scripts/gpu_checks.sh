@@ -3,6 +3,7 @@
 #   bash scripts/gpu_checks.sh tests    # every tests/gpu file, each under its own time limit
 #   bash scripts/gpu_checks.sh bench    # expert stage, full layer vs baseline, dispatchers
 #   bash scripts/gpu_checks.sh deepep|deepep-launch|deepep-faults   # DeepEP with ranks sharing the GPU
+#   bash scripts/gpu_checks.sh deepgemm-experts                   # the deepgemm experts: tests, bench, profile
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
 # summary is printed last. FLASHINFER_DISABLE_JIT=1 makes any FlashInfer module that is not prebuilt
 # fail at once instead of compiling for minutes.
@@ -172,6 +173,26 @@ run_deepep_faults() {
     grep -E "passed|failed|Error|rc |watchdog" "$log" | tail -20
 }
 
+# The deepgemm experts after a change (sgl-deep-gemm from .whl/): their GPU tests, then the expert stage
+# beside triton, torch's grouped GEMMs, FlashInfer's CUTLASS (when its module is prebuilt) and DeepGEMM's
+# bare GEMMs in one run, then one profiled prefill forward.
+run_deepgemm_experts() {
+    local log="$OUT/deepgemm_experts.log"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sgl_deep_gemm-*.whl \
+        || { echo "no .whl/sgl_deep_gemm-*.whl: pip download it first (docs/deepgemm.md)"; return 1; }
+    export PYTHONPATH="/tmp/site:$PYTHONPATH" DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/tmp/dgcache}"
+    timeout 300 "$PY" -m pytest tests/gpu/test_deepgemm.py -q -s -rs -p no:cacheprovider > "$log" 2>&1
+    echo "== test_deepgemm rc=$? at $(el)" | tee -a "$log"
+    tail -n 3 "$log" | grep -E "passed|failed|error" || true
+    timeout 240 "$PY" benchmarks/bench_experts.py --quick --backends deepgemm,triton,grouped_mm,flashinfer_cutlass \
+        --modes fp8_block,bf16 --json "$OUT/bench_experts.json" > "$OUT/bench_experts.log" 2>&1
+    echo "== bench_experts rc=$? at $(el)" | tee -a "$OUT/bench_experts.log"
+    grep -E "deepgemm|triton|cutlass|peer|<=|rc=" "$OUT/bench_experts.log" | tail -40
+    timeout 120 "$PY" benchmarks/profile_experts.py --backend deepgemm --mode fp8_block > "$OUT/profile.log" 2>&1
+    echo "== profile rc=$? at $(el)" | tee -a "$OUT/profile.log"
+    head -n 12 "$OUT/profile.log" | grep -v Warning
+}
+
 case "${1:-tests}" in
     tests) run_tests ;;
     bench) run_bench ;;
@@ -180,7 +201,8 @@ case "${1:-tests}" in
     deepep) run_deepep ;;
     deepep-launch) run_deepep_launch ;;
     deepep-faults) run_deepep_faults ;;
+    deepgemm-experts) run_deepgemm_experts ;;
     all) run_tests; run_bench ;;
-    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|all" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepgemm-experts|all" >&2; exit 2 ;;
 esac
 echo "done at $(el); logs in $OUT"

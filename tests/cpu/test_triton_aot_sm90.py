@@ -115,8 +115,8 @@ def test_sm90_compile_route_align_kernel(routing, E, K, T):
 
 def test_sm90_compile_alignment_kernels_both_paths():
     """align_small_kernel (one program), the three-kernel path with the padding rows written by
-    align_plan, and the one-launch sort (align_sort_kernel) compile for sm90 without spills
-    (DeepSeek-V3-like: 128 local experts)."""
+    align_plan, the one-launch sort (align_sort_kernel) and the deepgemm layout's scatter (expert and
+    inverse written too) compile for sm90 without spills (DeepSeek-V3-like: 128 local experts)."""
     aot, triton = _aot()
     import torch
     from triton.backends.compiler import GPUTarget
@@ -128,8 +128,12 @@ def test_sm90_compile_alignment_kernels_both_paths():
     for n in (128, 512):  # 1024 entries: one program; 4096: three kernels
         A.align_blocks_triton(torch.zeros(n, 8, dtype=torch.int32), 128, 16, rec)
     A.sort_by_expert_triton(torch.zeros(4096, 8, dtype=torch.int32), 128, rec)  # the grouped_mm path's sort
+    # the deepgemm experts' contiguous layout: the scatter also writes m_indices and each entry's row
+    A.contiguous_layout_triton(torch.zeros(4096, 8, dtype=torch.int32), 128, 128, rec)
     assert [l.kernel for l in launches] == ["align_small_kernel", "align_count_kernel", "align_plan_kernel",
-                                            "align_scatter_kernel", "align_sort_kernel"]
+                                            "align_scatter_kernel", "align_sort_kernel", "align_count_kernel",
+                                            "align_plan_kernel", "align_scatter_kernel"]
+    assert dict(launches[-1].kwargs)["WITH_INV"] and dict(launches[-1].kwargs)["WITH_EXPERT"]
     for launch in launches:
         src, opts = aot.to_source(launch)
         info = aot.analyze(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))

@@ -616,7 +616,8 @@ def shared_results(request):
     init warning without Mellanox NICs). The group is killed after `timeout`."""
     (mode, ep), seed = request.param, fresh_seed()
     worker, counts, _ = SHARED[mode]
-    return mode, seed, run_group(worker, ep, seed, counts[ep], True, timeout=270, pg_timeout=240)
+    # 360 s: the first group to run the Hopper experts also JIT-compiles their kernels (DeepGEMM: nvcc)
+    return mode, seed, run_group(worker, ep, seed, counts[ep], True, timeout=360, pg_timeout=240)
 
 
 @pytest.mark.timeout(600)

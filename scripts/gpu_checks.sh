@@ -112,15 +112,18 @@ run_deepgemm() {
 #   deepep-launch   the launcher with --check: normal and low latency, bf16 and an FP8 checkpoint,
 #                   ep = 2 and 4, real experts behind them, EPLB under skewed routing; bench_deepep
 #   deepep-faults   a rank killed inside DeepEP's dispatch (the watchdog's DeepEP path)
+install_deepgemm_wheel() {  # sgl-deep-gemm from .whl/ into /tmp/site, put on PYTHONPATH; 1 when absent
+    compgen -G ".whl/sgl_deep_gemm-*.whl" > /dev/null || return 1
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sgl_deep_gemm-*.whl || return 1
+    export PYTHONPATH="/tmp/site:$PYTHONPATH" DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/tmp/dgcache}"
+}
+
 deepep_setup() {
     bash scripts/build_deepep.sh > "$OUT/deepep_build.log" 2>&1 || { tail -20 "$OUT/deepep_build.log"; return 1; }
     tail -2 "$OUT/deepep_build.log"
     # shellcheck disable=SC1091
     source .deepep/env.sh
-    if compgen -G ".whl/sgl_deep_gemm-*.whl" > /dev/null; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sgl_deep_gemm-*.whl \
-            && export PYTHONPATH="/tmp/site:$PYTHONPATH" DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/tmp/dgcache}"
-    fi
+    install_deepgemm_wheel || echo "no sgl-deep-gemm wheel in .whl/: the deepgemm checks will be skipped"
     "$PY" -c "import deep_ep, torch; print('deep_ep', deep_ep.__file__, '| torch', torch.__version__)"
     "$PY" -c "import deep_gemm; print('deep_gemm', deep_gemm.__file__)" 2>&1 | tail -1
 }
@@ -178,9 +181,7 @@ run_deepep_faults() {
 # bare GEMMs in one run, then one profiled prefill forward.
 run_deepgemm_experts() {
     local log="$OUT/deepgemm_experts.log"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sgl_deep_gemm-*.whl \
-        || { echo "no .whl/sgl_deep_gemm-*.whl: pip download it first (docs/deepgemm.md)"; return 1; }
-    export PYTHONPATH="/tmp/site:$PYTHONPATH" DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/tmp/dgcache}"
+    install_deepgemm_wheel || { echo "no .whl/sgl_deep_gemm-*.whl: pip download it first (docs/deepgemm.md)"; return 1; }
     timeout 300 "$PY" -m pytest tests/gpu/test_deepgemm.py -q -s -rs -p no:cacheprovider > "$log" 2>&1
     echo "== test_deepgemm rc=$? at $(el)" | tee -a "$log"
     tail -n 3 "$log" | grep -E "passed|failed|error" || true

@@ -242,9 +242,13 @@ def single_launch_alignment(num_entries: int, num_experts: int, block_m: int, de
     return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows), scratch, consts, more
 
 
-def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch) -> BlockAlignment:
+def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch,
+                        row_expert: Optional[torch.Tensor] = None, inverse: Optional[torch.Tensor] = None
+                        ) -> BlockAlignment:
     """`align_blocks(sort_by_expert(topk_ids, num_experts), block_m)` on the GPU, bit for bit: one
-    launch (`align_small_kernel`) for up to SINGLE_LAUNCH_MAX_ENTRIES entries, else three."""
+    launch (`align_small_kernel`) for up to SINGLE_LAUNCH_MAX_ENTRIES entries, else three. Above that,
+    the scatter also writes, when given, the local expert of each placed row into `row_expert` [P]
+    (its other rows untouched) and each valid entry's row into `inverse` [N*K]."""
     if block_m <= 0:
         raise ValueError(f"block_m must be positive, got {block_m}")
     if num_experts <= 0:
@@ -262,45 +266,36 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
         return blocks
     P = max_blocks * block_m
     _, starts, _, block_expert, block_rows, sorted_ids = _count_and_plan(flat, E, block_m, max_blocks, launch, P)
-    launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids, sorted_ids, nk, E),
-           dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=False, WITH_INV=False,
-                num_warps=_chunk(nk) // 256))  # fmt: skip
+    launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, sorted_ids if row_expert is None else row_expert,
+                                          sorted_ids if inverse is None else inverse, nk, E),
+           dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=row_expert is not None,
+                WITH_INV=inverse is not None, num_warps=_chunk(nk) // 256))  # fmt: skip
     return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)
 
 
 def contiguous_layout_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch
                              ) -> Tuple[int, torch.Tensor, torch.Tensor]:
-    """DeepGEMM's contiguous layout of the entries j = n * K + k (rows of each local expert padded to
-    `block_m`, experts in order; the rows of `align_blocks_triton` bit for bit) -> (P, row_expert,
-    inverse): P padded rows (a host int, an upper bound: unused tiles at the end), row_expert [P] int32
-    the local expert of each row (-1: a padding row or an unused tile; DeepGEMM's `m_indices`), inverse
-    [N*K] int32 the row of each valid entry (entries of invalid ids are left unset: readers mask them by
-    their id). Above SINGLE_LAUNCH_MAX_ENTRIES, the scatter that places the rows also writes row_expert
-    and inverse (the launches of `align_blocks_triton` plus one fill); below, built from its blocks."""
+    """DeepGEMM's contiguous layout of the entries j = n * K + k (the rows of `align_blocks_triton`) ->
+    (P, row_expert, inverse): P padded rows (a host int, an upper bound: unused tiles at the end),
+    row_expert [P] int32 the local expert of each row (-1: a padding row or an unused tile; DeepGEMM's
+    `m_indices`), inverse [N*K] int32 the row of each valid entry (entries of invalid ids are left unset:
+    readers mask them by their id). Above SINGLE_LAUNCH_MAX_ENTRIES the scatter that places the rows
+    writes both (plus one fill); below, they are built from the blocks."""
     flat = _flat_ids(topk_ids)
-    nk, E, dev = flat.numel(), num_experts, flat.device
-    if block_m <= 0 or E <= 0:
-        raise ValueError(f"block_m and num_experts must be positive, got {block_m} and {E}")
-    max_blocks = max_blocks_for(nk, E, block_m)
-    if max_blocks == 0:
-        empty = torch.empty(0, dtype=torch.int32, device=dev)
-        return 0, empty, empty
-    P = max_blocks * block_m
-    if single_launch_applies(nk, E):
-        blocks = align_blocks_triton(flat, E, block_m, launch)
-        real = blocks.sorted_ids < nk
-        row_expert = torch.where(real, blocks.block_expert.repeat_interleave(block_m),
-                                 torch.full((), -1, dtype=torch.int32, device=dev)).to(torch.int32)
-        inverse = torch.zeros(nk + 1, dtype=torch.int32, device=dev)  # slot nk collects the padding rows
-        inverse.scatter_(0, blocks.sorted_ids.long(), torch.arange(P, dtype=torch.int32, device=dev))
-        return P, row_expert, inverse[:nk]
-    _, starts, _, _, _, sorted_ids = _count_and_plan(flat, E, block_m, max_blocks, launch, P)
-    row_expert = torch.full((P,), -1, dtype=torch.int32, device=dev)
-    inverse = torch.empty(nk, dtype=torch.int32, device=dev)
-    launch("align_scatter_kernel", (E,), (flat, starts, sorted_ids, row_expert, inverse, nk, E),
-           dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=True, WITH_INV=True,
-                num_warps=_chunk(nk) // 256))  # fmt: skip
-    return P, row_expert, inverse
+    nk, dev = flat.numel(), flat.device
+    if nk and not single_launch_applies(nk, num_experts):
+        P = max_blocks_for(nk, num_experts, block_m) * block_m
+        row_expert = torch.full((P,), -1, dtype=torch.int32, device=dev)
+        inverse = torch.empty(nk, dtype=torch.int32, device=dev)
+        align_blocks_triton(flat, num_experts, block_m, launch, row_expert=row_expert, inverse=inverse)
+        return P, row_expert, inverse
+    blocks = align_blocks_triton(flat, num_experts, block_m, launch)
+    P = blocks.num_padded_rows
+    row_expert = torch.where(blocks.sorted_ids < nk, blocks.block_expert.repeat_interleave(block_m),
+                             torch.full((), -1, dtype=torch.int32, device=dev)).to(torch.int32)
+    inverse = torch.zeros(nk + 1, dtype=torch.int32, device=dev)  # slot nk collects the padding rows
+    inverse.scatter_(0, blocks.sorted_ids.long(), torch.arange(P, dtype=torch.int32, device=dev))
+    return P, row_expert, inverse[:nk]
 
 
 # --------------------------------------------------------------------------- tail tiles

@@ -136,7 +136,10 @@ run_deepep() {
     echo "== doctor rc=$? (exit 3: the configuration cannot run here)" | tee -a "$OUT/doctor.log"
     grep -i -E "deep_?ep|deep_?gemm|verdict" "$OUT/doctor.log" | head -12
     # DEEPEP_K picks a subset (pytest -k), e.g. "ll_one_rank or ep2" and then "ep4" in two calls
-    timeout 560 "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs -p no:cacheprovider -k "${DEEPEP_K:-not rank_killed}" \
+    # the tests get what is left of one 10-minute call after the build (DEEPEP_BUDGET_S in all)
+    local left=$(( ${DEEPEP_BUDGET_S:-590} - $(date +%s) + T0 ))
+    echo "== test_deepep -k '${DEEPEP_K:-not rank_killed}' within ${left}s at $(el)"
+    timeout "$left" "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs -p no:cacheprovider -k "${DEEPEP_K:-not rank_killed}" \
         > "$log" 2>&1
     echo "== test_deepep rc=$? at $(el)" | tee -a "$log"
     grep -E "^\[deepep|^SKIPPED|passed|failed|Error" "$log" | grep -v " ok " | tail -40

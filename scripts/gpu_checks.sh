@@ -110,7 +110,8 @@ run_deepgemm() {
 # one 10-minute device call:
 #   deepep          the dispatcher and layer checks of tests/gpu/test_deepep.py (ep = 1, 2, 4)
 #   deepep-launch   the launcher with --check: normal and low latency, bf16 and an FP8 checkpoint,
-#                   ep = 2 and 4, real experts behind them, EPLB under skewed routing; bench_deepep
+#                   ep = 2 and 4, real experts behind them, EPLB under skewed routing; training through
+#                   deepep (tests/gpu/test_training_gpu.py -k deepep); bench_deepep
 #   deepep-faults   a rank killed inside DeepEP's dispatch (the watchdog's DeepEP path)
 install_deepgemm_wheel() {  # sgl-deep-gemm from .whl/ into /tmp/site, put on PYTHONPATH; 1 when absent
     compgen -G ".whl/sgl_deep_gemm-*.whl" > /dev/null || return 1
@@ -166,6 +167,11 @@ run_deepep_launch() {
     launch "normal eplb skewed ep=4" 4 --dispatcher deepep --experts triton --redundant-experts 4 \
         --rebalance-every 2 --routing skewed --steps 6
     grep -E "^== |check \||rank load|eplb:|quant plan|Error|error:" "$log" | tail -60
+    # training through DeepEP's normal kernels (dispatch backward = combine, combine backward = cached dispatch)
+    timeout 200 "$PY" -m pytest tests/gpu/test_training_gpu.py -q -s -rs -p no:cacheprovider -k deepep \
+        > "$OUT/deepep_training.log" 2>&1
+    echo "== training through deepep rc=$? at $(el)" | tee -a "$OUT/deepep_training.log"
+    grep -E "deepep/|passed|failed|Error" "$OUT/deepep_training.log" | tail -12
     timeout 150 "$PY" benchmarks/bench_deepep.py --ranks 4 --json "$OUT/bench_deepep_ep4.json" > "$OUT/bench_deepep.log" 2>&1
     echo "== bench_deepep ep=4 (sharing the GPU) rc=$? at $(el)" | tee -a "$OUT/bench_deepep.log"
     grep -E "deepep|rc=" "$OUT/bench_deepep.log" | tail -12

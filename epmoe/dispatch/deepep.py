@@ -317,6 +317,7 @@ class DeepEPHandle(DispatchHandle):
     recv_tokens_per_expert: Tuple[int, ...] = ()
     combine_bytes: int = 0
     padded: bool = False
+    recv_topk_ids: Optional[torch.Tensor] = None  # [N, K] local ids (-1 elsewhere): masks the weights' gradient
 
 
 @dataclass(frozen=True, eq=False)
@@ -503,12 +504,26 @@ class DeepEPDispatcher(_DeepEPBase):
     where the id is -1 (DeepEP's convention)."""
 
     name = "deepep"
-    # DeepEP's normal kernels have a backward contract (a dispatch's backward is a combine); epmoe does
-    # not wire it yet
-    no_training_reason = ("epmoe does not wire DeepEP's backward (its normal kernels' dispatch/combine "
-                          "pair) yet")
     layout = "flat"
     low_latency = False
+
+    @classmethod
+    def supports_training(cls, request: BackendRequest) -> Availability:
+        """DeepEP's own backward contract (as Megatron-Core's MoE training uses it): a dispatch's
+        backward is a combine with the same handle (the received rows' gradients summed per source
+        token, the weights' gradients with them); a combine's backward is a cached dispatch."""
+        if request.model_dtype != "bfloat16":
+            return Availability.no(
+                f"dispatcher 'deepep' trains bf16 models only (DeepEP moves and sums BF16), the model dtype is "
+                f"{request.model_dtype}", "train in bfloat16, or use dispatcher 'torch' for float32 / float64")
+        if request.wire != "bf16":
+            return Availability.no(
+                f"dispatcher 'deepep' trains with bf16 tokens only, not a {request.wire} wire (quantized wires "
+                "are inference-only)", "use dispatch dtype 'auto' or 'bf16' for training")
+        ep_ok = normal_mode_ep_support(request.ep_size)
+        if not ep_ok:
+            return ep_ok
+        return Availability.yes("DeepEP's normal kernels: dispatch backward = combine, combine backward = cached dispatch")
 
     def __init__(self, spec: DispatchSpec):
         super().__init__(spec)
@@ -567,6 +582,7 @@ class DeepEPDispatcher(_DeepEPBase):
         handle = DeepEPHandle(
             num_tokens=T, bytes_sent=sent * payload_bytes, raw=raw, num_recv_tokens=num_recv,
             recv_tokens_per_expert=tuple(per_expert), combine_bytes=combine_bytes, padded=padded,
+            recv_topk_ids=recv_idx,
         )
         tokens = DispatchedTokens(
             hidden=self._deliver(recv_hidden), topk_ids=recv_idx.to(torch.int32), topk_weights=recv_w, layout="flat"
@@ -586,6 +602,47 @@ class DeepEPDispatcher(_DeepEPBase):
         out, _, _ = self._buffer.raw.combine(y, handle.raw, config=self._combine_config)
         self.stats.combine_bytes_sent += handle.combine_bytes
         return out[:0] if handle.padded else out
+
+    # ------------------------------------------------------------------ backward (training)
+    def _backward_handle(self, handle) -> DeepEPHandle:
+        if not isinstance(handle, DeepEPHandle):
+            raise TypeError(f"handle is a {type(handle).__name__}; pass the DeepEPHandle that dispatch returned")
+        if self._fp8:
+            raise RuntimeError("dispatcher 'deepep' with an fp8 wire has no backward (quantized wires are "
+                               "inference-only); build the layer with dispatch dtype 'bf16' for training")
+        return handle
+
+    def dispatch_backward(self, grad_hidden: torch.Tensor, grad_weights: Optional[torch.Tensor],
+                          handle: DeepEPHandle) -> Tuple[torch.Tensor, torch.Tensor]:
+        """DeepEP's combine with dispatch's handle: each received row's gradient goes back to its source
+        token and the copies on the ranks it went to are summed (fp32, rounded to BF16 once); the
+        weights' gradients travel along (DeepEP sums them per slot; only the rank holding a slot's
+        expert sends a non-zero one)."""
+        h = self._backward_handle(handle)
+        s = self.spec
+        N, K = grad_hidden.shape[0], s.top_k
+        if grad_weights is None:
+            grad_weights = torch.zeros(N, K, dtype=torch.float32, device=grad_hidden.device)
+        gw = grad_weights.to(torch.float32)
+        if h.recv_topk_ids is not None:  # a slot whose expert is elsewhere carries no gradient from here
+            gw = gw.masked_fill(h.recv_topk_ids < 0, 0.0)
+        gx, gw_back, _ = self._buffer.raw.combine(grad_hidden.to(torch.bfloat16).contiguous(), h.raw,
+                                                  topk_weights=gw.contiguous(), config=self._combine_config)
+        self.stats.combine_bytes_sent += h.combine_bytes
+        if h.padded:
+            return gx[:0], gw_back[:0]
+        return gx, gw_back
+
+    def combine_backward(self, grad_out: torch.Tensor, handle: DeepEPHandle) -> torch.Tensor:
+        """DeepEP's cached dispatch (dispatch's handle, no layout pass): each token's output gradient
+        goes to every rank its row went to, in the received rows' order."""
+        h = self._backward_handle(handle)
+        g = grad_out.to(torch.bfloat16)
+        if h.padded:  # the forward sent one dummy row routed nowhere: so does its backward
+            g = torch.zeros(1, self.spec.hidden_size, dtype=torch.bfloat16, device=grad_out.device)
+        recv, _, _, _, _, _ = self._buffer.raw.dispatch(g.contiguous(), handle=h.raw, config=self._dispatch_config)
+        self.stats.dispatch_bytes_sent += h.bytes_sent
+        return recv
 
 
 class DeepEPLowLatencyDispatcher(_DeepEPBase):

@@ -118,7 +118,8 @@ class Buffer:
         R, me = self.group_size, self.rank
         _check(config is not None or R in (2, 4, 8, 16, 24, 32), f"Unsupported number of EP ranks: {R}")
         _check(R in (2, 4, 8), "false and \"Unsupported ranks\"")  # SWITCH_RANKS in the kernels
-        _check(handle is None, "cached mode is not emulated")
+        if handle is not None:  # cached mode: the layout of the dispatch that made `handle`
+            return self._cached_dispatch(x, handle, topk_idx, topk_weights, config)
         data, scales = x if isinstance(x, tuple) else (x, None)
         _check(data.dim() == 2 and data.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
         _check((data.shape[1] * data.element_size()) % 16 == 0, "(x.size(1) * x.element_size()) % sizeof(int4) == 0")
@@ -162,21 +163,49 @@ class Buffer:
         out_x = (recv, torch.cat(srows)) if scales is not None else recv
         return out_x, recv_ids, recv_w, per_expert, raw, _Event()
 
+    def _cached_dispatch(self, x, handle, topk_idx, topk_weights, config):
+        """DeepEP's cached mode: `handle`'s is_token_in_rank and counts, no top-k (asserted None), the
+        received rows in the same order as that dispatch's; returns (recv_x, None, None, None, None, event)."""
+        _check(topk_idx is None and topk_weights is None, "topk_idx is None and topk_weights is None")
+        data, scales = x if isinstance(x, tuple) else (x, None)
+        _check(data.dim() == 2 and data.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
+        _, _, _, recv_src_idx, in_rank, _ = handle
+        _check(data.shape[0] == in_rank.shape[0], "x.size(0) == is_token_in_rank.size(0)")
+        self.calls.append(("cached_dispatch", data.dtype, None if scales is None else scales.dtype, config))
+        everyone = _gather((data, scales, in_rank), self.group)
+        me = self.rank
+        rows, srows = [], []
+        for d_s, sc_s, in_s in everyone:
+            t = in_s[:, me].nonzero().flatten()
+            rows.append(d_s[t])
+            if sc_s is not None:
+                srows.append(sc_s[t])
+        recv = torch.cat(rows)
+        _check(recv.shape[0] == recv_src_idx.shape[0], "num_recv_tokens == recv_src_idx.size(0)")
+        out_x = (recv, torch.cat(srows)) if scales is not None else recv
+        return out_x, None, None, None, None, _Event()
+
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         _check(x.dtype == torch.bfloat16, "false and \"Unsupported type\"")  # SWITCH_TYPES: BF16 only
         _check(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and contiguous")
         rank_prefix, _, _, src_idx, _, send_head = handle
         _check(x.shape[0] == src_idx.shape[0], "x.size(0) == num_recv_tokens")
+        if topk_weights is not None:
+            _check(topk_weights.dtype == torch.float32 and topk_weights.dim() == 2
+                   and topk_weights.shape[0] == x.shape[0], "topk_weights [num_recv_tokens, num_topk] float")
         self.calls.append(("combine", x.dtype, config))
-        everyone = _gather((x, rank_prefix, src_idx), self.group)
+        everyone = _gather((x, rank_prefix, src_idx, topk_weights), self.group)
         me = self.rank
         out = torch.zeros(send_head.shape[0], x.shape[1], dtype=torch.float32)
-        for r, (y, rp, si) in enumerate(everyone):  # rank order; rank r holds my rows in one run
+        w_out = None if topk_weights is None else torch.zeros(send_head.shape[0], topk_weights.shape[1])
+        for r, (y, rp, si, w) in enumerate(everyone):  # rank order; rank r holds my rows in one run
             begin = int(rp[me - 1, r]) if me > 0 else 0
             end = int(rp[me, r])
             out.index_add_(0, si[begin:end].long(), y[begin:end].float())
-        return out.to(torch.bfloat16), None, _Event()
+            if w_out is not None:  # DeepEP sums the top-k weights over the ranks a token went to
+                w_out.index_add_(0, si[begin:end].long(), w[begin:end].float())
+        return out.to(torch.bfloat16), w_out, _Event()
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,

@@ -221,11 +221,18 @@ def test_capabilities_answer_training():
     from epmoe.experts import EXPERTS
     from epmoe.resolve import resolve_plan
 
-    req = BackendRequest(training=True, arch="sm90", model_dtype="bfloat16")
+    req = BackendRequest(training=True, arch="sm90", model_dtype="bfloat16", ep_size=2)
     trains = {n: bool(DISPATCHERS.get(n).supports_training(req)) for n in DISPATCHERS.names()}
-    assert trains == {"torch": True, "flashinfer": False, "deepep": False, "deepep_ll": False}, trains
-    why = DISPATCHERS.get("deepep").supports_training(req).reason
-    assert "backward" in why, why
+    assert trains == {"torch": True, "flashinfer": False, "deepep": True, "deepep_ll": False}, trains
+    why = DISPATCHERS.get("deepep_ll").supports_training(req).reason
+    assert "without a backward" in why, why
+    # DeepEP normal mode trains bf16 tokens of a bf16 model at ep 2/4/8 only, each refusal naming why
+    deepep = DISPATCHERS.get("deepep")
+    for bad, match in ((req.with_(wire="fp8"), "bf16 tokens only, not a fp8 wire"),
+                       (req.with_(model_dtype="float32"), "bf16 models only"),
+                       (req.with_(ep_size=3), "ep_size 2, 4 or 8")):
+        why = deepep.supports_training(bad)
+        assert not why and match in why.reason, (bad, why.reason)
     e_trains = {n: bool(EXPERTS.get(n).supports_training(req)) for n in EXPERTS.names()}
     assert {n for n, ok in e_trains.items() if ok} == {"reference", "grouped_mm"}, e_trains
     assert not EXPERTS.get("reference").supports_training(req.with_(expert_mode="fp8_block"))
@@ -235,8 +242,15 @@ def test_capabilities_answer_training():
     plan = resolve_plan(cfg, environment=Environment.hypothetical("sm90"), training=True)
     assert plan.experts_backend == "grouped_mm" and plan.training, plan.describe()
     assert any(s.startswith("triton:") and "no backward" in s for s in plan.skipped), plan.skipped
-    with pytest.raises(ValueError, match="dispatcher 'deepep' does not train"):
-        resolve_plan(cfg, dispatcher="deepep", environment=Environment.hypothetical("sm90"), ep_size=2, training=True)
+    plan = resolve_plan(cfg, dispatcher="deepep", environment=Environment.hypothetical("sm90"), ep_size=2,
+                        training=True)
+    assert plan.dispatcher == "deepep" and plan.dispatch_dtype == "bf16" and plan.training, plan.describe()
+    with pytest.raises(ValueError, match="dispatcher 'deepep_ll' does not train"):
+        resolve_plan(cfg.replace(hidden_size=2048), dispatcher="deepep_ll", environment=Environment.hypothetical("sm90"),
+                     ep_size=2, training=True)
+    with pytest.raises(ValueError, match=r"training through dispatcher 'deepep' \(dispatch fp8\): .*bf16 tokens only"):
+        resolve_plan(cfg.replace(hidden_size=256), dispatcher="deepep", dispatch_dtype="fp8",
+                     environment=Environment.hypothetical("sm90"), ep_size=2, training=True)
     with pytest.raises(ValueError, match="inference-only"):
         resolve_plan(cfg, quant="fp8_block", environment=Environment.hypothetical("sm90"), training=True)
 
@@ -453,6 +467,20 @@ def test_bf16_gradients_cpu_ranks():
 
     seed = fresh_seed()
     per_rank = run_group(_shared_gpu_worker, 2, seed, (40, 0), "cpu", ("reference",), timeout=240)
+    assert_checks(per_rank, ["reference"], seed)
+
+
+@pytest.mark.parametrize("counts", [(40, 0), (9, 23, 0, 5)], ids=["ep2", "ep4"])
+def test_deepep_training_wiring_standin(counts):
+    """The GPU test of training through DeepEP (tests/gpu/test_training_gpu.py) on CPU ranks with the
+    stand-in deep_ep: proves the wiring of the backward (combine with the weights' gradients, cached
+    dispatch, the padded row of a rank with 0 tokens) against the float64 reference, nothing about
+    DeepEP's kernels."""
+    from tests.cpu.mp import assert_checks
+    from tests.gpu.test_training_gpu import _shared_gpu_worker
+
+    seed = fresh_seed()
+    per_rank = run_group(_shared_gpu_worker, len(counts), seed, counts, "cpu", ("reference",), "deepep", timeout=300)
     assert_checks(per_rank, ["reference"], seed)
 
 

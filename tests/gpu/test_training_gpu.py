@@ -6,6 +6,7 @@
     router_logits on every rank and each expert's weight gradients on the rank that owns it, within bf16
     error of autograd through a dense float64 reference of the whole batch; recompute_experts gives the
     same gradients (up to the order of atomic adds).
+  * the same through DeepEP's normal kernels (dispatcher 'deepep') at ep = 2 and 4 sharing GPU 0.
   * one rank, grouped_mm: the training forward agrees with the inference forward (Triton epilogue) to bf16
     error, and the training stage's gradients equal the reference experts' under autograd to bf16 error.
 
@@ -48,7 +49,10 @@ def _global_batch(cfg, counts, seed):
     return X, L, gY
 
 
-def _shared_gpu_worker(rank, world, seed, counts, device="cuda", experts_list=("grouped_mm", "reference")):
+def _shared_gpu_worker(rank, world, seed, counts, device="cuda", experts_list=("grouped_mm", "reference"),
+                       dispatcher="torch"):
+    """dispatcher 'deepep': DeepEP's normal kernels (their backward: combine / cached dispatch); on CPU
+    ranks the stand-in deep_ep (tests/cpu/fake_deep_ep.py) runs instead, which checks the wiring only."""
     from epmoe import EPMoE, TrainingConfig
     from tests.cpu.helpers import random_weights
     from tests.cpu.test_training import _reference_grads
@@ -59,21 +63,34 @@ def _shared_gpu_worker(rank, world, seed, counts, device="cuda", experts_list=("
     else:  # the same checks on CPU ranks (reference experts): the test's own logic, run in tests/cpu
         dev = torch.device(device)
     cfg = _cfg()
+    plan = None
+    if dispatcher == "deepep" and dev.type == "cpu":  # stand-in: plan as on an sm90 host with DeepEP
+        from epmoe.resolve import resolve_quant_plan
+        from tests.cpu import fake_deep_ep
+
+        fake_deep_ep.install()
+        plans = {e: resolve_quant_plan(cfg, dispatcher="deepep", experts_backend=e, arch="sm90", ep_size=world)
+                 for e in experts_list}
     w = random_weights(cfg, seed)
     X, L, gY = _global_batch(cfg, counts, seed + 1)
     lo, T = sum(counts[:rank]), counts[rank]
     ref_out, ref_gx, ref_gl, ref_gp = _reference_grads(cfg, w, X.double(), L.double(), None, gY.double())
 
     def run(experts, recompute):
-        layer = EPMoE(cfg, device=dev, experts=experts, shared_gpu=dev.type == "cuda", timeout_s=120,
-                      training=TrainingConfig(recompute_experts=recompute))
-        layer.load_weights(w)
-        x = X[lo:lo + T].to(dev).requires_grad_()
-        lg = L[lo:lo + T].to(dev).requires_grad_()
-        y = layer(x, lg)
-        (y.float() * gY[lo:lo + T].to(dev)).sum().backward()
-        e0, e1 = layer.first_local_expert, layer.first_local_expert + layer.num_local_experts
-        return dict(y=y, gx=x.grad, gl=lg.grad, w13=layer.w13.grad[:e1 - e0], w2=layer.w2.grad[:e1 - e0], e=(e0, e1))
+        kw = dict(plan=plans[experts]) if dispatcher == "deepep" and dev.type == "cpu" else dict(experts=experts)
+        layer = EPMoE(cfg, device=dev, dispatcher=dispatcher, shared_gpu=dev.type == "cuda", timeout_s=120,
+                      training=TrainingConfig(recompute_experts=recompute), **kw)
+        try:
+            layer.load_weights(w)
+            x = X[lo:lo + T].to(dev).requires_grad_()
+            lg = L[lo:lo + T].to(dev).requires_grad_()
+            y = layer(x, lg)
+            (y.float() * gY[lo:lo + T].to(dev)).sum().backward()
+            e0, e1 = layer.first_local_expert, layer.first_local_expert + layer.num_local_experts
+            return dict(y=y, gx=x.grad, gl=lg.grad, w13=layer.w13.grad[:e1 - e0], w2=layer.w2.grad[:e1 - e0],
+                        e=(e0, e1))
+        finally:
+            layer.close()  # collective (a DeepEP buffer)
 
     def check(experts):
         def fn():
@@ -87,7 +104,7 @@ def _shared_gpu_worker(rank, world, seed, counts, device="cuda", experts_list=("
             again = run(experts, True)  # recompute_experts: the same arithmetic, recomputed in backward
             for k in ("y", "gx", "gl", "w13", "w2"):  # (up to the order of CUDA's atomic adds)
                 assert _rel(again[k], got[k]) < 1e-2, (experts, "recompute", k, _rel(again[k], got[k]))
-            return f"{experts} T={counts}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+            return f"{dispatcher}/{experts} T={counts}: " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
         return fn
 
     return run_checks(f"rank {rank}", [(e, check(e)) for e in experts_list])
@@ -99,6 +116,20 @@ def test_bf16_gradients_ranks_sharing_gpu(counts):
 
     seed = fresh_seed()
     per_rank = run_group(_shared_gpu_worker, 2, seed, counts, timeout=400, pg_timeout=200)
+    assert_checks(per_rank, ["grouped_mm", "reference"], seed)
+
+
+@pytest.mark.requires_deepep
+@pytest.mark.parametrize("counts", [(96, 0), (40, 71, 0, 13)], ids=["ep2", "ep4"])
+def test_bf16_gradients_through_deepep_ranks_sharing_gpu(counts):
+    """Training through DeepEP's normal kernels: dispatch's backward is DeepEP's combine (the weights'
+    gradients summed along), combine's backward its cached dispatch; 2 and 4 ranks sharing GPU 0, a
+    rank with 0 tokens, against the float64 reference under autograd."""
+    from tests.cpu.helpers import fresh_seed
+
+    seed = fresh_seed()
+    per_rank = run_group(_shared_gpu_worker, len(counts), seed, counts, "cuda", ("grouped_mm", "reference"),
+                         "deepep", timeout=400, pg_timeout=200)
     assert_checks(per_rank, ["grouped_mm", "reference"], seed)
 
 

@@ -3,14 +3,18 @@ experts, H=7168, I=2048, top-8, T=4096 tokens, every routed entry local, uniform
 
     python benchmarks/bench_training.py                # GPU run, JSON on stdout and in $OUT/bench_training.json
     python benchmarks/bench_training.py --dry-run      # the plan, no GPU
-    python benchmarks/bench_training.py --device cpu --experts 4 --hidden 64 --inter 32 --tokens 16
-                                                       # a tiny float32 run on CPU (checks the script)
+    python benchmarks/bench_training.py --device cpu --experts 8 --top-k 2 --hidden 64 --inter 32 --tokens 16
+                                                       # a tiny float32 run on CPU (checks the script;
+                                                       # TRITON_INTERPRET=1: the Triton kernels too)
 
 Rows (same run, same inputs, same output gradient):
-  epmoe             `grouped_mm_train_forward` (what experts 'grouped_mm' runs with gradients): sort by
-                    expert, torch._grouped_mm, activation in fp32 -> bf16, torch._grouped_mm, weighted
-                    sum in fp32; autograd saves what torch's ops save
-  epmoe_recompute   the same under torch.utils.checkpoint (TrainingConfig(recompute_experts=True))
+  epmoe             `fused_grouped_mm_train_forward` (what experts 'grouped_mm' runs with gradients where
+                    Triton runs): sort by expert, Triton gather, torch._grouped_mm, Triton activation
+                    (fp32 -> bf16), torch._grouped_mm, Triton weighted sum (fp32), each with a Triton
+                    backward kernel; the GEMMs keep torch's autograd (CPU: the torch composite below)
+  epmoe_torch       `grouped_mm_train_forward`, the torch composite of the same arithmetic
+                    (grouped_mm_epilogue=torch, and what models with expert biases run)
+  epmoe_recompute   epmoe under torch.utils.checkpoint (TrainingConfig(recompute_experts=True))
   peer_torch_bf16   torch's grouped GEMMs run the same way in plain bf16 (activation and weighted sum
                     in bf16, the torchtitan-style composite): the same two torch._grouped_mm per pass
 Each row: forward ms, forward + backward ms (CUDA events, median of --iters after --warmup), peak
@@ -70,14 +74,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--rows", default="epmoe,epmoe_recompute,peer_torch_bf16")
+    ap.add_argument("--rows", default="epmoe,epmoe_torch,epmoe_recompute,peer_torch_bf16")
     ap.add_argument("--json", default=None, help="output JSON (default $OUT/bench_training.json or bench_results/)")
     args = ap.parse_args(argv)
     E, H, I, K, T = args.experts, args.hidden, args.inter, args.top_k, args.tokens
     rows = [r for r in args.rows.split(",") if r]
-    unknown = [r for r in rows if r not in ("epmoe", "epmoe_recompute", "peer_torch_bf16")]
+    known = ("epmoe", "epmoe_torch", "epmoe_recompute", "peer_torch_bf16")
+    unknown = [r for r in rows if r not in known]
     if unknown:
-        ap.error(f"unknown row {unknown[0]!r}; rows: epmoe, epmoe_recompute, peer_torch_bf16")
+        ap.error(f"unknown row {unknown[0]!r}; rows: {', '.join(known)}")
     flops = 3 * 2 * T * K * (2 * I * H + H * I)
     print(f"plan: experts stage forward + backward, E_local={E} H={H} I={I} top_k={K} T={T}, rows {rows}, "
           f"{flops / 1e12:.2f} TFLOP per forward + backward", flush=True)
@@ -88,7 +93,8 @@ def main(argv=None) -> int:
     from torch.utils.checkpoint import checkpoint
 
     from epmoe import MoEConfig
-    from epmoe.experts.triton.grouped_mm import grouped_mm_train_forward
+    from epmoe.experts.triton.grouped_mm import fused_grouped_mm_train_forward, grouped_mm_train_forward
+    from epmoe.experts.triton.launch import KernelLauncher
 
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # torch._grouped_mm on CPU: float32
@@ -105,11 +111,22 @@ def main(argv=None) -> int:
             den = max(den, float(cb.float().abs().max()))
         return round(num / max(den, 1e-30), 5)
 
-    def run_epmoe(x, w, w13, w2):
+    def run_torch(x, w, w13, w2):
         return grouped_mm_train_forward(x, inp["ids"], w, {"w13": w13, "w2": w2}, cfg, E)
+
+    from epmoe.experts.triton.launch import interpreter_enabled
+
+    # the Triton kernels on a GPU, or on CPU under the interpreter (TRITON_INTERPRET=1: checks the script)
+    launcher = KernelLauncher(dev) if dev.type == "cuda" or interpreter_enabled() else None
+
+    def run_epmoe(x, w, w13, w2):
+        if launcher is None:  # no Triton on this device: the composite
+            return run_torch(x, w, w13, w2)
+        return fused_grouped_mm_train_forward(x, inp["ids"], w, {"w13": w13, "w2": w2}, cfg, E, launcher)
 
     fns = {
         "epmoe": run_epmoe,
+        "epmoe_torch": run_torch,
         "epmoe_recompute": lambda x, w, w13, w2: checkpoint(run_epmoe, x, w, w13, w2, use_reentrant=False),
         "peer_torch_bf16": lambda x, w, w13, w2: peer_forward(x, inp["ids"], w, w13, w2, E, I),
     }

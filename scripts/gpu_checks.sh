@@ -4,6 +4,7 @@
 #   bash scripts/gpu_checks.sh bench    # expert stage, full layer vs baseline, dispatchers
 #   bash scripts/gpu_checks.sh deepep|deepep-launch|deepep-faults   # DeepEP with ranks sharing the GPU
 #   bash scripts/gpu_checks.sh deepgemm-experts                   # the deepgemm experts: tests, bench, profile
+#   bash scripts/gpu_checks.sh training                           # GPU training tests, bench_training
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
 # summary is printed last. FLASHINFER_DISABLE_JIT=1 makes any FlashInfer module that is not prebuilt
 # fail at once instead of compiling for minutes.
@@ -203,6 +204,18 @@ run_deepgemm_experts() {
     head -n 12 "$OUT/profile.log" | grep -v Warning
 }
 
+# Training: the GPU training tests (bf16 against float64, the fused grouped_mm stage) and the experts
+# stage's forward + backward at the DeepSeek-V3 shape beside torch's grouped GEMMs (bench_training.py).
+run_training() {
+    local log="$OUT/training.log"
+    timeout 300 "$PY" -m pytest tests/gpu/test_training_gpu.py -q -s -rs -p no:cacheprovider -k "not deepep" > "$log" 2>&1
+    echo "== test_training_gpu rc=$? at $(el)" | tee -a "$log"
+    grep -E "passed|failed|Error" "$log" | tail -5
+    timeout 200 "$PY" benchmarks/bench_training.py --json "$OUT/bench_training.json" > "$OUT/bench_training.log" 2>&1
+    echo "== bench_training rc=$? at $(el)" | tee -a "$OUT/bench_training.log"
+    grep -E "forward|ratio|rc=" "$OUT/bench_training.log" | grep -v '"' | tail -8
+}
+
 case "${1:-tests}" in
     tests) run_tests ;;
     bench) run_bench ;;
@@ -212,7 +225,8 @@ case "${1:-tests}" in
     deepep-launch) run_deepep_launch ;;
     deepep-faults) run_deepep_faults ;;
     deepgemm-experts) run_deepgemm_experts ;;
+    training) run_training ;;
     all) run_tests; run_bench ;;
-    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepgemm-experts|all" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepgemm-experts|training|all" >&2; exit 2 ;;
 esac
 echo "done at $(el); logs in $OUT"

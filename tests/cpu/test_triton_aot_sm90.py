@@ -198,3 +198,34 @@ def test_sm90_compile_fp4_row_tiles(mode, preset, monkeypatch):
         where = f"{mode} {preset} {kernel}: rows {plain}, tiles {tiled}"
         assert tiled["local"] == 0 and tiled["loop_ldl_stl"] == 0 and tiled["stack"] <= 16, where
         assert (tiled["hmma"], tiled["hgmma"]) == (plain["hmma"], plain["hgmma"]) != (0, 0), where
+
+
+def test_sm90_compile_grouped_mm_training_kernels():
+    """The grouped_mm experts' fused training stage: its forward (gather, activation, combine) and backward
+    (unit-weight combine, activation backward, combine backward) kernels compile for sm90 without spills,
+    bf16, for every activation."""
+    aot, triton = _aot()
+    import torch
+    from triton.backends.compiler import GPUTarget
+
+    from epmoe.config import MoEConfig
+    from epmoe.experts.triton.grouped_mm import fused_grouped_mm_train_forward
+
+    launches = []
+    rec = lambda name, grid, args, kwargs: launches.append(aot.Launch(name, args, tuple(kwargs.items())))  # noqa: E731
+    for act in ({}, dict(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0), dict(activation="relu2")):
+        cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16, **act)
+        x = torch.zeros(8, 256, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.full((8, 2), 0.5, requires_grad=True)
+        p = {"w13": torch.zeros(4, cfg.w13_rows, 256, dtype=torch.bfloat16, requires_grad=True),
+             "w2": torch.zeros(4, 256, 128, dtype=torch.bfloat16, requires_grad=True)}
+        ids = torch.tensor([[0, 1], [2, 3]] * 4, dtype=torch.int32)
+        out = fused_grouped_mm_train_forward(x, ids, w, p, cfg, 4, rec)
+        out.float().sum().backward()
+    names = [l.kernel for l in launches]
+    assert names[:6] == ["gather_rows_kernel", "grouped_act_kernel", "grouped_combine_kernel",
+                         "combine_bwd_kernel", "grouped_act_bwd_kernel", "grouped_combine_kernel"], names
+    for launch in launches:
+        src, opts = aot.to_source(launch)
+        info = aot.analyze(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts))
+        assert info["local"] == 0 and info["ldl_stl"] == 0, f"register spills: {launch.kernel}: {info}"

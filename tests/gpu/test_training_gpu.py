@@ -138,7 +138,7 @@ def test_grouped_mm_training_stage_matches_reference_and_inference():
     from epmoe.dispatch.base import DispatchedTokens
     from epmoe.experts.base import ExpertsSpec
     from epmoe.experts.reference import ReferenceExperts
-    from epmoe.experts.triton.grouped_mm import grouped_mm_train_forward
+    from epmoe.experts.triton.grouped_mm import fused_grouped_mm_train_forward, grouped_mm_train_forward
     from tests.cpu.helpers import fresh_seed, random_weights
 
     seed = fresh_seed()
@@ -181,3 +181,11 @@ def test_grouped_mm_training_stage_matches_reference_and_inference():
                 {k: v for k, v in layer.experts.parameters().items() if k in ("w13", "w2")})
     errs = {n: _rel(a, b) for n, a, b in zip(["out", "x", "weights", "w13", "w2"], got, want)}
     assert all(v <= BF16_TOL for v in errs.values()), (seed, errs)
+    # the fused stage (Triton gather / activation / combine and their backward kernels): what the layer runs
+    fused = grads(lambda a, b, p: fused_grouped_mm_train_forward(a, ids_d, b, p, cfg, E, layer.experts._launch),
+                  torch.bfloat16, {k: v for k, v in layer.experts.parameters().items() if k in ("w13", "w2")})
+    errs = {n: _rel(a, b) for n, a, b in zip(["out", "x", "weights", "w13", "w2"], fused, want)}
+    assert all(v <= BF16_TOL for v in errs.values()), (seed, "fused", errs)
+    again = grads(lambda a, b, p: fused_grouped_mm_train_forward(a, ids_d, b, p, cfg, E, layer.experts._launch),
+                  torch.bfloat16, {k: v for k, v in layer.experts.parameters().items() if k in ("w13", "w2")})
+    assert all(torch.equal(a, b) for a, b in zip(fused[:3], again[:3])), "fused stage: not deterministic"

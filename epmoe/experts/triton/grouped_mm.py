@@ -231,6 +231,132 @@ def grouped_mm_train_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_
     return out.to(hidden.dtype)
 
 
+class _TrainGather(torch.autograd.Function):
+    """xs[inv[j]] = hidden[n] for each valid entry j = n*K + k (gather_rows_kernel); backward: each
+    token's gradient is the fp32 sum of its entries' row gradients, rounded once (the combine kernel
+    with unit weights; no atomics)."""
+
+    @staticmethod
+    def forward(ctx, hidden, ids32, inv, rows, num_experts, launch):
+        N, H = hidden.shape
+        K = ids32.shape[1]
+        x = hidden.contiguous()
+        xs = torch.empty(rows, H, dtype=hidden.dtype, device=hidden.device)
+        launch("gather_rows_kernel", (N,), (x, ids32, inv, xs, H, num_experts, x.stride(0), xs.stride(0)),
+               dict(TOP_K=K, BLOCK_H=2048, num_warps=4))
+        ctx.save_for_backward(ids32, inv)
+        ctx.meta = (N, H, K, num_experts, launch, hidden.dtype)
+        return xs
+
+    @staticmethod
+    def backward(ctx, gxs):
+        ids32, inv = ctx.saved_tensors
+        N, H, K, E, launch, dt = ctx.meta
+        gxs = gxs.contiguous()
+        ones = torch.ones(N, K, dtype=torch.float32, device=gxs.device)
+        gx = torch.empty(N, H, dtype=dt, device=gxs.device)
+        launch("grouped_combine_kernel", (N, -(-H // 1024)),
+               (gxs, inv, ids32, ones, ones, gx, H, E, gxs.stride(0), 0, gx.stride(0)),
+               dict(TOP_K=K, HAS_BIAS=False, BLOCK_H=1024, num_warps=4))
+        return gx, None, None, None, None, None
+
+
+class _TrainAct(torch.autograd.Function):
+    """The activation of gemm1's output in fp32, rounded once (grouped_act_kernel); backward: its
+    derivative in fp32 from the saved bf16 h (grouped_act_bwd_kernel). Saves h only."""
+
+    @staticmethod
+    def forward(ctx, h, expert, I, num_experts, gated, act_args, launch):
+        ACT, HAS_LIMIT, alpha, beta, limit = act_args
+        n = h.shape[0]
+        BLOCK_I = min(1024, triton_next_pow2(I))
+        a = torch.empty(n, I, dtype=h.dtype, device=h.device)
+        launch("grouped_act_kernel", (n, -(-I // BLOCK_I)), (
+            h, h, a, expert, num_experts, I, h.stride(0), 0, a.stride(0), alpha, beta, limit,
+        ), dict(ACT=ACT, HAS_LIMIT=HAS_LIMIT, HAS_BIAS=False, GATED=gated, GATE_UP_IL=False, BLOCK_I=BLOCK_I,
+                num_warps=4))  # fmt: skip
+        ctx.save_for_backward(h)
+        ctx.meta = (I, gated, act_args, launch, BLOCK_I)
+        return a
+
+    @staticmethod
+    def backward(ctx, ga):
+        (h,) = ctx.saved_tensors
+        I, gated, (ACT, HAS_LIMIT, alpha, beta, limit), launch, BLOCK_I = ctx.meta
+        ga = ga.contiguous()
+        gh = torch.empty_like(h)
+        launch("grouped_act_bwd_kernel", (h.shape[0], -(-I // BLOCK_I)), (
+            h, ga, gh, I, h.stride(0), ga.stride(0), gh.stride(0), alpha, beta, limit,
+        ), dict(ACT=ACT, HAS_LIMIT=HAS_LIMIT, GATED=gated, BLOCK_I=BLOCK_I, num_warps=4))  # fmt: skip
+        return gh, None, None, None, None, None, None
+
+
+class _TrainCombine(torch.autograd.Function):
+    """out[n] = sum_k w[n,k] * y[inv[n*K+k]] in fp32, rounded once (grouped_combine_kernel); backward
+    (combine_bwd_kernel): y's rows get w * grad_out (rounded once), the weights <y, grad_out> in fp32.
+    Saves y (bf16) and the weights."""
+
+    @staticmethod
+    def forward(ctx, y, topk_weights, ids32, inv, num_experts, out_dtype, launch):
+        N, K = ids32.shape
+        H = y.shape[1]
+        w = topk_weights.to(torch.float32).contiguous()
+        out = torch.empty(N, H, dtype=out_dtype, device=y.device)
+        launch("grouped_combine_kernel", (N, -(-H // 1024)),
+               (y, inv, ids32, w, w, out, H, num_experts, y.stride(0), 0, out.stride(0)),
+               dict(TOP_K=K, HAS_BIAS=False, BLOCK_H=1024, num_warps=4))
+        ctx.save_for_backward(y, w, ids32, inv)
+        ctx.meta = (num_experts, launch, topk_weights.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):
+        y, w, ids32, inv = ctx.saved_tensors
+        E, launch, w_dtype = ctx.meta
+        N, K = ids32.shape
+        H = y.shape[1]
+        gout = gout.contiguous()
+        gy = torch.empty_like(y)
+        gw = torch.empty(N, K, dtype=torch.float32, device=y.device)
+        launch("combine_bwd_kernel", (N, K), (gout, y, inv, ids32, w, gy, gw, H, E, gout.stride(0), y.stride(0),
+                                              gy.stride(0)), dict(TOP_K=K, BLOCK_H=1024, num_warps=4))
+        return gy, gw.to(w_dtype), None, None, None, None, None
+
+
+def fused_grouped_mm_train_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                                   params: Dict[str, torch.Tensor], config, num_experts: int, launch: Callable,
+                                   act_args: Optional[tuple] = None) -> torch.Tensor:
+    """`grouped_mm_train_forward` with its memory-bound steps as Triton kernels with their own backward
+    (gather, activation, weighted combine: fp32 arithmetic, one rounding per output, no atomics, each
+    [rows, .] tensor read and written once per pass); the two torch._grouped_mm keep torch's autograd.
+    No biases (`grouped_mm_train_forward` takes those). Saves xs, h, a, y (bf16), as the GEMMs and the
+    activation need them. One host sync (the routed row count)."""
+    if "b13" in params or "b2" in params:
+        raise ValueError("fused_grouped_mm_train_forward takes no biases; use grouped_mm_train_forward")
+    cfg, E = config, num_experts
+    N, K = topk_ids.shape
+    H, I = hidden.shape[1], cfg.intermediate_size
+    ids32 = (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
+    flat = ids32.reshape(-1).long()
+    key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    n = int(counts.sum())  # the valid entries come first in `order`
+    if n == 0:
+        return torch.zeros(N, H, dtype=hidden.dtype, device=hidden.device)
+    offs = counts.cumsum(0).to(torch.int32)
+    inv = torch.empty(N * K, dtype=torch.int32, device=hidden.device)
+    inv[order] = torch.arange(N * K, dtype=torch.int32, device=hidden.device)  # invalid entries: >= n, never read
+    expert = key.index_select(0, order[:n])
+    R = params["w13"].shape[1]
+    xs = _TrainGather.apply(hidden, ids32, inv, n, E, launch)
+    h = torch._grouped_mm(xs, params["w13"].transpose(1, 2), offs=offs)
+    a = _TrainAct.apply(h, expert, I, E, cfg.is_gated and R == 2 * I,
+                        act_args if act_args is not None else kernel_activation_args(cfg), launch)
+    y = torch._grouped_mm(a, params["w2"].transpose(1, 2), offs=offs)
+    return _TrainCombine.apply(y, topk_weights, ids32, inv, E, hidden.dtype, launch)
+
+
 @dataclass(frozen=True)
 class GroupedMMOptions(ExpertsOptions):
     """grouped_mm_epilogue: "triton" (fused gather / activation / combine; default where Triton runs)
@@ -277,6 +403,9 @@ class GroupedMMExperts(Experts):
             raise TypeError("experts 'grouped_mm' trains on bf16 tokens; quantized wires are inference-only")
         if hidden.shape[0] == 0:
             return torch.zeros(0, self.config.hidden_size, dtype=hidden.dtype, device=hidden.device)
+        if self.epilogue == "triton" and "b13" not in params and "b2" not in params:
+            return fused_grouped_mm_train_forward(hidden, tokens.topk_ids, tokens.topk_weights, params, self.config,
+                                                  self.num_experts, self._launch)
         return grouped_mm_train_forward(hidden, tokens.topk_ids, tokens.topk_weights, params, self.config,
                                         self.num_experts)
 

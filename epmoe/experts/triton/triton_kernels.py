@@ -816,6 +816,99 @@ def grouped_combine_kernel(
     tl.store(out_ptr + n * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < H)
 
 
+# --------------------------------------------------------------------------- training (backward)
+# The memory-bound steps of the grouped_mm experts' backward (`grouped_mm.fused_grouped_mm_train_forward`):
+# fp32 arithmetic, one rounding per output, no atomics. The forward reuses gather_rows_kernel,
+# grouped_act_kernel and grouped_combine_kernel.
+
+
+@triton.jit
+def grouped_act_bwd_kernel(
+    h_ptr,  # [n, R] gemm1 output (model dtype); R = 2I (gate then up) or I
+    ga_ptr,  # [n, I] gradient of the activation output
+    gh_ptr,  # [n, R] out: gradient of h (model dtype)
+    I,
+    stride_hm,
+    stride_gam,
+    stride_ghm,
+    alpha,
+    beta,
+    limit,
+    ACT: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    """d/dh of `_activation` in fp32. A clamp passes the gradient where its input is within the limit
+    (torch.clamp's rule: at the limit too), zero beyond."""
+    p = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    ok = offs < I
+    row = h_ptr + p * stride_hm
+    g = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
+    ga = tl.load(ga_ptr + p * stride_gam + offs, mask=ok, other=0.0).to(tl.float32)
+    out = gh_ptr + p * stride_ghm
+    if ACT == 2:  # relu(g)^2
+        tl.store(out + offs, (ga * 2.0 * tl.maximum(g, 0.0)).to(gh_ptr.dtype.element_ty), mask=ok)
+    else:
+        u = tl.load(row + I + offs, mask=ok, other=0.0).to(tl.float32)
+        if ACT == 0:  # silu(g) * u
+            s = tl.sigmoid(g)
+            dg = ga * u * s * (1.0 + g * (1.0 - s))
+            du = ga * g * s
+        else:  # g' sigmoid(alpha g') (u' + beta), g' = min(g, limit), u' = clamp(u, -limit, limit)
+            gc = g
+            uc = u
+            if HAS_LIMIT:
+                gc = tl.minimum(g, limit)
+                uc = tl.minimum(tl.maximum(u, -limit), limit)
+            s = tl.sigmoid(alpha * gc)
+            dg = ga * (uc + beta) * (s + alpha * gc * s * (1.0 - s))
+            du = ga * gc * s
+            if HAS_LIMIT:
+                dg = tl.where(g <= limit, dg, 0.0)
+                du = tl.where((u >= -limit) & (u <= limit), du, 0.0)
+        tl.store(out + offs, dg.to(gh_ptr.dtype.element_ty), mask=ok)
+        tl.store(out + I + offs, du.to(gh_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def combine_bwd_kernel(
+    gout_ptr,  # [N, H] gradient of the combined output
+    y_ptr,  # [n, H] gemm2 output by sorted position (model dtype)
+    inv_ptr,  # [N*K] int32 sorted position of entry j
+    ids_ptr,  # [N, K] int32 local expert ids (invalid: < 0 or >= num_experts)
+    w_ptr,  # [N, K] fp32 routing weights
+    gy_ptr,  # [n, H] out: gy[inv[j]] = w[j] * gout[n] (model dtype)
+    gw_ptr,  # [N, K] fp32 out: <y[inv[j]], gout[n]> (0 for invalid entries)
+    H,
+    num_experts,
+    stride_gom,
+    stride_ym,
+    stride_gym,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """The backward of grouped_combine_kernel (no bias), one program per entry (n, k)."""
+    n = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    j = n * TOP_K + k
+    e = tl.load(ids_ptr + j)
+    valid = (e >= 0) & (e < num_experts)
+    lim = tl.where(valid, H, 0)  # an invalid entry reads and writes no row: its gradient is 0
+    p = tl.where(valid, tl.load(inv_ptr + j), 0).to(tl.int64)
+    wk = tl.load(w_ptr + j)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for h0 in range(0, lim, BLOCK_H):
+        offs = h0 + tl.arange(0, BLOCK_H)
+        m = offs < H
+        g = tl.load(gout_ptr + n * stride_gom + offs, mask=m, other=0.0).to(tl.float32)
+        yv = tl.load(y_ptr + p * stride_ym + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(gy_ptr + p * stride_gym + offs, (wk * g).to(gy_ptr.dtype.element_ty), mask=m)
+        acc += g * yv
+    tl.store(gw_ptr + j, tl.sum(acc, axis=0))
+
+
 # --------------------------------------------------------------------------- routing alignment
 # `epmoe.experts.triton.align` on the GPU: the same outputs bit for bit (stable order by expert, invalid
 # entries last), no atomics, no host sync, fixed shapes. Program e of a grid over experts (plus one

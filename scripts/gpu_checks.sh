@@ -3,6 +3,7 @@
 #   bash scripts/gpu_checks.sh tests    # every tests/gpu file, each under its own time limit
 #   bash scripts/gpu_checks.sh bench    # expert stage, full layer vs baseline, dispatchers
 #   bash scripts/gpu_checks.sh deepep|deepep-launch|deepep-faults   # DeepEP with ranks sharing the GPU
+#   bash scripts/gpu_checks.sh deepep-all     # deepep (its tests within 330 s of the start), then deepep-launch
 #   bash scripts/gpu_checks.sh deepgemm-experts                   # the deepgemm experts: tests, bench, profile
 #   bash scripts/gpu_checks.sh training                           # GPU training tests, bench_training
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
@@ -153,6 +154,11 @@ run_deepep_launch() {
                                             --tokens 64 --tokens-jitter 1.0 --check)
     : > "$log"
     deepep_setup || return 1
+    # training through DeepEP's normal kernels (dispatch backward = combine, combine backward = cached dispatch)
+    timeout 200 "$PY" -m pytest tests/gpu/test_training_gpu.py -q -s -rs -p no:cacheprovider -k deepep \
+        > "$OUT/deepep_training.log" 2>&1
+    echo "== training through deepep rc=$? at $(el)" | tee -a "$OUT/deepep_training.log"
+    grep -E "deepep/|passed|failed|Error" "$OUT/deepep_training.log" | tail -12
     launch() {  # name, nproc, flags...
         local name="$1" n="$2"; shift 2
         echo "== launch $name: $*" >> "$log"
@@ -168,11 +174,6 @@ run_deepep_launch() {
     launch "normal eplb skewed ep=4" 4 --dispatcher deepep --experts triton --redundant-experts 4 \
         --rebalance-every 2 --routing skewed --steps 6
     grep -E "^== |check \||rank load|eplb:|quant plan|Error|error:" "$log" | tail -60
-    # training through DeepEP's normal kernels (dispatch backward = combine, combine backward = cached dispatch)
-    timeout 200 "$PY" -m pytest tests/gpu/test_training_gpu.py -q -s -rs -p no:cacheprovider -k deepep \
-        > "$OUT/deepep_training.log" 2>&1
-    echo "== training through deepep rc=$? at $(el)" | tee -a "$OUT/deepep_training.log"
-    grep -E "deepep/|passed|failed|Error" "$OUT/deepep_training.log" | tail -12
     timeout 150 "$PY" benchmarks/bench_deepep.py --ranks 4 --json "$OUT/bench_deepep_ep4.json" > "$OUT/bench_deepep.log" 2>&1
     echo "== bench_deepep ep=4 (sharing the GPU) rc=$? at $(el)" | tee -a "$OUT/bench_deepep.log"
     grep -E "deepep|rc=" "$OUT/bench_deepep.log" | tail -12
@@ -223,6 +224,7 @@ case "${1:-tests}" in
     deepgemm) run_deepgemm ;;
     deepep) run_deepep ;;
     deepep-launch) run_deepep_launch ;;
+    deepep-all) DEEPEP_BUDGET_S="${DEEPEP_BUDGET_S:-330}" run_deepep; run_deepep_launch ;;  # one call, in this order
     deepep-faults) run_deepep_faults ;;
     deepgemm-experts) run_deepgemm_experts ;;
     training) run_training ;;

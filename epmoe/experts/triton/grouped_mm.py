@@ -318,7 +318,7 @@ class _TrainCombine(torch.autograd.Function):
         gout = gout.contiguous()
         gy = torch.empty_like(y)
         gw = torch.empty(N, K, dtype=torch.float32, device=y.device)
-        launch("combine_bwd_kernel", (N, K), (gout, y, inv, ids32, w, gy, gw, H, E, gout.stride(0), y.stride(0),
+        launch("combine_bwd_kernel", (N * K,), (gout, y, inv, ids32, w, gy, gw, H, E, gout.stride(0), y.stride(0),
                                               gy.stride(0)), dict(TOP_K=K, BLOCK_H=1024, num_warps=4))
         return gy, gw.to(w_dtype), None, None, None, None, None
 

@@ -889,10 +889,10 @@ def combine_bwd_kernel(
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """The backward of grouped_combine_kernel (no bias), one program per entry (n, k)."""
-    n = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1)
-    j = n * TOP_K + k
+    """The backward of grouped_combine_kernel (no bias), one program per entry j = n*K + k (a token's K
+    programs run next to each other: its gradient row is read from L2 after the first)."""
+    j = tl.program_id(0).to(tl.int64)
+    n = j // TOP_K
     e = tl.load(ids_ptr + j)
     valid = (e >= 0) & (e < num_experts)
     lim = tl.where(valid, H, 0)  # an invalid entry reads and writes no row: its gradient is 0

@@ -176,6 +176,15 @@ run_deepep_launch() {
     grep -E "^== |check \||rank load|eplb:|quant plan|Error|error:" "$log" | tail -60
     timeout 150 "$PY" benchmarks/bench_deepep.py --ranks 4 --json "$OUT/bench_deepep_ep4.json" > "$OUT/bench_deepep.log" 2>&1
     echo "== bench_deepep ep=4 (sharing the GPU) rc=$? at $(el)" | tee -a "$OUT/bench_deepep.log"
+    timeout 120 "$PY" benchmarks/bench_deepep.py --ranks 2 --json "$OUT/bench_deepep_ep2.json" >> "$OUT/bench_deepep.log" 2>&1
+    echo "== bench_deepep ep=2 (sharing the GPU) rc=$? at $(el)" | tee -a "$OUT/bench_deepep.log"
+    # DeepEP beside the flashinfer and torch dispatchers in the same run (bf16; low latency at decode only)
+    timeout 120 torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --ranks-per-gpu 4 --formats bf16 --tokens 128 \
+        --dispatchers deepep,deepep_ll,flashinfer,torch --json "$OUT/bench_dispatch_ep4_t128.json" >> "$OUT/bench_deepep.log" 2>&1
+    echo "== bench_dispatch ep=4 T=128 (sharing the GPU) rc=$? at $(el)" | tee -a "$OUT/bench_deepep.log"
+    timeout 120 torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --ranks-per-gpu 4 --formats bf16 --tokens 4096 \
+        --dispatchers deepep,flashinfer,torch --json "$OUT/bench_dispatch_ep4_t4096.json" >> "$OUT/bench_deepep.log" 2>&1
+    echo "== bench_dispatch ep=4 T=4096 (sharing the GPU) rc=$? at $(el)" | tee -a "$OUT/bench_deepep.log"
     grep -E "deepep|rc=" "$OUT/bench_deepep.log" | tail -12
 }
 

@@ -6,8 +6,10 @@ it shares only `epmoe.routing.route`, so both sides choose the same experts on n
 With `plan=` it models the plan's lossy path the way the kernels run it: the wire (tokens quantized
 per token before the all-to-all with `codec.quantize_for_wire`, dequantized on arrival to the model
 dtype unless the experts consume that format), the expert weights quantized to the plan's weight
-format, and the experts' activation quantization (expert input and FC2 input, per token). Quantization
-uses the codec (the formats' one definition); every GEMM and activation is float64.
+format, the experts' activation quantization (expert input and FC2 input, per token), and FC1's output
+rounded to the model dtype where the plan's experts backend writes it to memory that way
+(`Experts.fc1_output_rounded`: DeepGEMM's and torch's grouped GEMMs). Quantization uses the codec (the
+formats' one definition); every GEMM and activation is float64.
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ def reference_moe(
     if weights.num_experts != config.num_experts or weights.first_expert != 0:
         raise ValueError("reference_moe needs the global weights of all experts")
     act_q = lambda h: h  # noqa: E731 - the experts' activation quantization (identity without a plan)
+    fc1_q = act_q  # FC1's output as the activation reads it (identity without a plan)
     if plan is not None:
         hidden_states, weights, act_q = _model_plan(config, plan, hidden_states.cpu(), weights)
+        fc1_q = _fc1_rounding(config, plan)
     elif weights.is_quantized:
         weights = dequantize_expert_weights(weights, torch.float64)
     x = hidden_states.double().cpu()
@@ -76,11 +80,25 @@ def reference_moe(
             e = int(ids[t, k])
             if e < 0:
                 continue
-            g = w1[e] @ x[t] + (b1[e] if b1 is not None else 0)
-            u = w3[e] @ x[t] + (b3[e] if b3 is not None else 0) if w3 is not None else None
+            g = fc1_q(w1[e] @ x[t]) + (b1[e] if b1 is not None else 0)
+            u = fc1_q(w3[e] @ x[t]) + (b3[e] if b3 is not None else 0) if w3 is not None else None
             y = w2[e] @ act_q(_act(config, g, u)) + (b2[e] if b2 is not None else 0)
             out[t] += wts[t, k] * y
     return out
+
+
+def _fc1_rounding(config: MoEConfig, plan) -> Callable[[torch.Tensor], torch.Tensor]:
+    """FC1's output as the plan's experts backend hands it to the activation: rounded to the model
+    dtype where the backend writes it to memory (`Experts.fc1_output_rounded`), else exact."""
+    from epmoe.experts import EXPERTS  # the registry (the experts package imports no reference)
+
+    try:
+        rounded = bool(getattr(EXPERTS.get(plan.experts_backend), "fc1_output_rounded", False))
+    except (KeyError, ValueError):
+        rounded = False
+    if not rounded or config.dtype == torch.float64:
+        return lambda v: v
+    return lambda v: v.to(config.dtype).double()
 
 
 def _model_plan(config: MoEConfig, plan, x: torch.Tensor, weights: ExpertWeights):
@@ -129,9 +147,11 @@ def reference_moe_streamed(
     ids = routing.topk_ids.cpu().long()
     chosen = sorted(int(v) for v in torch.unique(ids) if v >= 0)
     act_q = lambda h: h  # noqa: E731
+    fc1_q = act_q
     x = hidden_states.cpu()
     if plan is not None and chosen:
         x, _, act_q = _model_plan(config, plan, x, expert(chosen[0]))
+        fc1_q = _fc1_rounding(config, plan)
     x = x.double()
     wts = routing.topk_weights.double().cpu()
     I = config.intermediate_size
@@ -146,8 +166,8 @@ def reference_moe_streamed(
             w = dequantize_expert_weights(quantize_expert_weights(w, plan.weight_format), torch.float64)
         rows, ks = (ids == e).nonzero(as_tuple=True)
         xe = x[rows]
-        g = xe @ w.w1[0].double().t()
-        u = xe @ w.w3[0].double().t() if w.w3 is not None else None
+        g = fc1_q(xe @ w.w1[0].double().t())
+        u = fc1_q(xe @ w.w3[0].double().t()) if w.w3 is not None else None
         b2 = None
         if w.b13 is not None:
             b13 = w.b13[0].double()

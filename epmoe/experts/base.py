@@ -91,6 +91,10 @@ class Experts(abc.ABC):
     name: ClassVar[str] = "?"
     accepted_layouts: ClassVar[Tuple[str, ...]] = ("flat",)
     Options: ClassVar[type] = ExpertsOptions
+    # True: FC1's output is written to memory in the model dtype and the activation reads it back
+    # (DeepGEMM's and torch's grouped GEMMs write bf16); the plan-aware reference (epmoe.reference)
+    # rounds it the same way. False: the activation reads FC1's fp32 accumulators (fused epilogues).
+    fc1_output_rounded: ClassVar[bool] = False
 
     def __init__(self, spec: ExpertsSpec):
         self.options = type(self).Options.parse(spec.options, f"experts backend {self.name!r}")

@@ -152,3 +152,45 @@ def test_streamed_reference_equals_dense_reference():
     dense = reference_moe(cfg, x, w, logits)
     streamed = reference_moe_streamed(cfg, x, lambda e: w.slice_experts(e, e + 1), logits)
     assert float((dense - streamed).abs().max()) < 1e-12
+
+
+def test_plan_reference_rounds_fc1_output_where_the_backend_writes_it():
+    """With a plan whose experts write FC1's output in the model dtype (deepgemm, grouped_mm:
+    `Experts.fc1_output_rounded`), the plan-aware reference rounds it to bf16 before the activation,
+    dense and streamed alike; with a fused epilogue (triton) it stays exact. Checked against a loop
+    written here."""
+    from epmoe.reference import _act
+    from epmoe.resolve import resolve_quant_plan
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16)
+    w = random_weights(cfg, seed=7)
+    x, logits = random_inputs(cfg, 6, seed=7)
+
+    def plan(experts, mode):
+        return resolve_quant_plan(cfg, requested_mode=mode, dispatcher="torch", experts_backend=experts, arch="sm90")
+
+    def by_hand(rounded):
+        from epmoe.routing import route
+
+        r = route(cfg, logits, None, impl="torch")
+        I = cfg.intermediate_size
+        out = torch.zeros(x.shape[0], cfg.hidden_size, dtype=torch.float64)
+        for t in range(x.shape[0]):
+            for k in range(cfg.top_k):
+                e = int(r.topk_ids[t, k])
+                w1, w3, w2 = (m[e].double() for m in (w.w1, w.w3, w.w2))
+                g, u = w1 @ x[t].double(), w3 @ x[t].double()
+                if rounded:
+                    g, u = g.bfloat16().double(), u.bfloat16().double()
+                out[t] += r.topk_weights[t, k].double() * (w2 @ _act(cfg, g, u))
+        return out
+
+    for experts, rounded in (("deepgemm", True), ("grouped_mm", True), ("triton", False)):
+        p = plan(experts, "bf16")
+        dense = reference_moe(cfg, x, w, logits, plan=p)
+        streamed = reference_moe_streamed(cfg, x, lambda e: w.slice_experts(e, e + 1), logits, plan=p)
+        want = by_hand(rounded)
+        assert float((dense - want).abs().max()) < 1e-12, experts
+        assert float((streamed - want).abs().max()) < 1e-12, experts
+    # the rounding matters: at this shape it moves the output by more than fp64 noise
+    assert float((by_hand(True) - by_hand(False)).abs().max()) > 1e-6

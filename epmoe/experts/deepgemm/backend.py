@@ -74,6 +74,7 @@ class DeepGEMMExperts(Experts):
     name = "deepgemm"
     accepted_layouts = ("flat", "masked")
     Options = DeepGEMMOptions
+    fc1_output_rounded = True  # the grouped GEMM writes FC1's output in bf16
 
     @classmethod
     def supports(cls, request: BackendRequest) -> Availability:

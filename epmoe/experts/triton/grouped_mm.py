@@ -372,6 +372,7 @@ class GroupedMMExperts(Experts):
     name = "grouped_mm"
     accepted_layouts = ("flat",)
     Options = GroupedMMOptions
+    fc1_output_rounded = True  # the grouped GEMM writes FC1's output in bf16
 
     @classmethod
     def supports(cls, request: BackendRequest) -> Availability:

@@ -23,6 +23,11 @@ import torch.distributed as dist
 
 
 def main() -> None:
+    import faulthandler
+
+    # the harness sends SIGUSR1 to a rank that hangs before killing it: every thread's Python stack to
+    # the log (faulthandler writes it from the signal handler, also while a C++ call holds the GIL)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     dispatcher, where, timeout_s, out_path = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
     from epmoe import EPMoE, MoEConfig

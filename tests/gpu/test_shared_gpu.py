@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -376,6 +377,13 @@ def run_fault(world, dispatcher, where, timeout=75, timeout_s=TIMEOUT_S):
                 exits[r] = time.time()
         time.sleep(0.05)
     hung = [r for r, e in enumerate(exits) if e is None]
+    for r in hung:  # where it hangs: the worker dumps every thread's stack on SIGUSR1, then it is killed
+        try:
+            procs[r].send_signal(signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if hung:
+        time.sleep(2.0)
     for r in hung:
         procs[r].kill()
         procs[r].wait()
@@ -390,7 +398,7 @@ def run_fault(world, dispatcher, where, timeout=75, timeout_s=TIMEOUT_S):
     time.sleep(2.0)
     pids = _gpu_pids()
     left = sorted(pids & {p.pid for p in procs}) if pids is not None else None
-    logs = [open(os.path.join(outdir, f"log{r}.txt")).read()[-2000:] for r in range(world)]
+    logs = [open(os.path.join(outdir, f"log{r}.txt")).read()[-6000:] for r in range(world)]
     return lines, waited, hung, left, logs, [p.returncode for p in procs], step3_to_exit
 
 
@@ -450,7 +458,7 @@ def run_kill_inside_dispatch(dispatcher, timeout):
           f"return codes {codes}, step 3 -> exit {took}, GPU pids left {left}")
     for r, line in enumerate(lines):
         print(f"  rank {r}: {line}")
-    print(logs[0][-1500:])
+    print(logs[0][-6000:])
     assert not hung, f"ranks {hung} hung (killed by the harness after {waited:.0f}s)\n{logs[0]}"
     assert codes[1] == -9, f"the victim should have SIGKILLed itself: rc {codes[1]}\n{logs[1]}"
     assert left == [] or left is None, f"processes still on the GPU: {left}"

@@ -113,6 +113,15 @@ def dry_run(args) -> List[dict]:
     return rows
 
 
+def _expert_output(tokens, H, device):
+    """What the experts would hand back: one bf16 row per received row (flat), or the masked
+    [E_local, rows, H] layout of the low-latency dispatchers."""
+    if tokens.layout == "masked":
+        data = getattr(tokens.hidden, "data", tokens.hidden)
+        return torch.randn(*data.shape[:-1], H, device=device).to(torch.bfloat16)
+    return torch.randn(tokens.num_tokens, H, device=device).to(torch.bfloat16)
+
+
 def _time_eager(d, x, ids, w, iters, warmup, H):
     y = None
     t_d, t_c = [], []
@@ -121,8 +130,8 @@ def _time_eager(d, x, ids, w, iters, warmup, H):
         e0.record()
         tokens, h = d.dispatch(x, ids, w)
         e1.record()
-        if y is None or y.shape[0] != tokens.num_tokens:
-            y = torch.randn(tokens.num_tokens, H, device=x.device).to(torch.bfloat16)
+        if y is None or (tokens.layout != "masked" and y.shape[0] != tokens.num_tokens):
+            y = _expert_output(tokens, H, x.device)
         e1b = torch.cuda.Event(enable_timing=True)
         e1b.record()
         d.combine(y, h)
@@ -137,7 +146,7 @@ def _time_eager(d, x, ids, w, iters, warmup, H):
 def _time_graph(d, x, ids, w, iters, warmup, H):
     """Capture dispatch and combine as two graphs; each dispatch replay is followed by its combine."""
     tokens, h = d.dispatch(x, ids, w)  # eager warm-up, also sizes y
-    y = torch.randn(tokens.num_tokens, H, device=x.device).to(torch.bfloat16)
+    y = _expert_output(tokens, H, x.device)
     d.combine(y, h)
     torch.cuda.synchronize()
     s = torch.cuda.Stream()

@@ -196,6 +196,17 @@ def torch_grouped_mm_forward(hidden, topk_ids, topk_weights, params, config, num
     return y_by_entry.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
 
 
+def _routed_order(topk_ids: torch.Tensor, num_experts: int):
+    """The training stages' sort of the [N, K] entries by local expert (stable; entries of no local
+    expert last): (key [N*K] int64 = expert or num_experts, order [N*K], offs [E] int32 cumulative
+    counts, n routed entries; one host sync for n)."""
+    flat = topk_ids.reshape(-1).long()
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    return key, order, counts.cumsum(0).to(torch.int32), int(counts.sum())
+
+
 def grouped_mm_train_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                              params: Dict[str, torch.Tensor], config, num_experts: int) -> torch.Tensor:
     """The experts stage under autograd: hidden [N, H], topk_ids [N, K] local ids (-1: elsewhere),
@@ -205,18 +216,12 @@ def grouped_mm_train_forward(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_
     cfg, E = config, num_experts
     N, K = topk_ids.shape
     H, I = hidden.shape[1], cfg.intermediate_size
-    flat = topk_ids.reshape(-1).long()
-    valid = flat >= 0
-    key = torch.where(valid, flat, torch.full_like(flat, E))
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E + 1)[:E]
-    n = int(counts.sum())  # the valid entries come first in `order`
+    key, order, offs, n = _routed_order(topk_ids, E)
     if n == 0:  # no routed entry here: nothing to compute (the layer gives the parameters zero gradients)
         return torch.zeros(N, H, dtype=hidden.dtype, device=hidden.device)
     order = order[:n]
-    offs = counts.cumsum(0).to(torch.int32)
     token = order // K
-    expert = flat.index_select(0, order)
+    expert = key.index_select(0, order)
     xs = hidden.index_select(0, token)
     h = torch._grouped_mm(xs, params["w13"].transpose(1, 2), offs=offs).float()
     if "b13" in params:
@@ -337,14 +342,9 @@ def fused_grouped_mm_train_forward(hidden: torch.Tensor, topk_ids: torch.Tensor,
     N, K = topk_ids.shape
     H, I = hidden.shape[1], cfg.intermediate_size
     ids32 = (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
-    flat = ids32.reshape(-1).long()
-    key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E + 1)[:E]
-    n = int(counts.sum())  # the valid entries come first in `order`
+    key, order, offs, n = _routed_order(ids32, E)
     if n == 0:
         return torch.zeros(N, H, dtype=hidden.dtype, device=hidden.device)
-    offs = counts.cumsum(0).to(torch.int32)
     inv = torch.empty(N * K, dtype=torch.int32, device=hidden.device)
     inv[order] = torch.arange(N * K, dtype=torch.int32, device=hidden.device)  # invalid entries: >= n, never read
     expert = key.index_select(0, order[:n])

@@ -4,6 +4,7 @@
 #   bash scripts/gpu_checks.sh bench    # expert stage, full layer vs baseline, dispatchers
 #   bash scripts/gpu_checks.sh deepep|deepep-launch|deepep-faults   # DeepEP with ranks sharing the GPU
 #   bash scripts/gpu_checks.sh deepep-all     # deepep (its tests within 330 s of the start), then deepep-launch
+#   bash scripts/gpu_checks.sh deepep-rest    # deepgemm fp8 layer checks, killed ranks, bench_dispatch with deepep
 #   bash scripts/gpu_checks.sh deepgemm-experts                   # the deepgemm experts: tests, bench, profile
 #   bash scripts/gpu_checks.sh training                           # GPU training tests, bench_training
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
@@ -196,6 +197,26 @@ run_deepep_faults() {
     grep -E "passed|failed|Error|rc |watchdog" "$log" | tail -20
 }
 
+# What 2026-12-06 left of the DeepEP work, in one call: the deepgemm fp8 layer checks again (the reference
+# now models FC1's bf16 output), a rank killed inside each DeepEP dispatch (a hung rank's stacks are
+# dumped before it is killed), and DeepEP beside the flashinfer and torch dispatchers in one run.
+run_deepep_rest() {
+    local log="$OUT/deepep_rest.log"
+    : > "$log"
+    deepep_setup || return 1
+    timeout 200 "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs -p no:cacheprovider -k "fp8_deepgemm" >> "$log" 2>&1
+    echo "== layer_fp8_deepgemm rc=$? at $(el)" | tee -a "$log"
+    grep -E "layer_fp8_deepgemm: (ok|FAILED)" "$log" | sed 's/\[[0-9.]*s\]$//' | sort | uniq | tail -8
+    timeout 330 "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs -p no:cacheprovider -k rank_killed \
+        > "$OUT/deepep_faults.log" 2>&1
+    echo "== rank_killed rc=$? at $(el)" | tee -a "$OUT/deepep_faults.log"
+    grep -E "shared-gpu fault|rank [0-9]:|passed|failed|File \"|Thread|watchdog" "$OUT/deepep_faults.log" | head -40
+    timeout 100 torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --ranks-per-gpu 4 --formats bf16 --tokens 128,4096 \
+        --dispatchers deepep,flashinfer,torch --json "$OUT/bench_dispatch_ep4.json" > "$OUT/bench_dispatch.log" 2>&1
+    echo "== bench_dispatch ep=4 (sharing the GPU) rc=$? at $(el)" | tee -a "$OUT/bench_dispatch.log"
+    grep -E "^\[bench|deepep|flashinfer|torch" "$OUT/bench_dispatch.log" | tail -12
+}
+
 # The deepgemm experts after a change (sgl-deep-gemm from .whl/): their GPU tests, then the expert stage
 # beside triton, torch's grouped GEMMs, FlashInfer's CUTLASS (when its module is prebuilt) and DeepGEMM's
 # bare GEMMs in one run, then one profiled prefill forward.
@@ -235,9 +256,10 @@ case "${1:-tests}" in
     deepep-launch) run_deepep_launch ;;
     deepep-all) DEEPEP_BUDGET_S="${DEEPEP_BUDGET_S:-330}" run_deepep; run_deepep_launch ;;  # one call, in this order
     deepep-faults) run_deepep_faults ;;
+    deepep-rest) run_deepep_rest ;;
     deepgemm-experts) run_deepgemm_experts ;;
     training) run_training ;;
     all) run_tests; run_bench ;;
-    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepgemm-experts|training|all" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepep-rest|deepgemm-experts|training|all" >&2; exit 2 ;;
 esac
 echo "done at $(el); logs in $OUT"

@@ -163,7 +163,7 @@ run_deepep_launch() {
     launch() {  # name, nproc, flags...
         local name="$1" n="$2"; shift 2
         echo "== launch $name: $*" >> "$log"
-        timeout 150 torchrun --nproc-per-node "$n" -m epmoe.launch "${base[@]}" --ranks-per-gpu "$n" "$@" >> "$log" 2>&1
+        timeout 200 torchrun --nproc-per-node "$n" -m epmoe.launch "${base[@]}" --ranks-per-gpu "$n" "$@" >> "$log" 2>&1
         echo "== launch $name: rc=$? at $(el)" | tee -a "$log"
     }
     launch "normal bf16 triton ep=4" 4 --dispatcher deepep --experts triton

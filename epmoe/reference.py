@@ -93,8 +93,8 @@ def _fc1_rounding(config: MoEConfig, plan) -> Callable[[torch.Tensor], torch.Ten
     from epmoe.experts import EXPERTS  # the registry (the experts package imports no reference)
 
     try:
-        rounded = bool(getattr(EXPERTS.get(plan.experts_backend), "fc1_output_rounded", False))
-    except (KeyError, ValueError):
+        rounded = EXPERTS.get(plan.experts_backend).fc1_output_rounded
+    except ValueError:  # a plan naming no registered backend (hand-built): exact
         rounded = False
     if not rounded or config.dtype == torch.float64:
         return lambda v: v

@@ -317,7 +317,7 @@ class DeepEPHandle(DispatchHandle):
     recv_tokens_per_expert: Tuple[int, ...] = ()
     combine_bytes: int = 0
     padded: bool = False
-    recv_topk_ids: Optional[torch.Tensor] = None  # [N, K] local ids (-1 elsewhere): masks the weights' gradient
+    recv_topk_ids: Optional[torch.Tensor] = None  # [N, K] received local ids (-1 elsewhere): masks the weights' gradient
 
 
 @dataclass(frozen=True, eq=False)
@@ -623,9 +623,8 @@ class DeepEPDispatcher(_DeepEPBase):
         N, K = grad_hidden.shape[0], s.top_k
         if grad_weights is None:
             grad_weights = torch.zeros(N, K, dtype=torch.float32, device=grad_hidden.device)
-        gw = grad_weights.to(torch.float32)
-        if h.recv_topk_ids is not None:  # a slot whose expert is elsewhere carries no gradient from here
-            gw = gw.masked_fill(h.recv_topk_ids < 0, 0.0)
+        # a slot whose expert is elsewhere carries no gradient from here
+        gw = grad_weights.to(torch.float32).masked_fill(h.recv_topk_ids < 0, 0.0)
         gx, gw_back, _ = self._buffer.raw.combine(grad_hidden.to(torch.bfloat16).contiguous(), h.raw,
                                                   topk_weights=gw.contiguous(), config=self._combine_config)
         self.stats.combine_bytes_sent += h.combine_bytes

@@ -199,6 +199,7 @@ run_deepep_faults() {
     echo "== rank_killed rc=$? at $(el)" | tee -a "$log"
     # a hung rank's stacks (dumped before the harness kills it) show as File "..." lines
     grep -E "shared-gpu fault|rank [0-9]:|passed|failed|Error|File \"|Thread|watchdog" "$log" | head -40
+    grep -E "^\[native stacks|^Thread |^#[0-9]+ |^  [0-9]+ '" "$log" | cut -c1-150 | head -60
 }
 
 # What 2026-12-06 left of the DeepEP work, in one call: the deepgemm fp8 layer checks again (the reference

@@ -350,6 +350,36 @@ def _gpu_pids():
     return {int(line.split(",")[0]) for line in out.splitlines() if line.strip()}
 
 
+def _native_stacks(pid: int) -> str:
+    """Every thread's native stack of `pid` (gdb when installed, else each thread's name, state and
+    kernel wait channel from /proc): where a process hangs when its Python stacks end in a C call."""
+    import shutil
+
+    if shutil.which("gdb"):
+        try:
+            out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "set pagination off",
+                                  "-ex", "thread apply all bt 14"], capture_output=True, text=True, timeout=60)
+            frames = [line[:180] for line in out.stdout.splitlines() if line.startswith(("Thread ", "#"))]
+            return "\n[native stacks, gdb]\n" + "\n".join(frames)[-5000:] + "\n"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            head = f"\n[native stacks: gdb failed: {type(e).__name__}]\n"
+    else:
+        head = "\n[native stacks: no gdb; /proc task name, state, wchan]\n"
+    rows = []
+    try:
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            def rd(name):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                        return f.read().strip()
+                except OSError:
+                    return "?"
+            rows.append(f"  {tid} {rd('comm')!r} state={rd('stat').split(')')[-1].split()[0:1]} wchan={rd('wchan')}")
+    except OSError as e:
+        rows.append(f"  ({type(e).__name__}: {e})")
+    return head + "\n".join(rows) + "\n"
+
+
 def run_fault(world, dispatcher, where, timeout=75, timeout_s=TIMEOUT_S):
     """Start `world` worker processes (shared_gpu, gloo); rank world-1 SIGKILLs itself at step 3 (`where`:
     "forward" = on entering the step, "kernel" = inside dispatch after the agreement). -> (per-rank lines,
@@ -384,6 +414,9 @@ def run_fault(world, dispatcher, where, timeout=75, timeout_s=TIMEOUT_S):
             pass
     if hung:
         time.sleep(2.0)
+    for r in hung:  # and its native stacks (which C call holds the main thread), appended to its log
+        with open(os.path.join(outdir, f"log{r}.txt"), "a") as log:
+            log.write(_native_stacks(procs[r].pid))
     for r in hung:
         procs[r].kill()
         procs[r].wait()

@@ -198,23 +198,31 @@ run_deepep_faults() {
         > "$log" 2>&1
     echo "== rank_killed rc=$? at $(el)" | tee -a "$log"
     # a hung rank's stacks (dumped before the harness kills it) show as File "..." lines
-    grep -E "shared-gpu fault|rank [0-9]:|passed|failed|Error|File \"|Thread|watchdog" "$log" | head -40
+    grep -E "shared-gpu fault|deepep fault|rank [0-9]:|passed|failed|Error|File \"|Thread|watchdog|fault report" "$log" | head -40
     grep -E "^\[native stacks|^Thread |^#[0-9]+ |^  [0-9]+ '" "$log" | cut -c1-150 | head -60
 }
 
-# What 2026-12-06 left of the DeepEP work, in one call: the deepgemm fp8 layer checks again (the reference
-# now models FC1's bf16 output), a rank killed inside each DeepEP dispatch (a hung rank's stacks are
-# dumped before it is killed), and DeepEP beside the flashinfer and torch dispatchers in one run.
+# What is left of the DeepEP work, in one call, most important first, each step within what is left of
+# DEEPEP_BUDGET_S: a rank killed inside each DeepEP dispatch (the watchdog thread or its backstop must
+# end the survivor with one report), the FP8 deepgemm layer checks, the deepgemm fp8 stage diagnostic,
+# then DeepEP beside the flashinfer and torch dispatchers in one run.
 run_deepep_rest() {
     local log="$OUT/deepep_rest.log"
+    left() { echo $(( ${DEEPEP_BUDGET_S:-570} - $(date +%s) + T0 )); }
     : > "$log"
     deepep_setup || return 1
-    timeout 200 "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs -p no:cacheprovider -k "fp8_deepgemm" >> "$log" 2>&1
+    DEEPEP_FAULTS_S=200 run_deepep_faults
+    timeout "$(( $(left) > 260 ? 240 : $(left) - 20 ))" "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs \
+        -p no:cacheprovider -k "fp8_deepgemm" >> "$log" 2>&1
     echo "== layer_fp8_deepgemm rc=$? at $(el)" | tee -a "$log"
-    grep -E "layer_fp8_deepgemm: (ok|FAILED)" "$log" | sed 's/\[[0-9.]*s\]$//' | sort | uniq | tail -8
-    DEEPEP_FAULTS_S=330 run_deepep_faults
-    timeout 100 torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --ranks-per-gpu 4 --formats bf16 --tokens 128,4096 \
-        --dispatchers deepep,flashinfer,torch --json "$OUT/bench_dispatch_ep4.json" > "$OUT/bench_dispatch.log" 2>&1
+    grep -E "layer_fp8_deepgemm: (ok|FAILED)|passed|failed" "$log" | sed 's/\[[0-9.]*s\]$//' | sort | uniq | tail -12
+    [ "$(left)" -gt 60 ] || return 0
+    timeout "$(( $(left) - 10 ))" "$PY" tests/gpu/deepgemm_fp8_diag.py > "$OUT/deepgemm_fp8_diag.log" 2>&1
+    echo "== deepgemm_fp8_diag rc=$? at $(el)" | tee -a "$OUT/deepgemm_fp8_diag.log"
+    grep -vi warn "$OUT/deepgemm_fp8_diag.log" | tail -40
+    [ "$(left)" -gt 80 ] || return 0
+    timeout "$(( $(left) - 5 ))" torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --ranks-per-gpu 4 --formats bf16 \
+        --tokens 128,4096 --dispatchers deepep,flashinfer,torch --json "$OUT/bench_dispatch_ep4.json" > "$OUT/bench_dispatch.log" 2>&1
     echo "== bench_dispatch ep=4 (sharing the GPU) rc=$? at $(el)" | tee -a "$OUT/bench_dispatch.log"
     grep -E "^\[bench|deepep|flashinfer|torch" "$OUT/bench_dispatch.log" | tail -12
 }

@@ -40,7 +40,11 @@ timeout and NCCL's own watchdog apply. Only with `timeout_s` set and more than o
 `EPMoE(watchdog=False)`.
 
 The thread needs the GIL to run: torch releases it in every blocking device sync (`.item()`,
-`.tolist()`, `torch.cuda.synchronize()`), which is where a host waits on a stuck kernel.
+`.tolist()`, `torch.cuda.synchronize()`), which is where a host waits on a stuck kernel. A native
+call that blocks holding the GIL (DeepEP's normal-mode dispatch waits on the host for the received
+counts inside its C++ call) starves the thread; the backstop (epmoe/core/backstop.py), a helper
+process that reads this thread's progress from shared memory, then writes the report and SIGKILLs the
+rank `backstop.MARGIN_S` after the timeout.
 """
 
 from __future__ import annotations
@@ -54,8 +58,10 @@ from typing import Any, Optional
 
 import torch
 
+from epmoe.core import backstop as _backstop
+
 WATCHDOG_EXIT_CODE = 4  # launcher: 0 ok, 1 fault report, 2 usage error, 3 doctor refused; 4 = ended by the watchdog
-PHASE = "dispatch/combine kernel"
+PHASE = _backstop.PHASE  # "dispatch/combine kernel"
 POLL_S = 0.05
 
 
@@ -63,13 +69,14 @@ class Entry:
     """One armed call. `phase` is where the host is (the layer updates it); `launched(marker)` hands over
     the completion marker (anything with `query() -> bool`, normally a recorded torch.cuda.Event)."""
 
-    __slots__ = ("watch", "call", "timeout_s", "phase", "armed_at", "started", "marker")
+    __slots__ = ("watch", "call", "timeout_s", "phase", "armed_at", "started", "marker", "seq")
 
     def __init__(self, watch: Any, call: int, timeout_s: float):
         self.watch, self.call, self.timeout_s = watch, call, timeout_s
         self.phase = "dispatch"
         self.armed_at = self.started = time.monotonic()
         self.marker: Any = None
+        self.seq = 0  # the backstop's number for this entry (0: no backstop)
 
     def launched(self, marker: Any) -> None:
         self.marker = marker
@@ -90,25 +97,31 @@ class _Watchdog:
         self._entries: "collections.deque[Entry]" = collections.deque()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._backstop: Optional[_backstop.Backstop] = None
 
     def arm(self, watch: Any, call: int, timeout_s: float) -> Entry:
         entry = Entry(watch, call, timeout_s)
-        self._entries.append(entry)
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
+                    self._backstop = _backstop.start()
                     self._thread = threading.Thread(target=self._run, name="epmoe-watchdog", daemon=True)
                     self._thread.start()
+        if self._backstop is not None:
+            entry.seq = self._backstop.arm(watch, call, entry.started, timeout_s)
+        self._entries.append(entry)
         return entry
 
     def pending(self) -> int:
         return len(self._entries)
 
     def _run(self) -> None:
-        entries = self._entries
+        entries, backstop = self._entries, self._backstop
         while True:
             time.sleep(POLL_S)
             now = time.monotonic()
+            if backstop is not None:
+                backstop.heartbeat(now)
             while entries:
                 head = entries[0]
                 marker = head.marker
@@ -121,13 +134,19 @@ class _Watchdog:
                 if not done:
                     break
                 entries.popleft()
+                if backstop is not None:
+                    backstop.done(head.seq)
                 if entries:  # the next call's kernels could start only now
                     nxt = entries[0]
                     nxt.started = max(nxt.started, now)
+                    if backstop is not None:
+                        backstop.restarted(nxt.seq, nxt.started)
             if entries and now - entries[0].started > entries[0].timeout_s:
                 self._fire(entries[0], now)
 
     def _fire(self, entry: Entry, now: float) -> None:
+        if self._backstop is not None:
+            self._backstop.firing(now)
         waited = now - entry.started
         watch = entry.watch
         where = "left the call (kernels still running)" if entry.marker is not None else f"blocked in {entry.phase!r}"

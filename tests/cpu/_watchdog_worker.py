@@ -16,6 +16,9 @@ victim. MODE:
   healthy  every call's marker reports done 0.2 s after the call; 5 steps, then idle for 3 timeouts,
            then print DONE and exit 0
   off      as `host`, with EPMoE(watchdog=False)
+  gil      as `host`, but the survivors block in a native call that holds the GIL (a regex that never
+           ends, as DeepEP's normal-mode host wait): the watchdog thread cannot run, the backstop
+           process (margin 2 s) writes the report and SIGKILLs them
 Before step 3 each rank writes "step3 <time.time()>" to PROGRESS.<rank>.
 """
 
@@ -69,13 +72,23 @@ def main() -> None:
         while True:
             time.sleep(3600)
 
+    def hold_gil_forever(*_a, **_k):  # catastrophic backtracking: _sre runs for ages holding the GIL
+        import re
+
+        re.match(r"(a|aa)+$", "a" * 80 + "b")
+
+    if mode == "gil":
+        from epmoe.core import backstop
+
+        backstop.MARGIN_S = 2.0
+
     call = layer.decode_runner(16, cuda_graph=False) if mode == "runner" else layer
     for step in range(5):
         if step == 3:
             with open(f"{progress}.{rank}", "w") as f:
                 f.write(f"step3 {time.time():.3f}\n")
-            if mode in ("host", "off"):
-                layer.dispatcher.dispatch = die if victim else block_forever
+            if mode in ("host", "off", "gil"):
+                layer.dispatcher.dispatch = die if victim else (hold_gil_forever if mode == "gil" else block_forever)
             elif mode in ("event", "runner") and not victim:
                 watchdog.completion_marker = lambda device: NeverDone()
         call(x, logits)

@@ -109,6 +109,25 @@ def test_standin_decode_runner_replay_never_done_exits_with_report():
     assert "host left the call (kernels still running)" in logs[0], logs[0]
 
 
+def test_standin_native_call_holding_the_gil_ends_by_the_backstop():
+    """Stand-in: the survivors block inside call 4 in a native call that never returns and holds the GIL
+    (a regex: _sre never releases it; DeepEP's normal-mode dispatch waits on the host this way). The
+    watchdog thread cannot run; the backstop process (epmoe/core/backstop.py, margin set to 2 s) writes
+    one report in the watchdog's format and SIGKILLs each survivor within timeout + margin + slack."""
+    margin = 2.0
+    codes, exits, step3, logs = _run("gil", 3, TIMEOUT_S + margin + SLACK_S + 25)
+    assert codes[-1] == -9, f"the victim should have SIGKILLed itself: rc {codes[-1]}\n{logs[-1]}"
+    for r in range(2):
+        assert codes[r] == -9, f"rank {r}: rc {codes[r]} (expected the backstop's SIGKILL)\n{logs[r]}"
+        took = exits[r] - step3[r]
+        assert TIMEOUT_S + margin <= took < TIMEOUT_S + margin + SLACK_S, f"rank {r} exited {took:.1f}s after step 3"
+        first = [ln for ln in logs[r].splitlines() if ln.startswith("epmoe fault report:")]
+        assert len(first) == 1, logs[r]
+        assert (f"layer 'wd-test#0', call 4, phase 'dispatch/combine kernel': rank {r} timed out after "
+                f"{TIMEOUT_S:g} s waiting on ranks unknown") in first[0], first[0]
+        assert "watchdog backstop" in logs[r] and "holds the Python GIL" in logs[r], logs[r]
+
+
 def test_standin_healthy_calls_disarm_and_nothing_fires():
     """Stand-in: every call's marker reports done shortly after the call; the ranks then idle for three
     timeouts with nothing armed: both exit 0, no report."""

@@ -460,6 +460,25 @@ def _experts_here(experts: str, fake: bool) -> None:
             raise SkipCheck(f"deep_gemm does not import: {type(e).__name__}: {e}") from None
 
 
+# FP8 layers: ||out - ref|| / ||ref|| < FP8_NORM_TOL and max|out - ref| / max|ref| < FP8_MAX_TOL. The
+# reference rounds as the pipeline does, but the FC2 input is re-quantized to e4m3 (steps of 6-12 %),
+# so a last-bit difference in FC1's output (the MMA's accumulation order; with the deepgemm experts
+# FC1 is also rounded to bf16 first, so such a difference is a whole bf16 ulp) moves a few elements
+# by a whole e4m3 step, and a few output elements with them. In LAYER_CFG (I = 128: one 1x128 group
+# per row) the max-element statistic then spreads from 5e-3 to 5e-2 between seeds while the norm stays
+# put (tests/gpu/deepgemm_fp8_diag.py measures each stage); a wrong scale, expert or token moves the
+# norm by far more.
+FP8_NORM_TOL = 1e-2
+FP8_MAX_TOL = 8e-2
+
+
+def _norm_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if ref.numel() == 0:
+        return 0.0
+    o, r = out.double().cpu(), ref.double().cpu()
+    return float((o - r).norm() / r.norm().clamp_min(1e-30)) if torch.isfinite(o).all() else float("inf")
+
+
 def _layer_check(rank, world, seed, dispatcher, experts, quant, dev, shared_gpu, buffer, M, eplb=False,
                  fake=False) -> str:
     """EPMoE over DeepEP (on the worker's DeepEPBuffer) with `experts` against the float64 reference of
@@ -505,14 +524,20 @@ def _layer_check(rank, world, seed, dispatcher, experts, quant, dev, shared_gpu,
             else:
                 ref = reference_moe(cfg, x, w, routing=routing, plan=plan)
             err = max_rel_err(out.hidden_states, ref)
-            tol = 3e-2 if quant != "bf16" else 2e-2
-            assert err < tol, f"T={counts}{' after the rebalance' if attempt else ''}: max rel err {err:.3g} (tolerance {tol})"
+            nerr = _norm_rel_err(out.hidden_states, ref)
+            when = f"T={counts}{' after the rebalance' if attempt else ''}"
+            if quant == "bf16":
+                assert err < 2e-2, f"{when}: max rel err {err:.3g} (tolerance 2e-2)"
+            else:  # see FP8_NORM_TOL
+                assert nerr < FP8_NORM_TOL and err < FP8_MAX_TOL, (
+                    f"{when}: rel err {nerr:.3g} (tolerance {FP8_NORM_TOL}), max rel err {err:.3g} "
+                    f"(tolerance {FP8_MAX_TOL})")
             assert out.stats.tokens_per_rank == tuple(counts)
             assert out.stats.rounds == 3
-            errs.append(err)
-        where = f"; rebalanced ({moved} slots moved): {errs[1]:.2e}" if eplb else ""
+            errs.append((err, nerr))
+        where = f"; rebalanced ({moved} slots moved): {errs[1][0]:.2e}" if eplb else ""
         return (f"experts {plan.experts_backend} {plan.expert_mode}, wire {plan.dispatch_dtype}; T={counts}, "
-                f"3 rounds: max rel err {errs[0]:.2e}{where}")
+                f"3 rounds: max rel err {errs[0][0]:.2e}, rel err {errs[0][1]:.2e}{where}")
     finally:
         layer.dispatcher.close()
 
@@ -640,8 +665,6 @@ def test_ll_two_gpus():
 
 
 # ------------------------------------------------------------------ a rank dies inside a DeepEP kernel
-DEEPEP_CPU_TIMEOUT_S = 100  # NUM_CPU_TIMEOUT_SECS of the pinned V1 (csrc/kernels/configs.cuh); its device trap: ~100 s too
-
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("dispatcher", ["deepep_ll", "deepep"])
@@ -649,23 +672,21 @@ def test_rank_killed_inside_deepep_dispatch(dispatcher):
     """Two ranks sharing GPU 0; rank 1 SIGKILLs itself inside DeepEP's dispatch call, after the per-call
     agreement, so rank 0 is in DeepEP's kernels waiting for its tokens. No host timeout reaches them.
 
-    deepep_ll: the host returns from DeepEP at once and blocks in a device sync (which releases the
-    GIL): the watchdog ends rank 0 with exit code 4 and one fault report within timeout + grace.
-    deepep (normal): DeepEP's intranode dispatch waits for the received counts on the host inside
-    its C++ call, holding the GIL (only its internode dispatch releases it), so the watchdog thread
-    cannot run until DeepEP's own CPU timeout (100 s) raises. Asserted: rank 0 ends by then plus
-    timeout + slack, never hangs, with the watchdog's report (exit 4) or DeepEP's timeout error."""
+    Rank 0 must end with one fault report in the watchdog's format, never hang: either the watchdog
+    thread's (exit code 4, within timeout + grace + slack, naming the dead rank) or, where a native call
+    holds the GIL so that the thread cannot run (DeepEP's normal-mode intranode dispatch waits for the
+    received counts on the host inside its C++ call), the backstop process's (epmoe/core/backstop.py:
+    SIGKILL within timeout + MARGIN_S + slack, peers unknown), well before DeepEP's own 100 s timeout.
+    Which of the two fired is printed."""
+    from epmoe.core.backstop import MARGIN_S
     from epmoe.core.watchdog import WATCHDOG_EXIT_CODE
     from tests.gpu.test_shared_gpu import (KERNEL_GRACE_S, KERNEL_TIMEOUT_S, assert_watchdog_report,
                                            run_kill_inside_dispatch)
 
-    lines, codes, took, logs = run_kill_inside_dispatch(
-        dispatcher, timeout=DEEPEP_CPU_TIMEOUT_S + 60 if dispatcher == "deepep" else 60)
-    if dispatcher == "deepep_ll":
-        assert codes[0] == WATCHDOG_EXIT_CODE, f"rank 0: rc {codes[0]}, {lines[0]}\n{logs[0]}"
-        assert took[0] is not None and KERNEL_TIMEOUT_S <= took[0] < KERNEL_TIMEOUT_S + KERNEL_GRACE_S + 5, took
-    else:
-        assert took[0] is not None and took[0] < DEEPEP_CPU_TIMEOUT_S + KERNEL_TIMEOUT_S + KERNEL_GRACE_S + 20, took
-        assert codes[0] == WATCHDOG_EXIT_CODE or "DeepEP" in lines[0], f"rank 0: rc {codes[0]}, {lines[0]}\n{logs[0]}"
-    if codes[0] == WATCHDOG_EXIT_CODE:
-        assert_watchdog_report(logs[0])
+    lines, codes, took, logs = run_kill_inside_dispatch(dispatcher, timeout=KERNEL_TIMEOUT_S + MARGIN_S + 40)
+    by = {WATCHDOG_EXIT_CODE: "the watchdog thread", -9: "the backstop"}.get(codes[0], f"neither (rc {codes[0]})")
+    print(f"[deepep fault] {dispatcher}: rank 0 ended by {by}, {took[0]} s after step 3")
+    assert codes[0] in (WATCHDOG_EXIT_CODE, -9), f"rank 0: rc {codes[0]}, {lines[0]}\n{logs[0]}"
+    limit = KERNEL_TIMEOUT_S + (KERNEL_GRACE_S if codes[0] == WATCHDOG_EXIT_CODE else MARGIN_S) + 5
+    assert took[0] is not None and KERNEL_TIMEOUT_S <= took[0] < limit, took
+    assert_watchdog_report(logs[0], backstop=codes[0] == -9)

@@ -1,0 +1,169 @@
+"""Where the `deepgemm` fp8_block experts lose accuracy, stage by stage (docs/deepgemm.md, "Accuracy").
+
+One GPU. For each shape, the same bf16 tokens and local routing through the deepgemm experts (flat
+layout); the stages are captured inside the backend and each is checked against float64 math on the
+*kernel's own input* to that stage, so an error is charged to the stage that made it:
+
+  fc1   DeepGEMM's grouped GEMM 1 (bf16 out) vs fp8-roundtrip(x) @ w13^T on the dequantized weights:
+        rms and max of |h - ref| / max|ref row|, and the share of elements whose bf16 differs from
+        bf16(ref) (one-ulp flips: these are what re-quantization then amplifies)
+  act   our activation + 1x128 e4m3 quantizer vs the codec on act(h) of the kernel's h, float64:
+        share of e4m3 bytes that differ, max relative scale difference
+  fc2   DeepGEMM's grouped GEMM 2 (bf16 out) vs dequantized(act) @ w2^T: rms / max as for fc1
+  out   the experts' output vs tests.experts_testing.grouped_gemm_reference (float64 through the same
+        roundings): ||d|| / ||ref|| and max|d| / max|ref| (the layer tests' metric), beside the triton
+        fp8_block experts on the same tokens and weights
+
+    python tests/gpu/deepgemm_fp8_diag.py [--seed N]
+    TRITON_INTERPRET=1 python tests/gpu/deepgemm_fp8_diag.py --fake   # CPU stand-in: this script's plumbing only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+SHAPES = {
+    "ll1-ep2": dict(num_experts=16, top_k=4, hidden_size=2048, intermediate_size=128, ep=2, N=134),
+    "h2048-i512": dict(num_experts=16, top_k=4, hidden_size=2048, intermediate_size=512, ep=2, N=134),
+    "dsv3-ep8": dict(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, ep=8, N=512),
+}
+FAKE_SHAPES = {"tiny": dict(num_experts=6, top_k=2, hidden_size=256, intermediate_size=128, ep=2, N=37)}
+
+
+def _stats(got: torch.Tensor, ref: torch.Tensor):
+    d = (got.double() - ref).abs()
+    scale = ref.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    r = d / scale
+    flips = float((got.bfloat16() != ref.bfloat16()).double().mean())
+    return float(r.pow(2).mean().sqrt()), float(r.max()), flips
+
+
+def run(name: str, shape: dict, seed: int, fake: bool = False) -> None:
+    from epmoe.config import MoEConfig
+    from epmoe.dispatch.base import DispatchedTokens
+    from epmoe.experts.base import ExpertsSpec
+    from epmoe.experts.deepgemm import backend as B
+    from epmoe.experts.triton import align as A
+    from epmoe.experts.triton import kernel_formats as kf
+    from epmoe.quant import fp8_block
+    from epmoe.quant.plan import QuantPlan
+    from tests import experts_testing as T
+
+    shape = dict(shape)
+    ep, N = shape.pop("ep"), shape.pop("N")
+    cfg = MoEConfig(dtype=torch.bfloat16, **shape)
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    dev = "cpu" if fake else "cuda"
+    spec = ExpertsSpec(cfg, 0, ep, torch.device(dev), plan=QuantPlan(expert_mode="fp8_block", dispatch_dtype="bf16"))
+    if fake:
+        from tests.cpu.fake_deep_gemm import FakeDeepGEMM
+
+        ex = B.DeepGEMMExperts(spec, gemms=FakeDeepGEMM())
+    else:
+        ex = B.DeepGEMMExperts(spec)
+    E = spec.num_local_experts
+    w = T.random_expert_weights(cfg, E, dev, seed, first_expert=spec.first_local_expert)
+    ex.load_weights(w)
+    p = ex.parameters()
+    w13 = kf.dequantize_fp8_block(p["w13"], p["w13_scale"]).double()
+    w2 = kf.dequantize_fp8_block(p["w2"], p["w2_scale"]).double()
+    g = torch.Generator(device=dev).manual_seed(seed + 1)
+    x = torch.randn(N, H, generator=g, device=dev).bfloat16()
+    ids, tw = T.random_local_routing(N, cfg.top_k, E, dev, seed + 2, invalid_frac=0.25)
+
+    cap = {}
+    orig_layout, orig_act, orig_gemm = A.contiguous_layout_triton, ex._act, ex._gemm_contiguous
+
+    def layout(*a, **k):
+        out = orig_layout(*a, **k)
+        cap["layout"] = out
+        return out
+
+    def act(h, *a, **k):
+        out = orig_act(h, *a, **k)
+        cap["h"], cap["act"] = h.clone(), (out[0].clone(), out[1].clone())
+        return out
+
+    def gemm(a, b, d, m):
+        orig_gemm(a, b, d, m)
+        cap.setdefault("d", []).append(d)
+
+    A.contiguous_layout_triton, ex._act, ex._gemm_contiguous = layout, act, gemm
+    try:
+        out = ex(DispatchedTokens(x, ids, tw))
+        if not fake:
+            torch.cuda.synchronize()
+    finally:
+        A.contiguous_layout_triton = orig_layout
+        ex._act, ex._gemm_contiguous = orig_act, orig_gemm
+    P, m_indices, inv = cap["layout"]
+    K = cfg.top_k
+    valid = (ids >= 0).reshape(-1)
+    ent = torch.nonzero(valid).squeeze(1)
+    rows = inv.long()[ent]
+    tok = ent // K
+    exp = ids.reshape(-1).long()[ent]
+    xr = T.fp8_roundtrip(x)
+    # fc1 on the rows that carry an entry
+    h = cap["h"][rows]
+    h_ref = torch.einsum("nh,nrh->nr", xr[tok], w13[exp])
+    fc1 = _stats(h, h_ref)
+    # act: the codec on act(h of the kernel), float64 -> compare bytes and scales
+    hk = h.double()
+    a_ref = T.activation_reference(cfg, hk[:, :I], hk[:, I:] if cfg.is_gated else None)
+    q_ref, s_ref = fp8_block.quantize_activation(a_ref.float())
+    q, s = cap["act"]
+    q_k, s_k = q[rows], s.t()[rows]
+    bytes_differ = float((q_k.view(torch.uint8) != q_ref.view(torch.uint8).to(q_k.device)).double().mean())
+    s_rel = float(((s_k.double() - s_ref.double().to(s_k.device)).abs() / s_ref.double().to(s_k.device).abs().clamp_min(1e-30)).max())
+    # fc2 on the kernel's own quantized activation
+    a_deq = (q_k.double().view(-1, I // 128, 128) * s_k.double()[:, :, None]).view(-1, I)
+    y = cap["d"][1][rows]
+    y_ref = torch.einsum("ni,nhi->nh", a_deq, w2[exp])
+    fc2 = _stats(y, y_ref)
+    ref = T.grouped_gemm_reference(cfg, x, ids, tw, w13, w2, True)
+    nrm = T.relative_error(out, ref)
+    mx = float((out.double() - ref).abs().max() / ref.abs().max())
+    print(f"[{name}] H={H} I={I} E_local={E} top_k={K} N={N} seed={seed}")
+    print(f"  fc1  rms {fc1[0]:.2e}  max {fc1[1]:.2e}  bf16 differs {100 * fc1[2]:.2f}%")
+    print(f"  act  e4m3 bytes differ {100 * bytes_differ:.3f}%  max scale rel diff {s_rel:.2e}")
+    print(f"  fc2  rms {fc2[0]:.2e}  max {fc2[1]:.2e}  bf16 differs {100 * fc2[2]:.2f}%")
+    print(f"  out  deepgemm  norm {nrm:.2e}  max/max {mx:.2e}")
+    try:
+        from epmoe.experts.triton.triton_experts import TritonExperts
+
+        tx = TritonExperts(spec)
+        tx.load_weights(w)
+        out_t = tx(DispatchedTokens(x, ids, tw))
+        print(f"  out  triton    norm {T.relative_error(out_t, ref):.2e}  max/max "
+              f"{float((out_t.double() - ref).abs().max() / ref.abs().max()):.2e}  (against the deepgemm reference)")
+        print(f"  deepgemm vs triton  max/max {float((out.double() - out_t.double()).abs().max() / ref.abs().max()):.2e}")
+    except Exception as e:  # noqa: BLE001
+        print(f"  triton: {type(e).__name__}: {e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--shapes", default=None)
+    ap.add_argument("--fake", action="store_true", help="CPU, TRITON_INTERPRET=1, a torch stand-in for DeepGEMM")
+    args = ap.parse_args()
+    shapes = FAKE_SHAPES if args.fake else SHAPES
+    if args.fake:
+        from tests.triton_interpret import match_gpu_rounding
+
+        match_gpu_rounding()
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little") % 2**31
+    for name in (args.shapes or ",".join(shapes)).split(","):
+        for s in (seed, seed + 1000):
+            run(name, shapes[name], s, fake=args.fake)
+
+
+if __name__ == "__main__":
+    main()

@@ -227,6 +227,20 @@ run_deepep_rest() {
     grep -E "^\[bench|deepep|flashinfer|torch" "$OUT/bench_dispatch.log" | tail -12
 }
 
+# The deepgemm fp8 experts' accuracy stage by stage (flat and masked layouts), then the low-latency layer
+# checks (deepgemm fp8 behind DeepEP's masked layout) at ep 2 and 4.
+run_deepep_ll_fp8() {
+    local log="$OUT/deepep_ll_fp8.log"
+    deepep_setup || return 1
+    timeout 150 "$PY" tests/gpu/deepgemm_fp8_diag.py > "$OUT/deepgemm_fp8_diag.log" 2>&1
+    echo "== deepgemm_fp8_diag rc=$? at $(el)" | tee -a "$OUT/deepgemm_fp8_diag.log"
+    grep -vi warn "$OUT/deepgemm_fp8_diag.log" | tail -60
+    timeout 300 "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs -p no:cacheprovider \
+        -k "low_latency and (layer_fp8_deepgemm or layer_eplb or layer_fp8)" > "$log" 2>&1
+    echo "== low-latency fp8 layers rc=$? at $(el)" | tee -a "$log"
+    grep -E "layer_(fp8|eplb)[a-z_]*: (ok|FAILED)|passed|failed" "$log" | sed 's/\[[0-9.]*s\]$//' | tail -24
+}
+
 # The deepgemm experts after a change (sgl-deep-gemm from .whl/): their GPU tests, then the expert stage
 # beside triton, torch's grouped GEMMs, FlashInfer's CUTLASS (when its module is prebuilt) and DeepGEMM's
 # bare GEMMs in one run, then one profiled prefill forward.
@@ -267,9 +281,10 @@ case "${1:-tests}" in
     deepep-all) DEEPEP_BUDGET_S="${DEEPEP_BUDGET_S:-330}" run_deepep; run_deepep_launch ;;  # one call, in this order
     deepep-faults) run_deepep_faults ;;
     deepep-rest) run_deepep_rest ;;
+    deepep-ll-fp8) run_deepep_ll_fp8 ;;
     deepgemm-experts) run_deepgemm_experts ;;
     training) run_training ;;
     all) run_tests; run_bench ;;
-    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepep-rest|deepgemm-experts|training|all" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepep-rest|deepep-ll-fp8|deepgemm-experts|training|all" >&2; exit 2 ;;
 esac
 echo "done at $(el); logs in $OUT"

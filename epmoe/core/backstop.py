@@ -115,8 +115,7 @@ def start() -> "Backstop | None":
 # ---------------------------------------------------------------------- the helper process
 def _report(rank: str, layer: str, call: int, timeout_s: float, waited: float, heart_age: float, pid: int) -> str:
     if heart_age > 2.0:
-        why = (f"the watchdog thread last ran {heart_age:.1f} s ago: a native call holds the Python GIL "
-               "(DeepEP's normal-mode dispatch waits on the host holding it)")
+        why = f"the watchdog thread last ran {heart_age:.1f} s ago: a native call holds the Python GIL"
     else:
         why = "the watchdog thread runs but did not end the process"
     return (f"epmoe fault report: layer {layer}, call {call}, phase {PHASE!r}: rank {rank} timed out after "

@@ -112,7 +112,15 @@ def run(name: str, shape: dict, seed: int, fake: bool = False) -> None:
     xr = T.fp8_roundtrip(x)
     # fc1 on the rows that carry an entry
     h = cap["h"][rows]
-    h_ref = torch.einsum("nh,nrh->nr", xr[tok], w13[exp])
+    def per_expert(fn, width):  # fn(e, entries of expert e) -> [n_e, width], float64, in entry order
+        out = torch.zeros(tok.numel(), width, dtype=torch.float64, device=x.device)
+        for e in range(E):
+            sel = torch.nonzero(exp == e).squeeze(1)
+            if sel.numel():
+                out[sel] = fn(e, sel)
+        return out
+
+    h_ref = per_expert(lambda e, sel: xr[tok[sel]] @ w13[e].T, w13.shape[1])
     fc1 = _stats(h, h_ref)
     # act: the codec on act(h of the kernel), float64 -> compare bytes and scales
     hk = h.double()
@@ -125,7 +133,7 @@ def run(name: str, shape: dict, seed: int, fake: bool = False) -> None:
     # fc2 on the kernel's own quantized activation
     a_deq = (q_k.double().view(-1, I // 128, 128) * s_k.double()[:, :, None]).view(-1, I)
     y = cap["d"][1][rows]
-    y_ref = torch.einsum("ni,nhi->nh", a_deq, w2[exp])
+    y_ref = per_expert(lambda e, sel: a_deq[sel] @ w2[e].T, H)
     fc2 = _stats(y, y_ref)
     ref = T.grouped_gemm_reference(cfg, x, ids, tw, w13, w2, True)
     nrm = T.relative_error(out, ref)
@@ -135,6 +143,51 @@ def run(name: str, shape: dict, seed: int, fake: bool = False) -> None:
     print(f"  act  e4m3 bytes differ {100 * bytes_differ:.3f}%  max scale rel diff {s_rel:.2e}")
     print(f"  fc2  rms {fc2[0]:.2e}  max {fc2[1]:.2e}  bf16 differs {100 * fc2[2]:.2f}%")
     print(f"  out  deepgemm  norm {nrm:.2e}  max/max {mx:.2e}")
+    # the masked layout (what DeepEP low-latency delivers): the same entries, grouped per expert, fed as
+    # e4m3 + 1x128 scales viewed column-major (DeepEP's layout), through the masked grouped GEMMs
+    from epmoe.experts.deepgemm.backend import FP8_PAYLOAD
+    from epmoe.quant.payload import QuantizedActivation
+
+    counts = torch.bincount(exp, minlength=E)
+    M = max(1, int(counts.max()))
+    slot = torch.zeros_like(exp)
+    for e in range(E):
+        sel = torch.nonzero(exp == e).squeeze(1)
+        slot[sel] = torch.arange(sel.numel(), device=sel.device)
+    xm = torch.zeros(E, M, H, dtype=torch.bfloat16, device=x.device)
+    xm[exp, slot] = x[tok]
+    q8, s8 = kf.quantize_fp8_tokens(xm.view(E * M, H))
+    s_cm = s8.view(E, M, H // 128).transpose(1, 2).contiguous().transpose(1, 2)
+    hidden = QuantizedActivation(FP8_PAYLOAD, q8.view(E, M, H), s_cm, H)
+    capm = {}
+    orig_gm = ex._gemm_masked
+
+    def act_m(h, *a, **k):
+        out = orig_act(h, *a, **k)
+        capm["h"] = h.clone()
+        return out
+
+    def gemm_m(a, b, d, c, em):
+        orig_gm(a, b, d, c, em)
+        capm.setdefault("d", []).append(d)
+
+    ex._act, ex._gemm_masked = act_m, gemm_m
+    try:
+        ym = ex(DispatchedTokens(hidden, None, None, layout="masked", expert_counts=counts.to(torch.int32)))
+        if not fake:
+            torch.cuda.synchronize()
+    finally:
+        ex._act, ex._gemm_masked = orig_act, orig_gm
+    hm = capm["h"][exp, slot]
+    fc1m = _stats(hm, h_ref)
+    y_m = ym[exp, slot]
+    y_full_ref = per_expert(lambda e, sel: T.grouped_gemm_expert_reference(cfg, x[tok[sel]], w13[e], w2[e], True), H)
+    print(f"  masked fc1  rms {fc1m[0]:.2e}  max {fc1m[1]:.2e}  bf16 differs {100 * fc1m[2]:.2f}%  "
+          f"(h equal to the flat layout's: {100 * float((hm == h).double().mean()):.2f}%)")
+    yf = cap["d"][1][rows]
+    print(f"  per entry y vs float64 pipeline: flat norm {T.relative_error(yf, y_full_ref):.2e}, "
+          f"masked norm {T.relative_error(y_m, y_full_ref):.2e}; masked y equal to flat: "
+          f"{100 * float((y_m == yf).double().mean()):.2f}%")
     try:
         from epmoe.experts.triton.triton_experts import TritonExperts
 

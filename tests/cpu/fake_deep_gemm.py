@@ -64,18 +64,35 @@ class FakeDeepGEMM:
             if rows.numel():
                 d[rows] = (a[rows].float() @ b[g].float().T).to(d.dtype)
 
+    # DeepGEMM's SM90 masked kernels store whole BLOCK_M-row tiles with a 2-D TMA store at row
+    # g * M + m_block * BLOCK_M of the [G * M, N] output (include/deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh,
+    # common/scheduler.cuh), clipped only at the end of the tensor: when M is not a multiple of BLOCK_M
+    # (64 or 128, the heuristic's choice), a group's last tile overwrites the next group's first rows.
+    # Emulated with BLOCK_M = 128, the groups in reverse order (so a spill lands on written rows).
+    MASKED_BLOCK_M = 128
+
+    def _masked_tiles(self, rows_fn, d, masked_m):
+        G, M, N = d.shape
+        flat = d.view(G * M, N)
+        for g in reversed(range(G)):
+            n = int(masked_m[g])
+            for mb in range(-(-n // self.MASKED_BLOCK_M)):
+                lo = g * M + mb * self.MASKED_BLOCK_M
+                hi = min(lo + self.MASKED_BLOCK_M, G * M)
+                flat[lo:hi] = rows_fn(g, lo, hi).to(d.dtype)
+
     def m_grouped_fp8_gemm_nt_masked(self, a, b, d, masked_m, expected_m, disable_ue8m0_cast=False):
         (x, xs), (w, ws) = a, b
         assert x.dim() == 3 and tuple(xs.shape) == (x.shape[0], x.shape[1], x.shape[2] // 128), xs.shape
         assert masked_m.dtype == torch.int32 and isinstance(expected_m, int) and expected_m >= 1
         self._record("fp8_masked", xs)
-        for g in range(w.shape[0]):
-            n = int(masked_m[g])
-            d[g, :n] = (_deq_rows(x[g, :n], xs[g, :n]) @ _deq_blocks(w[g], ws[g]).T).to(d.dtype)
+        G, M, K = x.shape
+        xf, xsf = x.reshape(G * M, K), xs.reshape(G * M, K // 128)
+        self._masked_tiles(lambda g, lo, hi: _deq_rows(xf[lo:hi], xsf[lo:hi]) @ _deq_blocks(w[g], ws[g]).T, d, masked_m)
 
     def m_grouped_bf16_gemm_nt_masked(self, a, b, d, masked_m, expected_m):
         assert a.dtype == torch.bfloat16 and masked_m.dtype == torch.int32 and expected_m >= 1
         self._record("bf16_masked")
-        for g in range(b.shape[0]):
-            n = int(masked_m[g])
-            d[g, :n] = (a[g, :n].float() @ b[g].float().T).to(d.dtype)
+        G, M, K = a.shape
+        af = a.reshape(G * M, K)
+        self._masked_tiles(lambda g, lo, hi: af[lo:hi].float() @ b[g].float().T, d, masked_m)

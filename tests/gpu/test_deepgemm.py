@@ -109,10 +109,14 @@ def test_fp8_payload_equals_bf16_input():
     assert torch.equal(a, b), f"seed {seed}"
 
 
+@pytest.mark.parametrize("M", [128, 100])
 @pytest.mark.parametrize("mode", ["fp8_block", "bf16"])
 @pytest.mark.parametrize("fp8_tokens", [False, True])
-def test_masked_layout_matches_float64(mode, fp8_tokens):
-    """What DeepEP low-latency delivers: [E_local, M, H] with per-expert counts (0 and M included)."""
+def test_masked_layout_matches_float64(mode, fp8_tokens, M):
+    """What DeepEP low-latency delivers: [E_local, M, H] with per-expert counts (0 and M included).
+    M = 100 (DeepEP's rows per expert are ep_size * max_tokens_per_rank, any number): DeepGEMM stores
+    whole 64/128-row tiles, so unpadded, a full expert's last tile would overwrite the next expert's
+    first rows (backend.MASKED_M_ALIGN)."""
     from epmoe.experts.deepgemm.backend import FP8_PAYLOAD
 
     if fp8_tokens and mode == "bf16":
@@ -120,7 +124,6 @@ def test_masked_layout_matches_float64(mode, fp8_tokens):
     seed = T.fresh_seed()
     ex, w, w13, w2 = _experts(mode, DS, 8, seed)
     cfg, E, H = ex.config, ex.spec.num_local_experts, ex.config.hidden_size
-    M = 128
     g = torch.Generator(device="cuda").manual_seed(seed)
     counts = torch.randint(0, M + 1, (E,), generator=g, device="cuda", dtype=torch.int32)
     counts[0], counts[1] = 0, M
@@ -143,7 +146,7 @@ def test_masked_layout_matches_float64(mode, fp8_tokens):
             refs.append(ref)
     worst = max(errs)
     total = T.relative_error(torch.cat(outs), torch.cat(refs))
-    print(f"deepgemm/{mode} masked fp8_tokens={fp8_tokens} seed={seed}: rel err {total:.2e}, max per expert {worst[0]:.2e} "
+    print(f"deepgemm/{mode} masked M={M} fp8_tokens={fp8_tokens} seed={seed}: rel err {total:.2e}, max per expert {worst[0]:.2e} "
           f"(expert {worst[2]}, {worst[1]} rows); per expert (rows, err): "
           + " ".join(f"{n}:{err:.1e}" for err, n, _ in sorted(errs, key=lambda t: t[2])))
     # all valid rows together against BOUND (as the flat tests do); each expert on its own more loosely,

@@ -44,6 +44,11 @@ MODES = ("bf16", "fp8_block")
 GROUP = 128  # fp8 block edge, and what H and I must be multiples of
 NG = 8  # 128-groups per step of the Triton passes (1024 values)
 MASKED_ROWS = 16  # rows per program of the masked-layout passes (a program stops at its expert's count)
+# DeepGEMM's masked grouped GEMMs store whole BLOCK_M-row tiles (BLOCK_M 64 or 128, its heuristic's
+# choice) at row g * M + m_block * BLOCK_M of the [G * M, N] output, clipped only at the tensor's end:
+# with M (rows per expert) not a multiple of BLOCK_M, an expert's last tile overwrites the next
+# expert's first rows. So the masked layout runs with M padded to a multiple of this.
+MASKED_M_ALIGN = 128
 FP8_PAYLOAD = PayloadFormat(name="fp8_block", dtype=torch.float8_e4m3fn, block_size=GROUP,
                             scale_dtype=torch.float32, scale_layout="linear")
 
@@ -343,9 +348,13 @@ class DeepGEMMExperts(Experts):
         if counts is None or tuple(counts.shape) != (E,):
             got = None if counts is None else list(counts.shape)
             raise ValueError(f"expert_counts has shape {got}; expected [{E}] (valid rows per local expert)")
+        M_in = data.shape[1]
+        if M_in % MASKED_M_ALIGN:  # pad the rows per expert (see MASKED_M_ALIGN): one copy of the tokens
+            hidden = self._pad_masked(hidden, _cdiv(M_in, MASKED_M_ALIGN) * MASKED_M_ALIGN)
+            data = hidden.data if isinstance(hidden, QuantizedActivation) else hidden
         M = data.shape[1]
         counts = counts if counts.dtype == torch.int32 else counts.to(torch.int32)
-        expected_m = self.options.expected_m or max(1, min(M, _cdiv(M * cfg.top_k, cfg.num_experts)))
+        expected_m = self.options.expected_m or max(1, min(M_in, _cdiv(M_in * cfg.top_k, cfg.num_experts)))
         if isinstance(hidden, QuantizedActivation):
             a = (hidden.data, hidden.scales.to(torch.float32))
         elif self.fp8:
@@ -368,7 +377,25 @@ class DeepGEMMExperts(Experts):
         y = torch.empty(E, M, H, dtype=torch.bfloat16, device=dev)
         self._gemm_masked((act, act_s[:, :, :M].transpose(1, 2)) if self.fp8 else act, self._b("w2"), y, counts,
                           expected_m)
-        return y
+        return y if M == M_in else y[:, :M_in]
+
+    @staticmethod
+    def _pad_masked(hidden, Mp: int):
+        """Masked tokens [E, M, H] (bf16, or e4m3 + [E, M, H/128] scales of any strides) -> the same in
+        [E, Mp, H], rows M.. unset (no valid row reads them; their outputs are discarded)."""
+        if isinstance(hidden, QuantizedActivation):
+            E, M, H = hidden.data.shape
+            q = torch.empty(E, Mp, H, dtype=hidden.data.dtype, device=hidden.data.device)
+            q[:, :M].copy_(hidden.data)
+            G = hidden.scales.shape[-1]
+            s = torch.empty(E, G, Mp, dtype=torch.float32, device=hidden.scales.device)  # MN-major, as DeepEP's
+            s[:, :, :M].copy_(hidden.scales.transpose(1, 2))
+            return QuantizedActivation(format=hidden.format, data=q, scales=s.transpose(1, 2),
+                                       hidden_size=hidden.hidden_size)
+        E, M, H = hidden.shape
+        x = torch.empty(E, Mp, H, dtype=hidden.dtype, device=hidden.device)
+        x[:, :M].copy_(hidden)
+        return x
 
     def _gemm_masked(self, a, b, d, counts, expected_m: int) -> None:
         if self.fp8:

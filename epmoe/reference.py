@@ -101,6 +101,17 @@ def _fc1_rounding(config: MoEConfig, plan) -> Callable[[torch.Tensor], torch.Ten
     return lambda v: v.to(config.dtype).double()
 
 
+def _wire_roundtrip(plan) -> Callable:
+    """How the plan's dispatcher quantizes its wire (`Dispatcher.wire_roundtrip`): epmoe's codec, or
+    the dispatcher's own cast (DeepEP low latency); the codec for a plan naming no registered one."""
+    from epmoe.dispatch import DISPATCHERS  # the registry (dispatch imports no reference)
+
+    try:
+        return DISPATCHERS.get(plan.dispatcher).wire_roundtrip
+    except (ValueError, TypeError):
+        return codec.roundtrip_for_wire
+
+
 def _model_plan(config: MoEConfig, plan, x: torch.Tensor, weights: ExpertWeights):
     """(tokens as the experts see them, weights as the kernels use them, FC2-input quantizer)."""
     quantizes = codec.quantizes_activations(plan.act_format)
@@ -114,10 +125,11 @@ def _model_plan(config: MoEConfig, plan, x: torch.Tensor, weights: ExpertWeights
 
     if plan.dispatch_dtype != "bf16" and x.shape[0]:
         wire = codec.payload_format(plan.dispatch_dtype, config.dtype)
+        roundtrip = _wire_roundtrip(plan)
         if codec.ACT_FORMAT_WIRE.get(plan.act_format) == plan.dispatch_dtype:
-            x = codec.roundtrip_for_wire(x, wire, torch.float64)  # used as received
+            x = roundtrip(x, wire, torch.float64)  # used as received
         else:  # dequantized on arrival to the model dtype, then quantized by the experts
-            x = act_q(codec.roundtrip_for_wire(x, wire, config.dtype))
+            x = act_q(roundtrip(x, wire, config.dtype))
     elif x.shape[0]:
         x = act_q(x)
     if weights.is_quantized:

@@ -194,6 +194,16 @@ class Dispatcher(abc.ABC):
         return Availability.yes()
 
     @classmethod
+    def wire_roundtrip(cls, x: torch.Tensor, wire: PayloadFormat, dtype: torch.dtype) -> torch.Tensor:
+        """Tokens x [N, H] as the receiving experts see them after this dispatcher's `wire` quantization,
+        in `dtype` (the float reference models the wire with it). Default: epmoe's own codec, which
+        every dispatcher that quantizes before sending uses; one whose kernels cast the tokens
+        themselves (DeepEP low latency) overrides it with that cast."""
+        from epmoe.quant import codec
+
+        return codec.roundtrip_for_wire(x, wire, dtype)
+
+    @classmethod
     def supports_training(cls, request: BackendRequest) -> Availability:
         """Can gradients flow back through this dispatcher for `request` (static facts only)? The layer
         asks before any rank computes (docs/training.md); default: no, with `no_training_reason`."""

@@ -653,6 +653,15 @@ class DeepEPLowLatencyDispatcher(_DeepEPBase):
     layout = "masked"
     low_latency = True
 
+    @classmethod
+    def wire_roundtrip(cls, x: torch.Tensor, wire, dtype: torch.dtype) -> torch.Tensor:
+        """DeepEP's low-latency kernels cast BF16 tokens to FP8 themselves (`fp8_block_quantize`
+        replicates it: a multiplication by fl32(448 / amax), where epmoe's codec divides by the scale),
+        so an FP8 wire here is that cast; a value on an e4m3 rounding tie can land on the other side."""
+        if wire.is_quantized and x.shape[0]:
+            return fp8_block_dequantize(*fp8_block_quantize(x), dtype=dtype)
+        return super().wire_roundtrip(x, wire, dtype)
+
     def __init__(self, spec: DispatchSpec):
         super().__init__(spec)
         problems = low_latency_shape_problems(

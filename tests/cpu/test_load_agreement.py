@@ -194,3 +194,38 @@ def test_plan_reference_rounds_fc1_output_where_the_backend_writes_it():
         assert float((streamed - want).abs().max()) < 1e-12, experts
     # the rounding matters: at this shape it moves the output by more than fp64 noise
     assert float((by_hand(True) - by_hand(False)).abs().max()) > 1e-6
+
+
+def test_plan_reference_models_the_dispatchers_own_fp8_cast():
+    """An FP8 wire is epmoe's codec for every dispatcher but DeepEP low latency, whose kernels cast the
+    BF16 tokens themselves (x * fl32(448 / amax), where the codec divides by the scale): the
+    plan-aware reference takes each dispatcher's cast (`Dispatcher.wire_roundtrip`). On BF16 inputs
+    the two casts put some values on different sides of an e4m3 rounding tie, so the reference of a
+    deepep_ll plan is the one of DeepEP-cast tokens, and not the codec's."""
+    from epmoe.dispatch import DISPATCHERS
+    from epmoe.dispatch import deepep as dd
+    from epmoe.quant import codec
+    from epmoe.resolve import resolve_quant_plan
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=2048, intermediate_size=128, dtype=torch.bfloat16)
+    w = random_weights(cfg, seed=3)
+    x, logits = random_inputs(cfg, 16, seed=3)
+    wire = codec.payload_format("fp8", cfg.dtype)
+    ours = codec.roundtrip_for_wire(x, wire, torch.float64)
+    deepep = dd.fp8_block_dequantize(*dd.fp8_block_quantize(x), dtype=torch.float64)
+    assert bool((ours != deepep).any()), "these inputs should hit a tie the two casts round apart"
+    assert torch.equal(DISPATCHERS.get("deepep_ll").wire_roundtrip(x, wire, torch.float64), deepep)
+    assert torch.equal(DISPATCHERS.get("deepep").wire_roundtrip(x, wire, torch.float64), ours)
+
+    def plan(dispatcher):
+        p = resolve_quant_plan(cfg, requested_mode="fp8_block", dispatcher=dispatcher, experts_backend="deepgemm",
+                               arch="sm90", ep_size=2)
+        assert p.dispatch_dtype == "fp8", p
+        return p
+
+    ll, normal = plan("deepep_ll"), plan("deepep")
+    as_ll = reference_moe(cfg, x, w, logits, plan=ll)
+    # tokens already through DeepEP's cast come through it unchanged, through the codec too
+    assert torch.equal(reference_moe(cfg, deepep.float(), w, logits, plan=ll), as_ll)
+    assert torch.equal(reference_moe(cfg, deepep.float(), w, logits, plan=normal), as_ll)
+    assert not torch.equal(reference_moe(cfg, x, w, logits, plan=normal), as_ll)

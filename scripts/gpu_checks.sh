@@ -227,11 +227,16 @@ run_deepep_rest() {
     grep -E "^\[bench|deepep|flashinfer|torch" "$OUT/bench_dispatch.log" | tail -12
 }
 
-# The deepgemm fp8 experts' accuracy stage by stage (flat and masked layouts), then the low-latency layer
-# checks (deepgemm fp8 behind DeepEP's masked layout) at ep 2 and 4.
+# The deepgemm masked layout (M = 128 and an unaligned M = 100), the fp8 experts' accuracy stage by
+# stage (flat and masked layouts), then the low-latency layer checks (deepgemm fp8 behind DeepEP's
+# masked layout) at ep 2 and 4.
 run_deepep_ll_fp8() {
     local log="$OUT/deepep_ll_fp8.log"
     deepep_setup || return 1
+    timeout 200 "$PY" -m pytest tests/gpu/test_deepgemm.py -q -s -rs -p no:cacheprovider -k masked \
+        > "$OUT/test_deepgemm_masked.log" 2>&1
+    echo "== test_deepgemm -k masked rc=$? at $(el)" | tee -a "$OUT/test_deepgemm_masked.log"
+    grep -E "masked M=|passed|failed" "$OUT/test_deepgemm_masked.log" | cut -c1-160
     timeout 150 "$PY" tests/gpu/deepgemm_fp8_diag.py > "$OUT/deepgemm_fp8_diag.log" 2>&1
     echo "== deepgemm_fp8_diag rc=$? at $(el)" | tee -a "$OUT/deepgemm_fp8_diag.log"
     grep -vi warn "$OUT/deepgemm_fp8_diag.log" | tail -60

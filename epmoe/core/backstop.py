@@ -72,10 +72,11 @@ class Backstop:
         self._watches: dict = {}
 
     def arm(self, watch, call: int, started: float, timeout_s: float) -> int:
-        idx = self._watches.get(id(watch))
+        key = (getattr(watch, "rank", "?"), getattr(watch, "layer_uid", "?"))  # layer uids are unique
+        idx = self._watches.get(key)
         if idx is None:  # a new layer: its name and rank to the helper, once
-            idx = self._watches[id(watch)] = len(self._watches)
-            line = f"{idx}\t{getattr(watch, 'rank', '?')}\t{getattr(watch, 'layer_uid', '?')!r}\n"
+            idx = self._watches[key] = len(self._watches)
+            line = f"{idx}\t{key[0]}\t{key[1]!r}\n"
             try:
                 os.write(self._names, line.encode())
             except OSError:

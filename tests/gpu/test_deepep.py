@@ -472,13 +472,6 @@ FP8_NORM_TOL = 1e-2
 FP8_MAX_TOL = 8e-2
 
 
-def _norm_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if ref.numel() == 0:
-        return 0.0
-    o, r = out.double().cpu(), ref.double().cpu()
-    return float((o - r).norm() / r.norm().clamp_min(1e-30)) if torch.isfinite(o).all() else float("inf")
-
-
 def _layer_check(rank, world, seed, dispatcher, experts, quant, dev, shared_gpu, buffer, M, eplb=False,
                  fake=False) -> str:
     """EPMoE over DeepEP (on the worker's DeepEPBuffer) with `experts` against the float64 reference of
@@ -488,6 +481,7 @@ def _layer_check(rank, world, seed, dispatcher, experts, quant, dev, shared_gpu,
     from epmoe import EPLBConfig, EPMoE, MoEConfig, reference_moe
     from epmoe.resolve import resolve_quant_plan
     from tests.cpu.helpers import random_inputs
+    from tests.experts_testing import relative_error
 
     _experts_here(experts, fake)
     cfg = MoEConfig(dtype=torch.bfloat16, **(EPLB_CFG if eplb else LAYER_CFG))
@@ -524,7 +518,7 @@ def _layer_check(rank, world, seed, dispatcher, experts, quant, dev, shared_gpu,
             else:
                 ref = reference_moe(cfg, x, w, routing=routing, plan=plan)
             err = max_rel_err(out.hidden_states, ref)
-            nerr = _norm_rel_err(out.hidden_states, ref)
+            nerr = relative_error(out.hidden_states.cpu(), ref.double().cpu())
             when = f"T={counts}{' after the rebalance' if attempt else ''}"
             if quant == "bf16":
                 assert err < 2e-2, f"{when}: max rel err {err:.3g} (tolerance 2e-2)"

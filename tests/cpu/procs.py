@@ -42,6 +42,21 @@ def start_job(cmd: Sequence[str], env: dict, cwd, stdout, stderr, workers: int =
     return p, kids
 
 
+def kill_job(p: subprocess.Popen, kids: Sequence[int]) -> None:
+    """SIGKILL a job from `start_job`: its session and each worker by pid (torchrun's workers may sit in
+    sessions of their own, and a worker stopped with SIGSTOP would otherwise outlive the test)."""
+    for pid in kids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=60)
+
+
 def rank_of(pid: int) -> int:
     """The global rank a launcher gave the process (torchrun's RANK, Open MPI's OMPI_COMM_WORLD_RANK)."""
     with open(f"/proc/{pid}/environ", "rb") as f:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from epmoe.launch import cli
-from tests.cpu.procs import gone, rank_of, start_job, wait_for_text
+from tests.cpu.procs import gone, kill_job, rank_of, start_job, wait_for_text
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
@@ -365,8 +365,7 @@ def test_sigkill_under_torchrun_survivor_reports_before_torchrun_stops_it():
         os.kill(kids[1], signal.SIGKILL)
         out, err = p.communicate(timeout=90)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        kill_job(p, kids)
     assert p.returncode != 0
     # Mostly the survivor's collective fails on the closed connection ("lost a peer"); a survivor still
     # blocked when the grace period ends reports the phase it is in ("stopped by SIGTERM": next test).
@@ -395,8 +394,7 @@ def test_sigterm_while_blocked_on_a_stuck_peer_reports_the_phase(tmp_path):
             time.sleep(0.2)
         waited = time.monotonic() - t0
     finally:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait(timeout=60)
+        kill_job(p, kids)
     err = err_path.read_text()
     assert waited < SIGTERM_GRACE_S + 10, (waited, err[-4000:])
     report = [l for l in err.splitlines() if l.startswith("epmoe fault report:")]

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_checks.sh deepep|deepep-launch|deepep-faults   # DeepEP with ranks sharing the GPU
 #   bash scripts/gpu_checks.sh deepep-all     # deepep (its tests within 330 s of the start), then deepep-launch
 #   bash scripts/gpu_checks.sh deepep-rest    # deepgemm fp8 layer checks, killed ranks, bench_dispatch with deepep
+#   bash scripts/gpu_checks.sh deepep-fp8-layers  # FP8 + EPLB layer checks of both modes, launcher LL FP8 ep 4
 #   bash scripts/gpu_checks.sh deepgemm-experts                   # the deepgemm experts: tests, bench, profile
 #   bash scripts/gpu_checks.sh training                           # GPU training tests, bench_training
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
@@ -246,6 +247,22 @@ run_deepep_ll_fp8() {
     grep -E "layer_(fp8|eplb)[a-z_]*: (ok|FAILED)|passed|failed" "$log" | sed 's/\[[0-9.]*s\]$//' | tail -24
 }
 
+# The FP8 and EPLB layer checks of both modes at ep 2 and 4 (every experts backend), then the launcher's
+# low-latency FP8 check at ep 4 (deepgemm masked experts, an FP8 checkpoint).
+run_deepep_fp8_layers() {
+    local log="$OUT/deepep_fp8_layers.log"
+    deepep_setup || return 1
+    timeout 300 "$PY" -m pytest tests/gpu/test_deepep.py -q -s -rs -p no:cacheprovider \
+        -k "layer_fp8 or layer_eplb" > "$log" 2>&1
+    echo "== fp8 / eplb layers rc=$? at $(el)" | tee -a "$log"
+    grep -E "layer_(fp8|eplb)[a-z_]*: (ok|FAILED)|passed|failed" "$log" | sed 's/\[[0-9.]*s\]$//' | tail -40
+    timeout 200 torchrun --nproc-per-node 4 -m epmoe.launch --preset qwen3-moe --scale 0.125 --layers 2 \
+        --device cuda --steps 3 --tokens 64 --tokens-jitter 1.0 --check --ranks-per-gpu 4 \
+        --dispatcher deepep_ll --experts deepgemm --checkpoint-format fp8 > "$OUT/deepep_ll_launch.log" 2>&1
+    echo "== launch ll fp8 deepgemm ep=4 rc=$? at $(el)" | tee -a "$OUT/deepep_ll_launch.log"
+    grep -E "check \||quant plan|Error|error:" "$OUT/deepep_ll_launch.log" | tail -8
+}
+
 # The deepgemm experts after a change (sgl-deep-gemm from .whl/): their GPU tests, then the expert stage
 # beside triton, torch's grouped GEMMs, FlashInfer's CUTLASS (when its module is prebuilt) and DeepGEMM's
 # bare GEMMs in one run, then one profiled prefill forward.
@@ -287,9 +304,10 @@ case "${1:-tests}" in
     deepep-faults) run_deepep_faults ;;
     deepep-rest) run_deepep_rest ;;
     deepep-ll-fp8) run_deepep_ll_fp8 ;;
+    deepep-fp8-layers) run_deepep_fp8_layers ;;
     deepgemm-experts) run_deepgemm_experts ;;
     training) run_training ;;
     all) run_tests; run_bench ;;
-    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepep-rest|deepep-ll-fp8|deepgemm-experts|training|all" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepep-rest|deepep-ll-fp8|deepep-fp8-layers|deepgemm-experts|training|all" >&2; exit 2 ;;
 esac
 echo "done at $(el); logs in $OUT"

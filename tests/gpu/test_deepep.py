@@ -467,9 +467,25 @@ def _experts_here(experts: str, fake: bool) -> None:
 # by a whole e4m3 step, and a few output elements with them. In LAYER_CFG (I = 128: one 1x128 group
 # per row) the max-element statistic then spreads from 5e-3 to 5e-2 between seeds while the norm stays
 # put (tests/gpu/deepgemm_fp8_diag.py measures each stage); a wrong scale, expert or token moves the
-# norm by far more.
+# norm by far more. The norm is taken over every rank's tokens: on a rank of 5 tokens it is a sample
+# of 5 and spread to 1.34e-2 in one run (H100, normal mode ep 4, deepgemm) while the ranks of 70 and
+# 33 tokens measured 5.8e-3 and 7.5e-3; the max-element bound still holds on each rank.
 FP8_NORM_TOL = 1e-2
 FP8_MAX_TOL = 8e-2
+
+
+def _group_relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| over every rank's rows (the squared norms summed over the default
+    group; NaN or inf anywhere -> inf). A collective: every rank calls it at the same point."""
+    import datetime
+
+    import torch.distributed as dist
+
+    o, r = out.double().cpu(), ref.double().cpu()
+    err = ((o - r) ** 2).sum() if torch.isfinite(o).all() else torch.tensor(float("inf"), dtype=torch.float64)
+    t = torch.stack([err, (r ** 2).sum()])
+    dist.all_reduce(t, async_op=True).wait(datetime.timedelta(seconds=60))
+    return float(t[0].sqrt() / t[1].sqrt().clamp_min(1e-30))
 
 
 def _layer_check(rank, world, seed, dispatcher, experts, quant, dev, shared_gpu, buffer, M, eplb=False,
@@ -523,15 +539,18 @@ def _layer_check(rank, world, seed, dispatcher, experts, quant, dev, shared_gpu,
             if quant == "bf16":
                 assert err < 2e-2, f"{when}: max rel err {err:.3g} (tolerance 2e-2)"
             else:  # see FP8_NORM_TOL
-                assert nerr < FP8_NORM_TOL and err < FP8_MAX_TOL, (
-                    f"{when}: rel err {nerr:.3g} (tolerance {FP8_NORM_TOL}), max rel err {err:.3g} "
-                    f"(tolerance {FP8_MAX_TOL})")
+                gerr = _group_relative_error(out.hidden_states, ref)
+                assert gerr < FP8_NORM_TOL and err < FP8_MAX_TOL, (
+                    f"{when}: rel err {gerr:.3g} over all ranks (tolerance {FP8_NORM_TOL}; this rank "
+                    f"{nerr:.3g}), max rel err {err:.3g} (tolerance {FP8_MAX_TOL})")
+                nerr = gerr
             assert out.stats.tokens_per_rank == tuple(counts)
             assert out.stats.rounds == 3
             errs.append((err, nerr))
         where = f"; rebalanced ({moved} slots moved): {errs[1][0]:.2e}" if eplb else ""
+        norm = "rel err over all ranks" if quant != "bf16" else "rel err"
         return (f"experts {plan.experts_backend} {plan.expert_mode}, wire {plan.dispatch_dtype}; T={counts}, "
-                f"3 rounds: max rel err {errs[0][0]:.2e}, rel err {errs[0][1]:.2e}{where}")
+                f"3 rounds: max rel err {errs[0][0]:.2e}, {norm} {errs[0][1]:.2e}{where}")
     finally:
         layer.dispatcher.close()
 

@@ -6,6 +6,7 @@
 #   bash scripts/gpu_checks.sh deepep-all     # deepep (its tests within 330 s of the start), then deepep-launch
 #   bash scripts/gpu_checks.sh deepep-rest    # deepgemm fp8 layer checks, killed ranks, bench_dispatch with deepep
 #   bash scripts/gpu_checks.sh deepep-fp8-layers  # FP8 + EPLB layer checks of both modes, launcher LL FP8 ep 4
+#   bash scripts/gpu_checks.sh deepep-bench   # bench_dispatch: deepep, deepep_ll, flashinfer, torch at ep 2 and 4
 #   bash scripts/gpu_checks.sh deepgemm-experts                   # the deepgemm experts: tests, bench, profile
 #   bash scripts/gpu_checks.sh training                           # GPU training tests, bench_training
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
@@ -263,6 +264,24 @@ run_deepep_fp8_layers() {
     grep -E "check \||quant plan|Error|error:" "$OUT/deepep_ll_launch.log" | tail -8
 }
 
+# DeepEP's two modes beside the flashinfer and torch dispatchers in one run, ep 2 then ep 4, ranks sharing
+# the GPU (bf16; low latency at T = 128 only: its buffer at T = 4096 is 61 GB per rank). Each step writes
+# its JSON as it ends, so a call cut short still returns what ran.
+run_deepep_bench() {
+    local log="$OUT/bench_dispatch_deepep.log"
+    : > "$log"
+    deepep_setup || return 1
+    for ep in 2 4; do
+        timeout 120 torchrun --nproc-per-node "$ep" benchmarks/bench_dispatch.py --ranks-per-gpu "$ep" --formats bf16 \
+            --tokens 128 --dispatchers deepep,deepep_ll,flashinfer,torch --json "$OUT/bench_dispatch_ep${ep}_t128.json" >> "$log" 2>&1
+        echo "== bench_dispatch ep=$ep T=128 rc=$? at $(el)" | tee -a "$log"
+        timeout 120 torchrun --nproc-per-node "$ep" benchmarks/bench_dispatch.py --ranks-per-gpu "$ep" --formats bf16 \
+            --tokens 4096 --dispatchers deepep,flashinfer,torch --json "$OUT/bench_dispatch_ep${ep}_t4096.json" >> "$log" 2>&1
+        echo "== bench_dispatch ep=$ep T=4096 rc=$? at $(el)" | tee -a "$log"
+    done
+    grep -E "^\[bench\] (deepep|flashinfer|torch)|rc=" "$log" | tail -24
+}
+
 # The deepgemm experts after a change (sgl-deep-gemm from .whl/): their GPU tests, then the expert stage
 # beside triton, torch's grouped GEMMs, FlashInfer's CUTLASS (when its module is prebuilt) and DeepGEMM's
 # bare GEMMs in one run, then one profiled prefill forward.
@@ -305,9 +324,10 @@ case "${1:-tests}" in
     deepep-rest) run_deepep_rest ;;
     deepep-ll-fp8) run_deepep_ll_fp8 ;;
     deepep-fp8-layers) run_deepep_fp8_layers ;;
+    deepep-bench) run_deepep_bench ;;
     deepgemm-experts) run_deepgemm_experts ;;
     training) run_training ;;
     all) run_tests; run_bench ;;
-    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepep-rest|deepep-ll-fp8|deepep-fp8-layers|deepgemm-experts|training|all" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepep-rest|deepep-ll-fp8|deepep-fp8-layers|deepep-bench|deepgemm-experts|training|all" >&2; exit 2 ;;
 esac
 echo "done at $(el); logs in $OUT"

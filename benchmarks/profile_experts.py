@@ -1,5 +1,8 @@
 """Where an experts backend's time goes: the CUDA kernels of one forward at the DeepSeek-V3 expert shape
-(128 local experts, H 7168, I 2048, top-8, uniform routing as bench_experts), from torch.profiler.
+(128 local experts, H 7168, I 2048, top-8, uniform routing as bench_experts), from torch.profiler,
+beside the forward's own time in the same process: timed as bench_experts times it (do_bench, L2
+flushed), back to back (CUDA events around a loop) and as a CUDA graph's replay. Kernel time below the
+eager figures is time the GPU waited: on the host, or on a sync.
 
     python benchmarks/profile_experts.py --backend deepgemm --mode fp8_block --tokens 4096
 """
@@ -60,7 +63,46 @@ def main(argv=None) -> int:
     print(f"{args.backend} {args.mode} T={args.tokens}: {total:.3f} ms of kernels per forward")
     for k, ms in sorted(rows.items(), key=lambda kv: -kv[1]):
         print(f"  {ms:8.3f} ms  {k[:110]}")
+    for name, ms in forward_times(lambda: ex(tokens), args.iters):
+        print(f"forward {name}: {ms}")
     return 0
+
+
+def forward_times(fn, iters: int):
+    """(how, figure) of one forward: do_bench (L2 flushed between calls, median), a back-to-back loop
+    (CUDA events around `iters` x 4 calls, mean) and the replay of a captured CUDA graph (mean), or why not."""
+    import torch
+    from triton.testing import do_bench
+
+    out = [("do_bench, L2 flushed (bench_experts)", f"{do_bench(fn, warmup=25, rep=200, return_mode='median'):.3f} ms")]
+    n = iters * 4
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    out.append(("back to back", f"{s.elapsed_time(e) / n:.3f} ms"))
+    try:
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+        s.record()
+        for _ in range(n):
+            g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(("CUDA graph replay", f"{s.elapsed_time(e) / n:.3f} ms"))
+    except Exception as ex:  # noqa: BLE001 - a backend that cannot be captured: say why
+        out.append(("CUDA graph replay", f"not captured ({type(ex).__name__}: {str(ex).splitlines()[0][:120]})"))
+    return out
 
 
 if __name__ == "__main__":

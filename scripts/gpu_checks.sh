@@ -9,6 +9,7 @@
 #   bash scripts/gpu_checks.sh deepep-bench   # bench_dispatch: deepep, deepep_ll, flashinfer, torch at ep 2 and 4
 #   bash scripts/gpu_checks.sh deepgemm-experts                   # the deepgemm experts: tests, bench, profile
 #   bash scripts/gpu_checks.sh training                           # GPU training tests, bench_training
+#   bash scripts/gpu_checks.sh nightly-baseline                   # 3 nightly runs (4 ranks on the GPU) -> baseline.json
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
 # summary is printed last. FLASHINFER_DISABLE_JIT=1 makes any FlashInfer module that is not prebuilt
 # fail at once instead of compiling for minutes.
@@ -282,6 +283,26 @@ run_deepep_bench() {
     grep -E "^\[bench\] (deepep|flashinfer|torch)|rc=" "$log" | tail -24
 }
 
+# The nightly baseline of one H200 with 4 ranks sharing it (docs/nightly.md): NIGHTLY_RUNS runs (default
+# 3) of the suite with DeepGEMM installed (its bench/experts rows), each under its own limit, then
+# `--baseline-from` over the passing runs plus any earlier ones named in NIGHTLY_PREV (nightly.json
+# paths), written to $OUT/baseline.json (copy it to benchmarks/baselines/<machine kind>.json).
+run_nightly_baseline() {
+    install_deepgemm_wheel || echo "no sgl-deep-gemm wheel in .whl/: the deepgemm steps will be skipped"
+    local runs=() i rc
+    read -r -a runs <<< "${NIGHTLY_PREV:-}"
+    for i in $(seq 1 "${NIGHTLY_RUNS:-3}"); do
+        timeout "${NIGHTLY_RUN_S:-200}" "$PY" -m epmoe.nightly --gpus 1 --ranks-per-gpu 4 --jobs 4 --max-minutes 3 \
+            --modes bf16,fp8_block,nvfp4_w4a16,mxfp4_w4a16,bf16+nvfp4 --out "$OUT/nightly_$i" > "$OUT/nightly_$i.log" 2>&1
+        rc=$?
+        echo "== nightly run $i rc=$rc at $(el)"
+        grep -E "NIGHTLY|gate:|FAIL" "$OUT/nightly_$i.log" | tail -4
+        [ "$rc" = 0 ] && runs+=("$OUT/nightly_$i/nightly.json")
+    done
+    [ "${#runs[@]}" -gt 0 ] || { echo "no passing run: no baseline written"; return 1; }
+    "$PY" -m epmoe.nightly --baseline-from "${runs[@]}" --baseline "$OUT/baseline.json" 2>&1 | tail -5
+}
+
 # The deepgemm experts after a change (sgl-deep-gemm from .whl/): their GPU tests, then the expert stage
 # beside triton, torch's grouped GEMMs, FlashInfer's CUTLASS (when its module is prebuilt) and DeepGEMM's
 # bare GEMMs in one run, then one profiled prefill forward.
@@ -325,9 +346,10 @@ case "${1:-tests}" in
     deepep-ll-fp8) run_deepep_ll_fp8 ;;
     deepep-fp8-layers) run_deepep_fp8_layers ;;
     deepep-bench) run_deepep_bench ;;
+    nightly-baseline) run_nightly_baseline ;;
     deepgemm-experts) run_deepgemm_experts ;;
     training) run_training ;;
     all) run_tests; run_bench ;;
-    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepep-rest|deepep-ll-fp8|deepep-fp8-layers|deepep-bench|deepgemm-experts|training|all" >&2; exit 2 ;;
+    *) echo "usage: $0 tests|bench|cutlass|deepgemm|deepep|deepep-launch|deepep-faults|deepep-rest|deepep-ll-fp8|deepep-fp8-layers|deepep-bench|nightly-baseline|deepgemm-experts|training|all" >&2; exit 2 ;;
 esac
 echo "done at $(el); logs in $OUT"

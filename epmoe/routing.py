@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from epmoe.config import MoEConfig
+from epmoe.core.streams import capturing
 from epmoe.experts.triton.align import single_launch_alignment, single_launch_applies, single_launch_layout
 from epmoe.experts.triton.launch import LaunchOptions
 
@@ -41,8 +42,6 @@ FUSED_MAX_EXPERTS = 1024  # one program holds whole rows of E logits in register
 ROUTE_ALIGN_GPU_MAX_LOGITS = 2048
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True)
@@ -232,7 +231,7 @@ class Router:
         K = self.config.top_k
         if (self.impl == "torch" or router_logits.device.type != self.device.type or num_experts != self.config.num_experts
                 or router_logits.shape[1] != num_experts or not single_launch_applies(T * K, num_experts)
-                or (T * num_experts > ROUTE_ALIGN_GPU_MAX_LOGITS and _capturing(router_logits.device))):  # fmt: skip
+                or (T * num_experts > ROUTE_ALIGN_GPU_MAX_LOGITS and capturing(router_logits.device))):  # fmt: skip
             return self(router_logits, e_score_correction_bias), None
         logits, bias = router_logits, e_score_correction_bias
         if logits.stride(1) != 1:

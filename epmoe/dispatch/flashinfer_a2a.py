@@ -83,6 +83,7 @@ import torch
 from epmoe.core.availability import Availability
 from epmoe.core.errors import BackendUnavailableError
 from epmoe.core.capability import BackendOptions, BackendRequest
+from epmoe.core.streams import capturing
 from epmoe.dispatch.base import Agreement, DispatchedTokens, DispatchHandle, Dispatcher, DispatcherStats, DispatchSpec
 from epmoe.quant.payload import PayloadFormat, QuantizedActivation
 
@@ -514,7 +515,7 @@ class FlashInferA2ADispatcher(Dispatcher):
         bytes_sent = -1
         if single and self.handle_bytes:
             bytes_sent = 0
-        elif self.handle_bytes and not _capturing(hidden.device) and (agreement is None or agreement.want_bytes):
+        elif self.handle_bytes and not capturing(hidden.device) and (agreement is None or agreement.want_bytes):
             bytes_sent = int(sends) * self.dispatch_bytes_per_token
         handle = FlashInferDispatchHandle(
             num_tokens=T,
@@ -714,10 +715,6 @@ def _check_codec(wire: PayloadFormat) -> None:
             f"wire format {wire.describe()} is not epmoe.quant.codec's {wire.name}; build it with "
             "epmoe.quant.codec.payload_format"
         )
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _peer_access(device: torch.device) -> Tuple[bool, str]:

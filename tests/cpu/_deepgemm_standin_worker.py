@@ -14,6 +14,7 @@ from epmoe.config import MoEConfig  # noqa: E402
 from epmoe.dispatch.base import DispatchedTokens  # noqa: E402
 from epmoe.experts.base import ExpertsSpec  # noqa: E402
 from epmoe.experts.deepgemm.backend import FP8_PAYLOAD, DeepGEMMExperts  # noqa: E402
+from epmoe.experts.triton.align import max_blocks_for  # noqa: E402
 from epmoe.experts.triton import kernel_formats as kf  # noqa: E402
 from epmoe.quant.payload import QuantizedActivation  # noqa: E402
 from epmoe.quant.plan import QuantPlan  # noqa: E402
@@ -48,7 +49,8 @@ def run(case: str, seed: int) -> dict:
     wire = "fp8" if "fp8in" in opts else "bf16"
     plan = QuantPlan(expert_mode=qmode, dispatch_dtype=wire, layout=layout)
     fake = FakeDeepGEMM()
-    spec = ExpertsSpec(cfg, 1, 2, torch.device("cpu"), plan=plan)
+    # bound: the GEMMs on the alignment's upper bound of rows (option exact_rows off)
+    spec = ExpertsSpec(cfg, 1, 2, torch.device("cpu"), plan=plan, options={"exact_rows": "bound" not in opts})
     ex = DeepGEMMExperts(spec, gemms=fake)
     E = spec.num_local_experts
     w = T.random_expert_weights(cfg, cfg.num_experts, seed=seed, dtype=torch.float32)
@@ -75,6 +77,11 @@ def run(case: str, seed: int) -> dict:
             res["err"] = T.relative_error(out, ref)
             empty = (ids < 0).all(dim=1)
             res["empty_rows_zero"] = bool((out[empty] == 0).all())
+            # rows the GEMMs ran on: each expert's entries padded to 128, or the alignment's upper bound
+            counts = torch.bincount(ids[ids >= 0].long(), minlength=E)
+            res["gemm_rows"] = sorted({c["rows"] for c in fake.calls})
+            res["used_rows"] = max(int(((counts + 127) // 128 * 128).sum()), 128)
+            res["bound_rows"] = max_blocks_for(ids.numel(), E, 128) * 128
     else:
         M = 5
         counts = torch.tensor([3, 0, M][:E], dtype=torch.int32)

@@ -83,13 +83,13 @@ def not_applied(seed):
     import epmoe.routing as RT
 
     router.impl = "auto"
-    capturing, RT._capturing = RT._capturing, lambda device: True
+    capturing, RT.capturing = RT.capturing, lambda device: True
     try:
         limit_t = RT.ROUTE_ALIGN_GPU_MAX_LOGITS // 16
         _, b_small = router.route_aligned(big[:limit_t], None, 16, 16)
         r_over, b_over = router.route_aligned(big[:limit_t + 1], None, 16, 16)
     finally:
-        RT._capturing = capturing
+        RT.capturing = capturing
     ok = ok and b_small is not None and b_over is None
     ok = ok and torch.equal(r_over.topk_ids, Router(cfg, "cpu")(big[:limit_t + 1]).topk_ids)
     return dict(all_equal=bool(ok))

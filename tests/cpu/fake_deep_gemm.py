@@ -40,8 +40,8 @@ class FakeDeepGEMM:
             "a tile starts with a padding row but holds real rows (DeepGEMM would skip them)"
         assert bool((tiles[:, 1:] >= 0).le(tiles[:, :-1] >= 0).all()), "padding rows before real rows in a tile"
 
-    def _record(self, name, sf=None):
-        self.calls.append(dict(name=name, mn_major=None if sf is None else sf.stride(-2) == 1))
+    def _record(self, name, sf=None, rows=None):
+        self.calls.append(dict(name=name, mn_major=None if sf is None else sf.stride(-2) == 1, rows=rows))
 
     def m_grouped_fp8_gemm_nt_contiguous(self, a, b, d, m_indices, disable_ue8m0_cast=False):
         (x, xs), (w, ws) = a, b
@@ -49,7 +49,7 @@ class FakeDeepGEMM:
         assert m_indices.dtype == torch.int32 and m_indices.shape == (x.shape[0],) and x.shape[0] % self.align == 0
         assert tuple(xs.shape) == (x.shape[0], x.shape[1] // 128), xs.shape
         self._check_blocks(m_indices)
-        self._record("fp8_contiguous", xs)
+        self._record("fp8_contiguous", xs, rows=x.shape[0])
         for g in range(w.shape[0]):
             rows = (m_indices == g).nonzero().flatten()
             if rows.numel():
@@ -58,7 +58,7 @@ class FakeDeepGEMM:
     def m_grouped_bf16_gemm_nt_contiguous(self, a, b, d, m_indices):
         assert a.dtype == b.dtype == d.dtype == torch.bfloat16 and a.shape[0] % self.align == 0
         self._check_blocks(m_indices)
-        self._record("bf16_contiguous")
+        self._record("bf16_contiguous", rows=a.shape[0])
         for g in range(b.shape[0]):
             rows = (m_indices == g).nonzero().flatten()
             if rows.numel():

@@ -28,6 +28,7 @@ CASES = [
     "bf16:flat:invalid",
     "fp8:flat:big:invalid",  # > 1024 entries: m_indices and inv from the pass that places the rows
     "bf16:flat:big",
+    "bf16:flat:big:invalid:bound",  # option exact_rows off: the GEMMs on the alignment's upper bound of rows
     "fp8:masked",  # bf16 tokens quantized per expert slot
     "fp8:masked:fp8in",
     "bf16:masked",
@@ -52,6 +53,12 @@ def test_deepgemm_passes_with_standin_gemms_match_float64(results, case):
     assert len(r["calls"]) == 2
     if "empty_rows_zero" in r:
         assert r["empty_rows_zero"], "rows with no local expert must come out 0"
+    if ":big" in case:  # above 1024 entries the row count comes from the GPU (exact_rows) or the bound
+        want = r["bound_rows"] if case.endswith(":bound") else r["used_rows"]
+        assert r["gemm_rows"] == [want], f"{case}: GEMMs ran on {r['gemm_rows']} rows, expected {want} " \
+            f"(used {r['used_rows']}, bound {r['bound_rows']})"
+        if ":invalid" in case:  # a third of the entries elsewhere: the bound holds unused tiles
+            assert r["used_rows"] < r["bound_rows"], r
 
 
 def test_deepgemm_refuses_what_it_cannot_run():
@@ -87,3 +94,15 @@ def test_deepgemm_construction_without_a_gpu_says_why():
     bias = MoEConfig(num_experts=4, top_k=2, hidden_size=256, intermediate_size=128, dtype=torch.bfloat16, has_bias=True)
     with pytest.raises(BackendUnavailableError, match="biases"):
         DeepGEMMExperts(ExpertsSpec(bias, 0, 1, torch.device("cpu"), plan=QuantPlan(expert_mode="bf16")))
+
+
+def test_deepgemm_options_refuse_bad_values():
+    from epmoe.experts.deepgemm.backend import DeepGEMMOptions
+
+    assert DeepGEMMOptions.parse(None).exact_rows is True
+    assert DeepGEMMOptions.parse({"exact_rows": False}).exact_rows is False
+    for bad in ("false", 0, None):
+        with pytest.raises(ValueError, match=r"option exact_rows=.*; use True or False"):
+            DeepGEMMOptions.parse({"exact_rows": bad})
+    with pytest.raises(TypeError, match="unknown .*option.*exact_row.*valid options"):
+        DeepGEMMOptions.parse({"exact_row": True})

@@ -5,7 +5,8 @@ atomics, so it is deterministic and can be captured in a CUDA graph for a fixed 
     blocks = align_blocks(sort, block_m)                           # each expert's rows padded to block_m
 
 Entry j = n * K + k is (row n, slot k). Invalid entries (id < 0 or id >= num_experts: "not on this
-rank") sort last and never reach a block.
+rank") sort last and never reach a block. The one exception to "no host sync" is asked for by name:
+`contiguous_layout_triton(..., exact_rows=True)` reads the used row count back (eager DeepGEMM calls).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class BlockAlignment:
     block_expert:  [max_blocks] int32, local expert of each tile, -1 = unused tile
     block_rows:    [max_blocks] int32, real (non-padding) rows of each tile, in 1..block_m for a used
                    tile (only an expert's last tile has fewer than block_m), 0 for an unused one
+    used_rows:     [1] int32 on the device, rows of the used tiles (the used tiles come first), where
+                   the alignment computed it (the three-launch path); None otherwise
     """
 
     block_m: int
@@ -56,6 +59,7 @@ class BlockAlignment:
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor
     block_rows: torch.Tensor
+    used_rows: Optional[torch.Tensor] = None
 
     @property
     def num_padded_rows(self) -> int:
@@ -270,24 +274,32 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
                                           sorted_ids if inverse is None else inverse, nk, E),
            dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=row_expert is not None,
                 WITH_INV=inverse is not None, num_warps=_chunk(nk) // 256))  # fmt: skip
-    return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows)
+    return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows, used_rows=starts[E:])
 
 
-def contiguous_layout_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch
-                             ) -> Tuple[int, torch.Tensor, torch.Tensor]:
+def contiguous_layout_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch,
+                             exact_rows: bool = False) -> Tuple[int, torch.Tensor, torch.Tensor]:
     """DeepGEMM's contiguous layout of the entries j = n * K + k (the rows of `align_blocks_triton`) ->
     (P, row_expert, inverse): P padded rows (a host int, an upper bound: unused tiles at the end),
     row_expert [P] int32 the local expert of each row (-1: a padding row or an unused tile; DeepGEMM's
     `m_indices`), inverse [N*K] int32 the row of each valid entry (entries of invalid ids are left unset:
     readers mask them by their id). Above SINGLE_LAUNCH_MAX_ENTRIES the scatter that places the rows
-    writes both (plus one fill); below, they are built from the blocks."""
+    writes both (plus one fill); below, they are built from the blocks.
+
+    exact_rows: above SINGLE_LAUNCH_MAX_ENTRIES, read the rows of the used tiles from the GPU (one host
+    sync; at least one tile) and return only those, so that the GEMMs do not run the bound's unused
+    tiles (floor(N*K / block_m) + E tiles against about N*K / block_m + E / 2 used under even routing).
+    Not under CUDA-graph capture."""
     flat = _flat_ids(topk_ids)
     nk, dev = flat.numel(), flat.device
     if nk and not single_launch_applies(nk, num_experts):
         P = max_blocks_for(nk, num_experts, block_m) * block_m
         row_expert = torch.full((P,), -1, dtype=torch.int32, device=dev)
         inverse = torch.empty(nk, dtype=torch.int32, device=dev)
-        align_blocks_triton(flat, num_experts, block_m, launch, row_expert=row_expert, inverse=inverse)
+        blocks = align_blocks_triton(flat, num_experts, block_m, launch, row_expert=row_expert, inverse=inverse)
+        if exact_rows:
+            P = max(int(blocks.used_rows.item()), block_m)
+            row_expert = row_expert[:P]
         return P, row_expert, inverse
     blocks = align_blocks_triton(flat, num_experts, block_m, launch)
     P = blocks.num_padded_rows

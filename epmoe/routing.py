@@ -42,8 +42,6 @@ FUSED_MAX_EXPERTS = 1024  # one program holds whole rows of E logits in register
 ROUTE_ALIGN_GPU_MAX_LOGITS = 2048
 
 
-
-
 @dataclass(frozen=True)
 class Routing:
     """topk_ids [T, K] int32 global expert ids (-1: none); topk_weights [T, K] float32."""

@@ -283,7 +283,7 @@ run_deepep_bench() {
     grep -E "^\[bench\] (deepep|flashinfer|torch)|rc=" "$log" | tail -24
 }
 
-# The nightly baseline of one H200 with 4 ranks sharing it (docs/nightly.md): NIGHTLY_RUNS runs (default
+# The nightly baseline of this GPU with 4 ranks sharing it (docs/nightly.md): NIGHTLY_RUNS runs (default
 # 3) of the suite with DeepGEMM installed (its bench/experts rows), each under its own limit, then
 # `--baseline-from` over the passing runs plus any earlier ones named in NIGHTLY_PREV (nightly.json
 # paths), written to $OUT/baseline.json (copy it to benchmarks/baselines/<machine kind>.json).

@@ -42,6 +42,7 @@ BACKEND_MODES = {
     # picks in this run; "default": the module's default tactics (what the layer runs unless told)
     "flashinfer_cutlass": ("bf16", "fp8_block", "mxfp4_w4a16", "mxfp4_w4a8"),
     # DeepGEMM's grouped GEMMs + our passes; decode also in the masked layout DeepEP low-latency delivers
+    # (fp8_block: FP8 tokens in DeepEP's scale layout, as its FP8 dispatch delivers them)
     "deepgemm": ("bf16", "fp8_block"),
 }
 CUTLASS_PRESETS = ["autotuned", "default"]
@@ -357,10 +358,12 @@ def compute_ratios(report) -> List[dict]:
     return out
 
 
-def masked_tokens(tokens, num_experts: int):
+def masked_tokens(tokens, num_experts: int, fp8: bool = False):
     """Flat DispatchedTokens (every slot local) -> the masked layout DeepEP low-latency delivers:
     hidden [E, M, H] with each expert's rows first (M = T: an expert gets each token at most once),
-    expert_counts [E] int32."""
+    expert_counts [E] int32. fp8: the tokens as DeepEP's FP8 low-latency dispatch delivers them (the
+    wire of an fp8_block plan): e4m3 [E, M, H] and fp32 1x128 scales [E, M, H/128] stored MN-major
+    (a transposed [E, H/128, M]), so the experts quantize nothing."""
     import torch
 
     from epmoe.dispatch.base import DispatchedTokens
@@ -374,6 +377,14 @@ def masked_tokens(tokens, num_experts: int):
     slot = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[e_of]
     hidden = torch.zeros(num_experts, T_, x.shape[1], dtype=x.dtype, device=x.device)
     hidden[e_of, slot] = x[order // K]
+    if fp8:
+        from epmoe.quant import codec, fp8_block
+        from epmoe.quant.payload import QuantizedActivation
+
+        E, M, H = hidden.shape
+        q, s = fp8_block.quantize_activation(hidden.reshape(E * M, H).float())
+        scales = s.view(E, M, H // 128).transpose(1, 2).contiguous().transpose(1, 2)  # MN-major, as DeepEP's
+        hidden = QuantizedActivation(codec.payload_format("fp8", x.dtype), q.view(E, M, H), scales, H)
     return DispatchedTokens(hidden, None, None, layout="masked", expert_counts=counts.to(torch.int32))
 
 
@@ -600,7 +611,7 @@ def run_plan(args, plan: List[Run]) -> int:
                 else:
                     preset_used = f"default tactics {ex.profile_ids} of {ex.tactics.describe()}"
             if run.preset == "masked":  # [E, M, H] per-expert slots + counts, as DeepEP low-latency delivers
-                msets = [masked_tokens(s_, E) for s_ in sets]
+                msets = [masked_tokens(s_, E, fp8=run.mode == "fp8_block") for s_ in sets]
                 it = iter(range(1 << 30))
                 fn = lambda: target(msets[next(it) % 3])  # noqa: E731
                 fn()

@@ -54,3 +54,29 @@ def test_dry_run_presets_filter():
     assert "bf16         prefill T= 4096 preset=prefill_n128" in r.stdout
     assert "wgmma" not in r.stdout.split("nvfp4")[0], "bf16 has no wgmma presets"
     assert "nope" not in r.stdout
+
+
+def test_masked_tokens_fp8_are_what_deepep_low_latency_delivers():
+    """The masked decode rows of an fp8_block plan take FP8 tokens, as DeepEP's FP8 low-latency dispatch
+    delivers them: each expert's slots hold the codec's e4m3 bytes of its tokens, scales MN-major."""
+    import torch
+
+    from epmoe.dispatch.base import DispatchedTokens
+    from epmoe.quant import fp8_block
+    from tests.cpu.helpers import load_benchmark
+
+    bench = load_benchmark("bench_experts")
+    T, H, E, K = 37, 256, 6, 2
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    flat = DispatchedTokens(x, ids, torch.rand(T, K, generator=g))
+    plain, q = bench.masked_tokens(flat, E), bench.masked_tokens(flat, E, fp8=True)
+    assert torch.equal(q.expert_counts, torch.bincount(ids.flatten().long(), minlength=E).int())
+    assert q.hidden.format.name == "fp8_block" and q.hidden.data.shape == (E, T, H)
+    assert q.hidden.scales.shape == (E, T, H // 128) and q.hidden.scales.stride(1) == 1, q.hidden.scales.stride()
+    want_q, want_s = fp8_block.quantize_activation(plain.hidden.reshape(E * T, H).float())
+    assert torch.equal(q.hidden.data.reshape(E * T, H).view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(q.hidden.scales.reshape(E * T, H // 128), want_s)
+    for e, n in enumerate(q.expert_counts.tolist()):  # each expert's first n slots: its tokens in order
+        assert torch.equal(plain.hidden[e, :n], x[(ids == e).any(dim=1)])

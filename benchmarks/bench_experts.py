@@ -22,6 +22,7 @@ FLOPs counted: 2 * entries * (2*I*H + H*I) (useful work; padding rows of a tile 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -151,6 +152,8 @@ def build_plan(args) -> List[Run]:
                     known = set(presets_for(mode)) | {"auto"} | set(FP4_CONVERT_PRESETS)
                     presets = [p for p in args.presets.split(",")
                                if p in known or p.startswith(("g:",) + FP4_LAYOUT_PREFIXES)]
+                if backend == "deepgemm" and phase == "decode" and args.expected_m:
+                    presets = list(presets) + [f"masked:em={m}" for m in args.expected_m.split(",")]
                 for p in presets:
                     plan.append(Run(backend, mode, phase, T, p))
     return plan
@@ -465,6 +468,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--expected-m", default="",
+                    help="deepgemm decode: also the masked layout with these expected_m hints, e.g. 4,16,32")
     ap.add_argument("--no-peers", action="store_true", help="skip the torch grouped-GEMM peers")
     ap.add_argument("--routing", default="uniform", choices=("uniform", "skewed"),
                     help="uniform random experts per token (default), or skewed: experts drawn with "
@@ -610,7 +615,10 @@ def run_plan(args, plan: List[Run]) -> int:
                     preset_used = target.tune(sets)
                 else:
                     preset_used = f"default tactics {ex.profile_ids} of {ex.tactics.describe()}"
-            if run.preset == "masked":  # [E, M, H] per-expert slots + counts, as DeepEP low-latency delivers
+            if run.preset.split(":")[0] == "masked":  # [E, M, H] per-expert slots + counts, as DeepEP LL delivers
+                em = int(run.preset.split("=")[1]) if "=" in run.preset else None  # "masked:em=N": expected_m N
+                target.options = dataclasses.replace(target.options, expected_m=em)
+                preset_used = f"expected_m {em or 'default (M * top_k / E)'}"
                 msets = [masked_tokens(s_, E, fp8=run.mode == "fp8_block") for s_ in sets]
                 it = iter(range(1 << 30))
                 fn = lambda: target(msets[next(it) % 3])  # noqa: E731

@@ -2,7 +2,8 @@
 (128 local experts, H 7168, I 2048, top-8, uniform routing as bench_experts), from torch.profiler,
 beside the forward's own time in the same process: timed as bench_experts times it (do_bench, L2
 flushed), back to back (CUDA events around a loop) and as a CUDA graph's replay. Kernel time below the
-eager figures is time the GPU waited: on the host, or on a sync.
+eager figures is time the GPU waited: on the host, or on a sync; the trace says before which kernel
+the GPU sat idle and for how long (per forward, summed over the gaps before each kernel).
 
     python benchmarks/profile_experts.py --backend deepgemm --mode fp8_block --tokens 4096
 """
@@ -50,22 +51,46 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.iters):
             ex(tokens)
         torch.cuda.synchronize()
+    spans = kernel_spans(prof)  # GPU kernels and copies only: CPU ops would count their kernels again
     rows = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t:
-            rows[ev.key] = rows.get(ev.key, 0.0) + t / args.iters / 1000.0
+    for name, start, end in spans:
+        rows[name] = rows.get(name, 0.0) + (end - start) / args.iters / 1000.0
     total = sum(rows.values())
     print(f"{args.backend} {args.mode} T={args.tokens}: {total:.3f} ms of kernels per forward")
     for k, ms in sorted(rows.items(), key=lambda kv: -kv[1]):
         print(f"  {ms:8.3f} ms  {k[:110]}")
+    gaps = idle_before(spans, args.iters)
+    print(f"GPU idle between kernels: {sum(ms for _, ms in gaps):.3f} ms per forward, before:")
+    for k, ms in gaps[:8]:
+        print(f"  {ms:8.3f} ms  {k[:110]}")
     for name, ms in forward_times(lambda: ex(tokens), args.iters):
         print(f"forward {name}: {ms}")
     return 0
+
+
+def kernel_spans(prof):
+    """(name, start_us, end_us) of every GPU kernel and memory copy in a torch.profiler trace."""
+    out = []
+    for ev in prof.events():
+        if str(getattr(ev, "device_type", "")).endswith("CUDA") and ev.time_range.end > ev.time_range.start:
+            out.append((ev.name, float(ev.time_range.start), float(ev.time_range.end)))
+    return out
+
+
+def idle_before(spans, iters: int):
+    """[(kernel name, ms per forward)] of the time the GPU sat idle right before each kernel (from the
+    end of the latest kernel before it), largest first; overlapping kernels leave no gap."""
+    spans = sorted(spans, key=lambda s: s[1])
+    idle, busy_until = {}, None
+    for name, start, end in spans:
+        if busy_until is not None and start > busy_until:
+            idle[name] = idle.get(name, 0.0) + (start - busy_until) / 1000.0 / iters
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return sorted(idle.items(), key=lambda kv: -kv[1])
 
 
 def forward_times(fn, iters: int):

@@ -3,7 +3,8 @@
 beside the forward's own time in the same process: timed as bench_experts times it (do_bench, L2
 flushed), back to back (CUDA events around a loop) and as a CUDA graph's replay. Kernel time below the
 eager figures is time the GPU waited: on the host, or on a sync; the trace says before which kernel
-the GPU sat idle and for how long (per forward, summed over the gaps before each kernel).
+the GPU sat idle and for how long (per forward, summed over the gaps before each kernel; the trace
+records host ops too, which adds a little host time to each gap).
 
     python benchmarks/profile_experts.py --backend deepgemm --mode fp8_block --tokens 4096
 """

@@ -75,11 +75,10 @@ def main(argv=None) -> int:
 
 def kernel_spans(prof):
     """(name, start_us, end_us) of every GPU kernel and memory copy in a torch.profiler trace."""
-    out = []
-    for ev in prof.events():
-        if str(getattr(ev, "device_type", "")).endswith("CUDA") and ev.time_range.end > ev.time_range.start:
-            out.append((ev.name, float(ev.time_range.start), float(ev.time_range.end)))
-    return out
+    from torch.autograd import DeviceType
+
+    return [(ev.name, float(ev.time_range.start), float(ev.time_range.end)) for ev in prof.events()
+            if ev.device_type == DeviceType.CUDA and ev.time_range.end > ev.time_range.start]
 
 
 def idle_before(spans, iters: int):

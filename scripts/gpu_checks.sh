@@ -10,6 +10,8 @@
 #   bash scripts/gpu_checks.sh deepgemm-experts                   # the deepgemm experts: tests, bench, profile
 #   bash scripts/gpu_checks.sh training                           # GPU training tests, bench_training
 #   bash scripts/gpu_checks.sh nightly-baseline                   # 3 nightly runs (4 ranks on the GPU) -> baseline.json
+#       a run takes about 5.5 min on one H100: NIGHTLY_RUNS=1 per 10-minute call, NIGHTLY_PREV="run1/nightly.json ..."
+#       names the runs of earlier calls to include in baseline.json
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
 # summary is printed last. FLASHINFER_DISABLE_JIT=1 makes any FlashInfer module that is not prebuilt
 # fail at once instead of compiling for minutes.
@@ -292,7 +294,7 @@ run_nightly_baseline() {
     local runs=() i rc
     read -r -a runs <<< "${NIGHTLY_PREV:-}"
     for i in $(seq 1 "${NIGHTLY_RUNS:-3}"); do
-        timeout "${NIGHTLY_RUN_S:-200}" "$PY" -m epmoe.nightly --gpus 1 --ranks-per-gpu 4 --jobs 4 --max-minutes 3 \
+        timeout "${NIGHTLY_RUN_S:-540}" "$PY" -m epmoe.nightly --gpus 1 --ranks-per-gpu 4 --jobs 4 --max-minutes "${NIGHTLY_MAX_MINUTES:-8.5}" \
             --modes bf16,fp8_block,nvfp4_w4a16,mxfp4_w4a16,bf16+nvfp4 --out "$OUT/nightly_$i" > "$OUT/nightly_$i.log" 2>&1
         rc=$?
         echo "== nightly run $i rc=$rc at $(el)"

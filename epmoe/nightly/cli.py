@@ -479,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None, help="timed iterations per benchmark point")
     p.add_argument("--soak-steps", type=int, default=None)
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every step's time limit")
-    p.add_argument("--max-minutes", type=float, default=None, help="skip steps that would start after this")
+    p.add_argument("--max-minutes", type=float, default=None, help="the suite's time budget: a step that would start after it is not run, one still "
+                        "running then is killed; either fails the run")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="collective timeout inside the steps (s)")
     p.add_argument("--plant-sleep-ms", default=None, metavar="MS",
                    help="planted slowdown for the gate (same as EPMOE_NIGHTLY_PLANT_SLEEP_MS)")
@@ -593,7 +594,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "(the gate must fail)")
     sys.stdout.flush()
     deadline = t0 + args.max_minutes * 60 if args.max_minutes else None
-    runner = Runner(os.path.join(out_dir, "logs"), jobs=args.jobs, cwd=str(REPO), deadline=deadline)
+    runner = Runner(os.path.join(out_dir, "logs"), jobs=args.jobs, cwd=str(REPO), deadline=deadline,
+                    budget=f"--max-minutes {args.max_minutes:g}" if args.max_minutes else "--max-minutes")
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         results = runner.run(steps)

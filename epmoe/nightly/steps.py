@@ -256,7 +256,8 @@ class Runner:
     `[n/m mm:ss] name ...` at start and end, and a line every `heartbeat_s` for steps still running."""
 
     def __init__(self, log_dir: str, jobs: int = 1, out=None, heartbeat_s: float = 30.0, cwd: Optional[str] = None,
-                 run_one: Callable[[Step, str], StepResult] = None, deadline: Optional[float] = None):
+                 run_one: Callable[[Step, str], StepResult] = None, deadline: Optional[float] = None,
+                 budget: str = "--max-minutes"):
         self.log_dir = log_dir
         self.jobs = max(1, jobs)
         self.out = out or sys.stdout
@@ -264,6 +265,7 @@ class Runner:
         self.cwd = cwd
         self.t0 = time.monotonic()
         self.deadline = deadline  # time.monotonic() after which no step starts (and none runs past it)
+        self.budget = budget  # how the user set the deadline, for the messages ("--max-minutes 20")
         self._lock = threading.Lock()
         self._run_one = run_one or (lambda step, log_dir: run_step(step, log_dir, cwd=self.cwd))
 
@@ -280,11 +282,19 @@ class Runner:
 
         def one(i: int) -> StepResult:
             st = steps[i]
+            own_limit = st.limit_s
             if self.deadline is not None and not st.skip:
+                # a step the budget leaves out or cuts short fails: the run did not check what it set out
+                # to, and its figures must not go missing from a baseline recorded from it
                 left = self.deadline - time.monotonic()
                 if left <= 1:
-                    st = replace(st, skip="not started: the suite's time budget (--max-minutes) is spent")
-                elif left < st.limit_s:
+                    r = StepResult(st, "timed out", message=f"not started: the suite's time budget ({self.budget}) "
+                                                            f"was spent; raise {self.budget.split()[0]}")
+                    with self._lock:
+                        done[0] += 1
+                    self._say(f"step {i + 1}/{total} {r.status:>9}  {st.name}: {r.message}  [{done[0]}/{total} done]")
+                    return r
+                if left < st.limit_s:
                     st = replace(st, limit_s=left)
             if not st.skip:
                 started[i] = time.monotonic()
@@ -293,6 +303,11 @@ class Runner:
                 r = self._run_one(st, self.log_dir)
             except Exception as e:  # noqa: BLE001 - one broken step must not end the suite
                 r = StepResult(st, "failed", message=f"the nightly could not run this step: {type(e).__name__}: {e}")
+            if r.status == "timed out" and st.limit_s < own_limit:
+                own = f"killed after its limit of {st.limit_s:g} s"
+                rest = r.message[len(own):] if r.message.startswith(own) else (f"; {r.message}" if r.message else "")
+                r.message = (f"killed when the suite's time budget ({self.budget}) ran out, {st.limit_s:.0f} s after "
+                             f"it started (its own limit: {own_limit:g} s); raise {self.budget.split()[0]}{rest}")
             started.pop(i, None)
             with self._lock:
                 done[0] += 1

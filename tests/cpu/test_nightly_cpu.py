@@ -131,3 +131,18 @@ def test_cancelling_the_suite_takes_its_running_steps_down(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_a_run_cut_short_by_max_minutes_fails_and_records_no_baseline(tmp_path):
+    """--max-minutes ends before the steps do: the steps it left out or killed fail the run, with the
+    flag named, and --update-baseline writes nothing (a baseline must not lose their figures)."""
+    base = tmp_path / "cpu.json"
+    r = _nightly("--out", str(tmp_path / "a"), "--baseline", str(base), "--update-baseline", "--max-minutes", "0.03",
+                 "--only", "correctness,bench", "--modes", "bf16", "--bench-tokens", "16", "--iters", "2")
+    log = r.stdout + r.stderr[-3000:]
+    assert r.returncode == 1 and "NIGHTLY FAILED" in r.stdout, log
+    assert "NOT updating the baseline" in r.stdout and not base.exists(), log
+    steps = json.loads((tmp_path / "a" / "nightly.json").read_text())["steps"]
+    assert steps and all(st["status"] == "timed out" and "time budget (--max-minutes 0.03)" in st["message"]
+                         and "raise --max-minutes" in st["message"] for st in steps), steps
+

@@ -187,8 +187,18 @@ def test_runner_progress_order_and_budget(tmp_path):
     assert [r.name for r in results] == [s.name for s in steps] and all(r.status == "passed" for r in results)
     log = out.getvalue()
     assert "step 4/4 start  bench/x" in log and log.count("passed") == 4 and "[4/4 done]" in log
-    late = Runner(str(tmp_path), deadline=time.monotonic() - 1, out=io.StringIO()).run([Step("soak/x", (py, "-c", ""))])
-    assert late[0].status == "skipped" and "time budget" in late[0].message
+    # the suite's budget spent: the step is not run and fails (a run cut short must not pass, nor record
+    # a baseline without its figures); a step the budget cuts short is killed and says why
+    late = Runner(str(tmp_path), deadline=time.monotonic() - 1, out=io.StringIO(), budget="--max-minutes 3").run(
+        [Step("soak/x", (py, "-c", "")), Step("bench/y", (py, "-c", ""), skip="needs a GPU")])
+    assert late[0].status == "timed out" and late[0].seconds == 0
+    assert late[0].message == "not started: the suite's time budget (--max-minutes 3) was spent; raise --max-minutes"
+    assert late[1].status == "skipped" and late[1].message == "needs a GPU"  # not runnable here stays skipped
+    cut = Runner(str(tmp_path), deadline=time.monotonic() + 2, out=io.StringIO(), budget="--max-minutes 0.5").run(
+        [Step("bench/z", (py, "-c", "import time; time.sleep(30)"), limit_s=240)])
+    assert cut[0].status == "timed out" and cut[0].seconds < 15, cut[0]
+    assert cut[0].message.startswith("killed when the suite's time budget (--max-minutes 0.5) ran out, 2 s after it "
+                                     "started (its own limit: 240 s); raise --max-minutes; it printed no fault report")
 
 
 def test_junit_table_and_plot(tmp_path):

@@ -479,8 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=None, help="timed iterations per benchmark point")
     p.add_argument("--soak-steps", type=int, default=None)
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every step's time limit")
-    p.add_argument("--max-minutes", type=float, default=None, help="the suite's time budget: a step that would start after it is not run, one still "
-                        "running then is killed; either fails the run")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="the suite's time budget: a step that would start after it is not run, one still running "
+                        "then is killed; either fails the run")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="collective timeout inside the steps (s)")
     p.add_argument("--plant-sleep-ms", default=None, metavar="MS",
                    help="planted slowdown for the gate (same as EPMOE_NIGHTLY_PLANT_SLEEP_MS)")

@@ -289,7 +289,7 @@ class Runner:
                 left = self.deadline - time.monotonic()
                 if left <= 1:
                     r = StepResult(st, "timed out", message=f"not started: the suite's time budget ({self.budget}) "
-                                                            f"was spent; raise {self.budget.split()[0]}")
+                                                            "was spent; raise --max-minutes")
                     with self._lock:
                         done[0] += 1
                     self._say(f"step {i + 1}/{total} {r.status:>9}  {st.name}: {r.message}  [{done[0]}/{total} done]")
@@ -307,7 +307,7 @@ class Runner:
                 own = f"killed after its limit of {st.limit_s:g} s"
                 rest = r.message[len(own):] if r.message.startswith(own) else (f"; {r.message}" if r.message else "")
                 r.message = (f"killed when the suite's time budget ({self.budget}) ran out, {st.limit_s:.0f} s after "
-                             f"it started (its own limit: {own_limit:g} s); raise {self.budget.split()[0]}{rest}")
+                             f"it started (its own limit: {own_limit:g} s); raise --max-minutes{rest}")
             started.pop(i, None)
             with self._lock:
                 done[0] += 1

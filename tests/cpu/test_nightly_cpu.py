@@ -145,4 +145,3 @@ def test_a_run_cut_short_by_max_minutes_fails_and_records_no_baseline(tmp_path):
     steps = json.loads((tmp_path / "a" / "nightly.json").read_text())["steps"]
     assert steps and all(st["status"] == "timed out" and "time budget (--max-minutes 0.03)" in st["message"]
                          and "raise --max-minutes" in st["message"] for st in steps), steps
-

@@ -45,6 +45,7 @@ class Step:
     parallel: bool = False
     json_path: str = ""  # the file the step writes its results to (if any)
     skip_if_output: Tuple[str, ...] = ()  # output substrings that mean "refused here", not "failed"
+    limit_reason: str = ""  # why limit_s is shorter than the step's own limit (the suite's time budget)
 
     @property
     def group(self) -> str:
@@ -214,7 +215,8 @@ def run_step(step: Step, log_dir: str, cwd: Optional[str] = None) -> StepResult:
     res = StepResult(step, "passed", seconds, rc, log_path, "", "\n".join(reports), text[-4000:])
     if timed_out:
         res.status = "timed out"
-        res.message = (f"killed after its limit of {step.limit_s:g} s"
+        res.message = ((f"killed when {step.limit_reason}" if step.limit_reason
+                        else f"killed after its limit of {step.limit_s:g} s")
                        + (" (fault report below)" if reports else "; it printed no fault report")
                        + (f"; last error: {_error_line(text)}" if _error_line(text) else ""))
         return res
@@ -282,7 +284,7 @@ class Runner:
 
         def one(i: int) -> StepResult:
             st = steps[i]
-            own_limit = st.limit_s
+            r = None
             if self.deadline is not None and not st.skip:
                 # a step the budget leaves out or cuts short fails: the run did not check what it set out
                 # to, and its figures must not go missing from a baseline recorded from it
@@ -290,24 +292,17 @@ class Runner:
                 if left <= 1:
                     r = StepResult(st, "timed out", message=f"not started: the suite's time budget ({self.budget}) "
                                                             "was spent; raise --max-minutes")
-                    with self._lock:
-                        done[0] += 1
-                    self._say(f"step {i + 1}/{total} {r.status:>9}  {st.name}: {r.message}  [{done[0]}/{total} done]")
-                    return r
-                if left < st.limit_s:
-                    st = replace(st, limit_s=left)
-            if not st.skip:
-                started[i] = time.monotonic()
-                self._say(f"step {i + 1}/{total} start  {st.name} (limit {st.limit_s:g} s)")
-            try:
-                r = self._run_one(st, self.log_dir)
-            except Exception as e:  # noqa: BLE001 - one broken step must not end the suite
-                r = StepResult(st, "failed", message=f"the nightly could not run this step: {type(e).__name__}: {e}")
-            if r.status == "timed out" and st.limit_s < own_limit:
-                own = f"killed after its limit of {st.limit_s:g} s"
-                rest = r.message[len(own):] if r.message.startswith(own) else (f"; {r.message}" if r.message else "")
-                r.message = (f"killed when the suite's time budget ({self.budget}) ran out, {st.limit_s:.0f} s after "
-                             f"it started (its own limit: {own_limit:g} s); raise --max-minutes{rest}")
+                elif left < st.limit_s:
+                    st = replace(st, limit_s=left, limit_reason=f"the suite's time budget ({self.budget}) ran out, "
+                                 f"{left:.0f} s after it started (its own limit: {st.limit_s:g} s); raise --max-minutes")
+            if r is None:
+                if not st.skip:
+                    started[i] = time.monotonic()
+                    self._say(f"step {i + 1}/{total} start  {st.name} (limit {st.limit_s:g} s)")
+                try:
+                    r = self._run_one(st, self.log_dir)
+                except Exception as e:  # noqa: BLE001 - one broken step must not end the suite
+                    r = StepResult(st, "failed", message=f"the nightly could not run this step: {type(e).__name__}: {e}")
             started.pop(i, None)
             with self._lock:
                 done[0] += 1

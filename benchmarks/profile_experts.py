@@ -4,7 +4,9 @@ beside the forward's own time in the same process: timed as bench_experts times 
 flushed), back to back (CUDA events around a loop) and as a CUDA graph's replay. Kernel time below the
 eager figures is time the GPU waited: on the host, or on a sync; the trace says before which kernel
 the GPU sat idle and for how long (per forward, summed over the gaps before each kernel; the trace
-records host ops too, which adds a little host time to each gap).
+records host ops too, which adds a little host time to each gap). Then the host's own time per forward:
+each DeepGEMM call, kernel launch and the row-count read (which waits for the GPU), so a gap can be
+put down to the call that held the host.
 
     python benchmarks/profile_experts.py --backend deepgemm --mode fp8_block --tokens 4096
 """
@@ -70,7 +72,76 @@ def main(argv=None) -> int:
         print(f"  {ms:8.3f} ms  {k[:110]}")
     for name, ms in forward_times(lambda: ex(tokens), args.iters):
         print(f"forward {name}: {ms}")
+    host = host_times(ex, lambda: ex(tokens), args.iters * 4)
+    print(f"host time per forward, back to back: {sum(us for _, us in host):.0f} us in the calls below of "
+          f"{host_forward_us(lambda: ex(tokens), args.iters * 4):.0f} us per forward")
+    for k, us in host:
+        print(f"  {us:8.1f} us  {k}")
     return 0
+
+
+def host_forward_us(fn, n: int) -> float:
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+def host_times(ex, fn, n: int):
+    """[(call, host us per forward)] of a backend's DeepGEMM calls (`ex.dg`), its Triton launches
+    (`ex._launch`, by kernel name) and the flat layout's alignment (`contiguous_layout_triton`, its
+    launches included: its row-count read waits for the GPU), timed on the host over n forwards
+    run back to back; the backend is restored after."""
+    import time
+
+    import torch
+
+    import epmoe.experts.triton.align as align
+
+    acc = {}
+
+    def timed(key, f):
+        def g(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+        return g
+
+    class Timed:
+        def __init__(self, inner, prefix):
+            self._inner, self._prefix = inner, prefix
+
+        def __getattr__(self, name):
+            v = getattr(self._inner, name)
+            return timed(f"{self._prefix}{name}", v) if callable(v) else v
+
+        def __call__(self, name, *a, **kw):  # a KernelLauncher: launch(kernel name, grid, args, meta)
+            return timed(f"{self._prefix}{name}", self._inner)(name, *a, **kw)
+
+    saved = {k: getattr(ex, k) for k in ("dg", "_launch") if hasattr(ex, k)}
+    saved_layout = align.contiguous_layout_triton
+    try:
+        for k, v in saved.items():
+            setattr(ex, k, Timed(v, "deep_gemm." if k == "dg" else "launch "))
+        align.contiguous_layout_triton = timed("contiguous_layout_triton (with its row-count read)", saved_layout)
+        torch.cuda.synchronize()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    finally:
+        for k, v in saved.items():
+            setattr(ex, k, v)
+        align.contiguous_layout_triton = saved_layout
+    return sorted(((k, s / n * 1e6) for k, s in acc.items()), key=lambda kv: -kv[1])
 
 
 def kernel_spans(prof):

@@ -320,7 +320,7 @@ run_deepgemm_experts() {
     grep -E "deepgemm|triton|cutlass|peer|<=|rc=" "$OUT/bench_experts.log" | tail -40
     timeout 100 "$PY" benchmarks/profile_experts.py --backend deepgemm --mode fp8_block > "$OUT/profile.log" 2>&1
     echo "== profile rc=$? at $(el)" | tee -a "$OUT/profile.log"
-    grep -E "kernels per forward|GPU idle|^  +[0-9]|^forward" "$OUT/profile.log" | head -n 26
+    grep -E "kernels per forward|GPU idle|^  +[0-9]|^forward|^host time" "$OUT/profile.log" | head -n 40
 }
 
 # Training: the GPU training tests (bf16 against float64, the fused grouped_mm stage) and the experts

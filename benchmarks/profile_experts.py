@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inter", type=int, default=2048)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--sync-rows-read", action="store_true",
+                    help="deepgemm: read the row count right after the alignment (the gather launched after it) "
+                         "instead of overlapping its copy with the gather")
     args = ap.parse_args(argv)
 
     import torch
@@ -46,6 +49,8 @@ def main(argv=None) -> int:
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=args.hidden, intermediate_size=args.inter)
     ex = EXPERTS.get(args.backend)(ExpertsSpec(cfg, 0, 1, dev, plan=QuantPlan(expert_mode=args.mode)))
     ex.load_weights(T.random_expert_weights(cfg, E, device=dev, seed=0))
+    if args.sync_rows_read:
+        ex._overlap_rows_read = False
     x = torch.randn(args.tokens, args.hidden, device=dev).bfloat16()
     ids, w = T.random_local_routing(args.tokens, K, E, dev, 101)
     tokens = DispatchedTokens(x, ids, w)
@@ -63,7 +68,8 @@ def main(argv=None) -> int:
     for name, start, end in spans:
         rows[name] = rows.get(name, 0.0) + (end - start) / args.iters / 1000.0
     total = sum(rows.values())
-    print(f"{args.backend} {args.mode} T={args.tokens}: {total:.3f} ms of kernels per forward")
+    how = " (row count read before the gather)" if args.sync_rows_read else ""
+    print(f"{args.backend} {args.mode} T={args.tokens}{how}: {total:.3f} ms of kernels per forward")
     for k, ms in sorted(rows.items(), key=lambda kv: -kv[1]):
         print(f"  {ms:8.3f} ms  {k[:110]}")
     gaps = idle_before(spans, args.iters)
@@ -96,8 +102,8 @@ def host_forward_us(fn, n: int) -> float:
 
 def host_times(ex, fn, n: int):
     """[(call, host us per forward)] of a backend's DeepGEMM calls (`ex.dg`), its Triton launches
-    (`ex._launch`, by kernel name) and the flat layout's alignment (`contiguous_layout_triton`, its
-    launches included: its row-count read waits for the GPU), timed on the host over n forwards
+    (`ex._launch`, by kernel name), the flat layout's alignment (`contiguous_layout_rows`, its launches
+    included) and the wait for its row count (`_finish_rows_read`), timed on the host over n forwards
     run back to back; the backend is restored after."""
     import time
 
@@ -128,11 +134,13 @@ def host_times(ex, fn, n: int):
             return timed(f"{self._prefix}{name}", self._inner)(name, *a, **kw)
 
     saved = {k: getattr(ex, k) for k in ("dg", "_launch") if hasattr(ex, k)}
-    saved_layout = align.contiguous_layout_triton
+    saved_layout = align.contiguous_layout_rows
     try:
         for k, v in saved.items():
             setattr(ex, k, Timed(v, "deep_gemm." if k == "dg" else "launch "))
-        align.contiguous_layout_triton = timed("contiguous_layout_triton (with its row-count read)", saved_layout)
+        if hasattr(ex, "_finish_rows_read"):
+            ex._finish_rows_read = timed("the row count's read (waits for its copy)", ex._finish_rows_read)
+        align.contiguous_layout_rows = timed("contiguous_layout_rows (the alignment's launches)", saved_layout)
         torch.cuda.synchronize()
         for _ in range(n):
             fn()
@@ -140,7 +148,8 @@ def host_times(ex, fn, n: int):
     finally:
         for k, v in saved.items():
             setattr(ex, k, v)
-        align.contiguous_layout_triton = saved_layout
+        ex.__dict__.pop("_finish_rows_read", None)
+        align.contiguous_layout_rows = saved_layout
     return sorted(((k, s / n * 1e6) for k, s in acc.items()), key=lambda kv: -kv[1])
 
 

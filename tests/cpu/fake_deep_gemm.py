@@ -2,8 +2,9 @@
 
 Stand-in only: it proves what our glue hands DeepGEMM (rows, m_indices, masked counts, scale values and
 their MN-major layout) computes the right function; it says nothing of DeepGEMM's own kernels. Every
-call is recorded with whether each activation scale tensor came MN-major (stride 1 along M), the
-layout DeepGEMM's SM90 kernels take without a copy.
+call is recorded with whether each activation scale tensor came MN-major (stride 1 along M, and along K
+the row count rounded up to 4: TMA's 16-byte alignment), the layout DeepGEMM's SM90 kernels take
+without a copy.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class FakeDeepGEMM:
         assert bool((tiles[:, 1:] >= 0).le(tiles[:, :-1] >= 0).all()), "padding rows before real rows in a tile"
 
     def _record(self, name, sf=None, rows=None):
-        self.calls.append(dict(name=name, mn_major=None if sf is None else sf.stride(-2) == 1, rows=rows))
+        mn_major = None if sf is None else (sf.stride(-2) == 1 and sf.stride(-1) == (sf.shape[-2] + 3) // 4 * 4)
+        self.calls.append(dict(name=name, mn_major=mn_major, rows=rows))
 
     def m_grouped_fp8_gemm_nt_contiguous(self, a, b, d, m_indices, disable_ue8m0_cast=False):
         (x, xs), (w, ws) = a, b

@@ -79,7 +79,7 @@ def run(name: str, shape: dict, seed: int, fake: bool = False) -> None:
     ids, tw = T.random_local_routing(N, cfg.top_k, E, dev, seed + 2, invalid_frac=0.25)
 
     cap = {}
-    orig_layout, orig_act, orig_gemm = A.contiguous_layout_triton, ex._act, ex._gemm_contiguous
+    orig_layout, orig_act, orig_gemm = A.contiguous_layout_rows, ex._act, ex._gemm_contiguous
 
     def layout(*a, **k):
         out = orig_layout(*a, **k)
@@ -95,15 +95,15 @@ def run(name: str, shape: dict, seed: int, fake: bool = False) -> None:
         orig_gemm(a, b, d, m)
         cap.setdefault("d", []).append(d)
 
-    A.contiguous_layout_triton, ex._act, ex._gemm_contiguous = layout, act, gemm
+    A.contiguous_layout_rows, ex._act, ex._gemm_contiguous = layout, act, gemm
     try:
         out = ex(DispatchedTokens(x, ids, tw))
         if not fake:
             torch.cuda.synchronize()
     finally:
-        A.contiguous_layout_triton = orig_layout
+        A.contiguous_layout_rows = orig_layout
         ex._act, ex._gemm_contiguous = orig_act, orig_gemm
-    P, m_indices, inv = cap["layout"]
+    _, _, inv, _ = cap["layout"]  # (bound or exact rows, m_indices, each entry's row, used rows)
     K = cfg.top_k
     valid = (ids >= 0).reshape(-1)
     ent = torch.nonzero(valid).squeeze(1)

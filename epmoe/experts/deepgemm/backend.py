@@ -273,7 +273,7 @@ class DeepGEMMExperts(Experts):
             raise TypeError(f"hidden has dtype {hidden.dtype}; expected bfloat16")
 
     def _forward_flat(self, hidden, topk_ids, topk_weights, may_sync: bool = True) -> torch.Tensor:
-        from epmoe.experts.triton.align import contiguous_layout_triton
+        from epmoe.experts.triton.align import contiguous_layout_rows
 
         self._check_wire(hidden)
         cfg, dev = self.config, self.device
@@ -288,13 +288,21 @@ class DeepGEMMExperts(Experts):
             return torch.empty(0, H, dtype=torch.bfloat16, device=dev)
         K = topk_ids.shape[1]
         ids32 = (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
-        # rows per expert padded to DeepGEMM's alignment, their experts (m_indices) and each entry's row
-        exact = may_sync and self.options.exact_rows and not capturing(dev)
-        P, m_indices, inv = contiguous_layout_triton(ids32, E, self.align, self._launch_align, exact_rows=exact)
+        # rows per expert padded to DeepGEMM's alignment (P: an upper bound when `used` is not None),
+        # their experts (m_indices) and each entry's row
+        P, m_indices, inv, used = contiguous_layout_rows(ids32, E, self.align, self._launch_align)
+        if not (may_sync and self.options.exact_rows and not capturing(dev)):
+            used = None  # the GEMMs run on the bound
+        pending = self._start_rows_read(used) if used is not None and self._overlap_rows_read else None
+        if used is not None and pending is None:
+            P, used = max(int(used.item()), self.align), None
+            m_indices = m_indices[:P]
 
-        # gather (and quantize once per token) into the contiguous layout
+        # gather (and quantize once per token) into the contiguous layout; while the row count is on its
+        # way to the host (pending), into buffers of the bound with the scales' stride read on the GPU
         a = torch.empty(P, H, dtype=torch.float8_e4m3fn if self.fp8 else torch.bfloat16, device=dev)
-        a_s = torch.empty(H // GROUP, P, dtype=torch.float32, device=dev) if self.fp8 else a  # MN-major scales
+        G = H // GROUP
+        a_s = torch.empty(G * P, dtype=torch.float32, device=dev).view(G, P) if self.fp8 else a  # MN-major scales
         if isinstance(hidden, QuantizedActivation):
             x, xs, quant = hidden.data, hidden.scales.to(torch.float32), 2
         else:
@@ -303,8 +311,14 @@ class DeepGEMMExperts(Experts):
             x = x.contiguous()
         xs_strides = (xs.stride(0), xs.stride(1)) if quant == 2 else (0, 0)
         self._launch("dg_gather_kernel", (N,), (x, xs, ids32, inv, a, a_s, H, E, x.stride(0), *xs_strides,
-                                                a.stride(0), a_s.stride(0) if self.fp8 else 0),
-                     dict(TOP_K=K, QUANT=quant, NG=NG, num_warps=4))
+                                                a.stride(0), a_s.stride(0) if self.fp8 else 0,
+                                                inv if used is None else used, self.align),
+                     dict(TOP_K=K, QUANT=quant, NG=NG, ROWS_FROM_PTR=used is not None and self.fp8, num_warps=4))
+        if used is not None:  # the used rows only: a prefix of each buffer, the scales at stride P
+            P = self._finish_rows_read(pending)
+            a, m_indices = a[:P], m_indices[:P]
+            if self.fp8:
+                a_s = a_s.view(-1)[: G * P].view(G, P)
         h = torch.empty(P, R, dtype=torch.bfloat16, device=dev)
         self._gemm_contiguous((a, a_s.t()) if self.fp8 else a, self._b("w13"), h, m_indices)
         act, act_s = self._act(h, m_indices, P, masked_rows=None)
@@ -317,6 +331,27 @@ class DeepGEMMExperts(Experts):
                      (y, inv, ids32, w, w, out, H, E, y.stride(0), 0, out.stride(0)),
                      dict(TOP_K=K, HAS_BIAS=False, BLOCK_H=1024, num_warps=4))
         return out
+
+    # exact_rows: the row count's copy to the host overlaps the gather (False: read it right after the
+    # alignment, the gather launched after; kept to compare the two in benchmarks/profile_experts.py)
+    _overlap_rows_read = True
+
+    def _start_rows_read(self, used: torch.Tensor):
+        """Start copying the layout's used rows ([1] int32 on the device) to the host (CPU: itself)."""
+        if used.device.type != "cuda":
+            return used
+        if getattr(self, "_rows_host", None) is None:
+            self._rows_host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            self._rows_event = torch.cuda.Event()
+        self._rows_host.copy_(used, non_blocking=True)
+        self._rows_event.record()
+        return self._rows_host
+
+    def _finish_rows_read(self, pending) -> int:
+        """The used rows (at least one tile) once their copy has landed."""
+        if pending.device.type == "cpu" and self.device.type == "cuda":
+            self._rows_event.synchronize()
+        return max(int(pending[0]), self.align)
 
     def _gemm_contiguous(self, a, b, d, m_indices) -> None:
         if self.fp8:

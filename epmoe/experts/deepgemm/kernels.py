@@ -13,7 +13,8 @@ alignment; `m_indices[p]` = local expert of row p, -1 for padding; entry j = n *
 
 Scales are written MN-major, the layout DeepGEMM's SM90 FP8 kernels read through TMA: the scale of
 row p and group g at s_ptr + g * stride_sg + p (stride_sg = the TMA-aligned row count), so DeepGEMM
-takes them without a transposing copy. fp8 quantization divides with IEEE rounding (`tl.math.div_rn`),
+takes them without a transposing copy. The gather can take that row count from the GPU (ROWS_FROM_PTR:
+the layout's used rows), so it is launched before the host has read the count back. fp8 quantization divides with IEEE rounding (`tl.math.div_rn`),
 bit-identical to the torch codec (`epmoe.quant.fp8_block`).
 """
 
@@ -40,11 +41,16 @@ def dg_gather_kernel(
     stride_xsg,
     stride_am,
     stride_asg,
+    rows_ptr,  # [1] int32 rows of the layout (ROWS_FROM_PTR): the scales' row stride, at least min_rows
+    min_rows,
     TOP_K: tl.constexpr,
     QUANT: tl.constexpr,
     NG: tl.constexpr,  # 128-groups per step
+    ROWS_FROM_PTR: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
+    if ROWS_FROM_PTR:  # the row count is still on its way to the host: the scale stride from the GPU
+        stride_asg = tl.maximum(tl.load(rows_ptr), min_rows).to(tl.int64)
     BLOCK: tl.constexpr = NG * 128
     src = x_ptr + n * stride_xm
     for h0 in range(0, H, BLOCK):

@@ -280,16 +280,29 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
 def contiguous_layout_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch,
                              exact_rows: bool = False) -> Tuple[int, torch.Tensor, torch.Tensor]:
     """DeepGEMM's contiguous layout of the entries j = n * K + k (the rows of `align_blocks_triton`) ->
-    (P, row_expert, inverse): P padded rows (a host int, an upper bound: unused tiles at the end),
-    row_expert [P] int32 the local expert of each row (-1: a padding row or an unused tile; DeepGEMM's
-    `m_indices`), inverse [N*K] int32 the row of each valid entry (entries of invalid ids are left unset:
-    readers mask them by their id). Above SINGLE_LAUNCH_MAX_ENTRIES the scatter that places the rows
-    writes both (plus one fill); below, they are built from the blocks.
+    (P, row_expert, inverse): `contiguous_layout_rows` without its row count.
 
     exact_rows: above SINGLE_LAUNCH_MAX_ENTRIES, read the rows of the used tiles from the GPU (one host
     sync; at least one tile) and return only those, so that the GEMMs do not run the bound's unused
     tiles (floor(N*K / block_m) + E tiles against about N*K / block_m + E / 2 used under even routing).
     Not under CUDA-graph capture."""
+    P, row_expert, inverse, used_rows = contiguous_layout_rows(topk_ids, num_experts, block_m, launch)
+    if exact_rows and used_rows is not None:
+        P = max(int(used_rows.item()), block_m)
+        row_expert = row_expert[:P]
+    return P, row_expert, inverse
+
+
+def contiguous_layout_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                           launch) -> Tuple[int, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """DeepGEMM's contiguous layout of the entries j = n * K + k (the rows of `align_blocks_triton`) ->
+    (P, row_expert, inverse, used_rows): P padded rows (a host int), row_expert [P] int32 the local
+    expert of each row (-1: a padding row or an unused tile; DeepGEMM's `m_indices`), inverse [N*K]
+    int32 the row of each valid entry (entries of invalid ids are left unset: readers mask them by their
+    id). Up to SINGLE_LAUNCH_MAX_ENTRIES entries P is exact and used_rows None. Above, the scatter that
+    places the rows writes row_expert and inverse (plus one fill), P is an upper bound (unused tiles at
+    the end) and used_rows [1] int32 on the device holds the rows of the used tiles (0 when no entry is
+    valid): a caller reads it without waiting for the GPU (no sync here)."""
     flat = _flat_ids(topk_ids)
     nk, dev = flat.numel(), flat.device
     if nk and not single_launch_applies(nk, num_experts):
@@ -297,17 +310,14 @@ def contiguous_layout_triton(topk_ids: torch.Tensor, num_experts: int, block_m: 
         row_expert = torch.full((P,), -1, dtype=torch.int32, device=dev)
         inverse = torch.empty(nk, dtype=torch.int32, device=dev)
         blocks = align_blocks_triton(flat, num_experts, block_m, launch, row_expert=row_expert, inverse=inverse)
-        if exact_rows:
-            P = max(int(blocks.used_rows.item()), block_m)
-            row_expert = row_expert[:P]
-        return P, row_expert, inverse
+        return P, row_expert, inverse, blocks.used_rows
     blocks = align_blocks_triton(flat, num_experts, block_m, launch)
     P = blocks.num_padded_rows
     row_expert = torch.where(blocks.sorted_ids < nk, blocks.block_expert.repeat_interleave(block_m),
                              torch.full((), -1, dtype=torch.int32, device=dev)).to(torch.int32)
     inverse = torch.zeros(nk + 1, dtype=torch.int32, device=dev)  # slot nk collects the padding rows
     inverse.scatter_(0, blocks.sorted_ids.long(), torch.arange(P, dtype=torch.int32, device=dev))
-    return P, row_expert, inverse[:nk]
+    return P, row_expert, inverse[:nk], None
 
 
 # --------------------------------------------------------------------------- tail tiles

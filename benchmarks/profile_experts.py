@@ -30,9 +30,10 @@ def main(argv=None) -> int:
     ap.add_argument("--inter", type=int, default=2048)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--sync-rows-read", action="store_true",
-                    help="deepgemm: read the row count right after the alignment (the gather launched after it) "
-                         "instead of overlapping its copy with the gather")
+    ap.add_argument("--rows-read", choices=("auto", "sync", "overlap"), default="auto",
+                    help="deepgemm, exact_rows: read the row count right after the alignment (sync: the gather "
+                         "launched after it), overlap its copy with the gather, or as the backend picks by the "
+                         "number of routed entries (auto)")
     args = ap.parse_args(argv)
 
     import torch
@@ -49,8 +50,8 @@ def main(argv=None) -> int:
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=args.hidden, intermediate_size=args.inter)
     ex = EXPERTS.get(args.backend)(ExpertsSpec(cfg, 0, 1, dev, plan=QuantPlan(expert_mode=args.mode)))
     ex.load_weights(T.random_expert_weights(cfg, E, device=dev, seed=0))
-    if args.sync_rows_read:
-        ex._overlap_rows_read = False
+    if args.rows_read != "auto":
+        ex.overlap_rows_read_min_entries = 0 if args.rows_read == "overlap" else float("inf")
     x = torch.randn(args.tokens, args.hidden, device=dev).bfloat16()
     ids, w = T.random_local_routing(args.tokens, K, E, dev, 101)
     tokens = DispatchedTokens(x, ids, w)
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     for name, start, end in spans:
         rows[name] = rows.get(name, 0.0) + (end - start) / args.iters / 1000.0
     total = sum(rows.values())
-    how = " (row count read before the gather)" if args.sync_rows_read else ""
+    how = f" (row count read: {args.rows_read})" if args.rows_read != "auto" else ""
     print(f"{args.backend} {args.mode} T={args.tokens}{how}: {total:.3f} ms of kernels per forward")
     for k, ms in sorted(rows.items(), key=lambda kv: -kv[1]):
         print(f"  {ms:8.3f} ms  {k[:110]}")

@@ -307,7 +307,8 @@ run_nightly_baseline() {
 
 # The deepgemm experts after a change (sgl-deep-gemm from .whl/): their GPU tests, then the expert stage
 # beside triton, torch's grouped GEMMs, FlashInfer's CUTLASS (when its module is prebuilt) and DeepGEMM's
-# bare GEMMs in one run, then one profiled prefill forward (and one with the row count read before the gather).
+# bare GEMMs in one run, then one profiled prefill forward, then the row count's read before the gather
+# against overlapping it, at 1024 and 4096 tokens.
 run_deepgemm_experts() {
     local log="$OUT/deepgemm_experts.log"
     install_deepgemm_wheel || { echo "no .whl/sgl_deep_gemm-*.whl: pip download it first (docs/deepgemm.md)"; return 1; }
@@ -323,9 +324,14 @@ run_deepgemm_experts() {
     timeout 100 "$PY" benchmarks/profile_experts.py --backend deepgemm --mode fp8_block > "$OUT/profile.log" 2>&1
     echo "== profile rc=$? at $(el)" | tee -a "$OUT/profile.log"
     grep -E "kernels per forward|GPU idle|^  +[0-9]|^forward|^host time" "$OUT/profile.log" | head -n 40
-    timeout 100 "$PY" benchmarks/profile_experts.py --backend deepgemm --mode fp8_block --sync-rows-read > "$OUT/profile_sync_read.log" 2>&1
-    echo "== profile --sync-rows-read rc=$? at $(el)" | tee -a "$OUT/profile_sync_read.log"
-    grep -E "kernels per forward|GPU idle|^forward|^host time" "$OUT/profile_sync_read.log"
+    local T f
+    for T in 1024 4096; do  # the row count's read before the gather or overlapping it (the backend picks by size)
+        for f in sync overlap; do
+            timeout 45 "$PY" benchmarks/profile_experts.py --tokens "$T" --rows-read "$f" > "$OUT/profile_T${T}_$f.log" 2>&1
+            echo "== profile T=$T --rows-read $f rc=$? at $(el)"
+            grep -E "^forward do_bench|GPU idle" "$OUT/profile_T${T}_$f.log"
+        done
+    done
 }
 
 # Training: the GPU training tests (bf16 against float64, the fused grouped_mm stage) and the experts

@@ -52,6 +52,8 @@ def run(case: str, seed: int) -> dict:
     # bound: the GEMMs on the alignment's upper bound of rows (option exact_rows off)
     spec = ExpertsSpec(cfg, 1, 2, torch.device("cpu"), plan=plan, options={"exact_rows": "bound" not in opts})
     ex = DeepGEMMExperts(spec, gemms=fake)
+    if "overlap" in opts:  # the row count's copy overlapping the gather at any size (the scales' stride on the GPU)
+        ex.overlap_rows_read_min_entries = 0
     E = spec.num_local_experts
     w = T.random_expert_weights(cfg, cfg.num_experts, seed=seed, dtype=torch.float32)
     ex.load_weights(w.slice_experts(E, 2 * E))

@@ -27,7 +27,9 @@ CASES = [
     "bf16:flat",
     "bf16:flat:invalid",
     "fp8:flat:big:invalid",  # > 1024 entries: m_indices and inv from the pass that places the rows
+    "fp8:flat:big:invalid:overlap",  # ... the row count read while the gather runs: scales at the used rows' stride
     "bf16:flat:big",
+    "bf16:flat:big:overlap",
     "bf16:flat:big:invalid:bound",  # option exact_rows off: the GEMMs on the alignment's upper bound of rows
     "fp8:masked",  # bf16 tokens quantized per expert slot
     "fp8:masked:fp8in",

@@ -293,7 +293,8 @@ class DeepGEMMExperts(Experts):
         P, m_indices, inv, used = contiguous_layout_rows(ids32, E, self.align, self._launch_align)
         if not (may_sync and self.options.exact_rows and not capturing(dev)):
             used = None  # the GEMMs run on the bound
-        pending = self._start_rows_read(used) if used is not None and self._overlap_rows_read else None
+        overlap = used is not None and N * K >= self.overlap_rows_read_min_entries
+        pending = self._start_rows_read(used) if overlap else None
         if used is not None and pending is None:
             P, used = max(int(used.item()), self.align), None
             m_indices = m_indices[:P]
@@ -332,9 +333,12 @@ class DeepGEMMExperts(Experts):
                      dict(TOP_K=K, HAS_BIAS=False, BLOCK_H=1024, num_warps=4))
         return out
 
-    # exact_rows: the row count's copy to the host overlaps the gather (False: read it right after the
-    # alignment, the gather launched after; kept to compare the two in benchmarks/profile_experts.py)
-    _overlap_rows_read = True
+    # exact_rows, from this many routed entries on: the row count's copy to the host overlaps the gather
+    # (the scales' stride read on the GPU); below, the count is read right after the alignment and the
+    # gather launched after. H200, DeepSeek-V3 expert shape, 2026-12-07 (docs/results/h200-2026-12-07):
+    # overlapping took 1.2-3 % off at 4096 and 8192 tokens x top-8 and added 1-4 % at 1024 and 2048,
+    # where the gather is too short to cover DeepGEMM's host time before the first GEMM.
+    overlap_rows_read_min_entries = 32768
 
     def _start_rows_read(self, used: torch.Tensor):
         """Start copying the layout's used rows ([1] int32 on the device) to the host (CPU: itself)."""

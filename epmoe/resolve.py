@@ -67,7 +67,7 @@ class MeasuredChoice:
 # T=128 and prefill T=4096 per rank, same run; docs/benchmarks.md "Expert stage"). The
 # batch is the layer's max tokens per rank. FlashInfer's module there was a FAST_BUILD (one tile shape).
 _H200 = "H200 2026-12-04 (docs/results/h200-2026-12-04)"
-_H200_05 = "H200 2026-12-05 (docs/results/h200-2026-12-05)"
+_H200_07 = "H200 2026-12-07 (docs/results/h200-2026-12-07)"
 MEASURED_AUTO: Dict[Tuple[str, str], Tuple[MeasuredChoice, ...]] = {
     ("sm90", "bf16"): (
         MeasuredChoice(128, "triton", f"{_H200}: T=128 triton 2.528 ms, flashinfer_cutlass 2.584 ms"),
@@ -75,8 +75,8 @@ MEASURED_AUTO: Dict[Tuple[str, str], Tuple[MeasuredChoice, ...]] = {
     ),
     ("sm90", "fp8_block"): (
         MeasuredChoice(128, "triton", f"{_H200}: T=128 triton 1.352 ms, flashinfer_cutlass 1.742 ms"),
-        MeasuredChoice(None, "deepgemm", f"{_H200_05}: T=4096 deepgemm 3.946 ms, triton 5.283 ms (flashinfer_cutlass "
-                                         "5.683 ms against triton 5.244 on 2026-12-04)"),
+        MeasuredChoice(None, "deepgemm", f"{_H200_07}: T=4096 deepgemm 3.761 ms, triton 5.282 ms, "
+                                         "flashinfer_cutlass 5.786 ms"),
     ),
     ("sm90", "mxfp4_w4a16"): (
         MeasuredChoice(128, "triton", f"{_H200}: T=128 triton 0.939 ms, flashinfer_cutlass 43.0 ms"),

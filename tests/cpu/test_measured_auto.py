@@ -33,11 +33,11 @@ def test_every_row_names_a_backend_that_runs_the_mode(key):
 @pytest.mark.parametrize("tokens", [None, 1, 128, 4096])
 def test_auto_picks_the_measured_backend_and_says_why(mode, want, tokens):
     if mode == "fp8_block" and (tokens is None or tokens > 128):
-        want = "deepgemm"  # prefill: DeepGEMM's contiguous grouped GEMMs, measured 2026-12-05
+        want = "deepgemm"  # prefill: DeepGEMM's contiguous grouped GEMMs, measured 2026-12-07
     plan = resolve_plan(CFG, quant=mode, environment=_env(), max_tokens_per_rank=tokens)
     assert plan.experts_backend == want
     note = [n for n in plan.notes if n.startswith("experts auto")]
-    day = "H200 2026-12-05" if want == "deepgemm" else "H200 2026-12-04"
+    day = "H200 2026-12-07" if want == "deepgemm" else "H200 2026-12-04"
     assert note and "measured fastest" in note[0] and day in note[0], plan.notes
     assert measured_choice("sm90", mode, tokens).backend == want
 

@@ -336,8 +336,7 @@ class DeepGEMMExperts(Experts):
     # exact_rows, from this many routed entries on: the row count's copy to the host overlaps the gather
     # (the scales' stride read on the GPU); below, the count is read right after the alignment and the
     # gather launched after. H200, DeepSeek-V3 expert shape, 2026-12-07 (docs/results/h200-2026-12-07):
-    # overlapping took 1.2-3 % off at 4096 and 8192 tokens x top-8 and added 1-4 % at 1024 and 2048,
-    # where the gather is too short to cover DeepGEMM's host time before the first GEMM.
+    # overlapping took 1.2-3 % off at 4096 and 8192 tokens x top-8 and added 1-4 % at 1024 and 2048.
     overlap_rows_read_min_entries = 32768
 
     def _start_rows_read(self, used: torch.Tensor):

@@ -14,8 +14,8 @@ alignment; `m_indices[p]` = local expert of row p, -1 for padding; entry j = n *
 Scales are written MN-major, the layout DeepGEMM's SM90 FP8 kernels read through TMA: the scale of
 row p and group g at s_ptr + g * stride_sg + p (stride_sg = the TMA-aligned row count), so DeepGEMM
 takes them without a transposing copy. The gather can take that row count from the GPU (ROWS_FROM_PTR:
-the layout's used rows), so it is launched before the host has read the count back. fp8 quantization divides with IEEE rounding (`tl.math.div_rn`),
-bit-identical to the torch codec (`epmoe.quant.fp8_block`).
+the layout's used rows), so it is launched before the host has read the count back. fp8 quantization
+divides with IEEE rounding (`tl.math.div_rn`), bit-identical to the torch codec (`epmoe.quant.fp8_block`).
 """
 
 import triton

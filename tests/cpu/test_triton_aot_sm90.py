@@ -129,7 +129,7 @@ def test_sm90_compile_alignment_kernels_both_paths():
         A.align_blocks_triton(torch.zeros(n, 8, dtype=torch.int32), 128, 16, rec)
     A.sort_by_expert_triton(torch.zeros(4096, 8, dtype=torch.int32), 128, rec)  # the grouped_mm path's sort
     # the deepgemm experts' contiguous layout: the scatter also writes m_indices and each entry's row
-    A.contiguous_layout_triton(torch.zeros(4096, 8, dtype=torch.int32), 128, 128, rec)
+    A.contiguous_layout_rows(torch.zeros(4096, 8, dtype=torch.int32), 128, 128, rec)
     assert [l.kernel for l in launches] == ["align_small_kernel", "align_count_kernel", "align_plan_kernel",
                                             "align_scatter_kernel", "align_sort_kernel", "align_count_kernel",
                                             "align_plan_kernel", "align_scatter_kernel"]

@@ -4,7 +4,7 @@ Modes fp8_block (W8A8: e4m3 weights with 128x128 fp32 block scales, activations 
 
 Flat layout (dispatchers torch, flashinfer, deepep), DeepGEMM's contiguous grouped GEMMs:
 
-    align   rows of each local expert padded to DeepGEMM's M alignment (`contiguous_layout_triton`: one
+    align   rows of each local expert padded to DeepGEMM's M alignment (`contiguous_layout_rows`: one
             launch up to 1024 entries, else three and a fill); m_indices [P] = expert of each row
             (-1 padding), inv [N*K] = row of each valid entry, written by the pass that places the rows
     gather  a [P, H] = x[token] of every valid (token, slot); fp8: quantized 1x128 once per token (or
@@ -293,11 +293,10 @@ class DeepGEMMExperts(Experts):
         P, m_indices, inv, used = contiguous_layout_rows(ids32, E, self.align, self._launch_align)
         if not (may_sync and self.options.exact_rows and not capturing(dev)):
             used = None  # the GEMMs run on the bound
-        overlap = used is not None and N * K >= self.overlap_rows_read_min_entries
-        pending = self._start_rows_read(used) if overlap else None
-        if used is not None and pending is None:
-            P, used = max(int(used.item()), self.align), None
+        if used is not None and N * K < self.overlap_rows_read_min_entries:  # the row count first
+            P, used = self._finish_rows_read(used), None
             m_indices = m_indices[:P]
+        pending = self._start_rows_read(used) if used is not None else None
 
         # gather (and quantize once per token) into the contiguous layout; while the row count is on its
         # way to the host (pending), into buffers of the bound with the scales' stride read on the GPU
@@ -351,7 +350,8 @@ class DeepGEMMExperts(Experts):
         return self._rows_host
 
     def _finish_rows_read(self, pending) -> int:
-        """The used rows (at least one tile) once their copy has landed."""
+        """The used rows (at least one tile) once their copy has landed (the device tensor itself:
+        read now, waiting for the GPU)."""
         if pending.device.type == "cpu" and self.device.type == "cuda":
             self._rows_event.synchronize()
         return max(int(pending[0]), self.align)

@@ -5,8 +5,8 @@ atomics, so it is deterministic and can be captured in a CUDA graph for a fixed 
     blocks = align_blocks(sort, block_m)                           # each expert's rows padded to block_m
 
 Entry j = n * K + k is (row n, slot k). Invalid entries (id < 0 or id >= num_experts: "not on this
-rank") sort last and never reach a block. The one exception to "no host sync" is asked for by name:
-`contiguous_layout_triton(..., exact_rows=True)` reads the used row count back (eager DeepGEMM calls).
+rank") sort last and never reach a block. `contiguous_layout_rows` leaves its used row count on the
+device: a caller that wants it on the host reads it back itself (eager DeepGEMM calls).
 """
 
 from __future__ import annotations
@@ -275,22 +275,6 @@ def align_blocks_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
            dict(CHUNK=_chunk(nk), WITH_INVALID=False, WITH_EXPERT=row_expert is not None,
                 WITH_INV=inverse is not None, num_warps=_chunk(nk) // 256))  # fmt: skip
     return BlockAlignment(block_m, max_blocks, sorted_ids, block_expert, block_rows, used_rows=starts[E:])
-
-
-def contiguous_layout_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, launch,
-                             exact_rows: bool = False) -> Tuple[int, torch.Tensor, torch.Tensor]:
-    """DeepGEMM's contiguous layout of the entries j = n * K + k (the rows of `align_blocks_triton`) ->
-    (P, row_expert, inverse): `contiguous_layout_rows` without its row count.
-
-    exact_rows: above SINGLE_LAUNCH_MAX_ENTRIES, read the rows of the used tiles from the GPU (one host
-    sync; at least one tile) and return only those, so that the GEMMs do not run the bound's unused
-    tiles (floor(N*K / block_m) + E tiles against about N*K / block_m + E / 2 used under even routing).
-    Not under CUDA-graph capture."""
-    P, row_expert, inverse, used_rows = contiguous_layout_rows(topk_ids, num_experts, block_m, launch)
-    if exact_rows and used_rows is not None:
-        P = max(int(used_rows.item()), block_m)
-        row_expert = row_expert[:P]
-    return P, row_expert, inverse
 
 
 def contiguous_layout_rows(topk_ids: torch.Tensor, num_experts: int, block_m: int,

@@ -352,7 +352,7 @@ class DeepGEMMExperts(Experts):
     def _finish_rows_read(self, pending) -> int:
         """The used rows (at least one tile) once their copy has landed (the device tensor itself:
         read now, waiting for the GPU)."""
-        if pending.device.type == "cpu" and self.device.type == "cuda":
+        if pending is getattr(self, "_rows_host", None):  # the pinned copy _start_rows_read began
             self._rows_event.synchronize()
         return max(int(pending[0]), self.align)
 

@@ -10,7 +10,7 @@
 #   bash scripts/gpu_checks.sh deepgemm-experts                   # the deepgemm experts: tests, bench, profile
 #   bash scripts/gpu_checks.sh training                           # GPU training tests, bench_training
 #   bash scripts/gpu_checks.sh nightly-baseline                   # 3 nightly runs (4 ranks on the GPU) -> baseline.json
-#       a run takes about 7 min on one H100 (2026-12-07): NIGHTLY_RUNS=1 per 10-minute call, NIGHTLY_PREV="run1/nightly.json ..."
+#       a run takes 4.5-7 min on one H100 (2026-12-07; the first on a fresh machine the longest): NIGHTLY_RUNS=1 per 10-minute call, NIGHTLY_PREV="run1/nightly.json ..."
 #       names the runs of earlier calls to include in baseline.json
 # Logs go to $OUT (default ./bench_results): tests.log / bench.log plus JSON and a PNG plot; a short
 # summary is printed last. FLASHINFER_DISABLE_JIT=1 makes any FlashInfer module that is not prebuilt

@@ -458,6 +458,39 @@ def test_committed_h200_baseline_catches_the_planted_slowdown_and_passes_clean_r
     assert c.verdict == "context" and c.beyond_band and c.role == "peer"
 
 
+
+def test_committed_h100_baseline_gates_the_deepgemm_rows():
+    """benchmarks/baselines/h100x1-4ranks.json (three H100 runs of one commit, docs/nightly.md): each
+    recorded run passes it; the deepgemm fp8_block prefill 1.5x slower in the last run fails it; the
+    run of another H100 host (h100-2026-12-07c) fails only the four host-bound torch-dispatcher
+    figures at 64 tokens per rank."""
+    from epmoe.nightly.cli import REPO
+
+    base = B.load_baseline(str(REPO / "benchmarks" / "baselines" / "h100x1-4ranks.json"))
+    assert base.machine_kind == "h100x1-4ranks" and len(base.runs) == 3
+    assert all((REPO / r["source"]).exists() for r in base.runs)
+    results = REPO / "docs" / "results"
+    runs = [_nightly_figures(results / "h100-2026-12-07d" / "nightly" / f"r{i}" / "nightly.json") for i in (1, 2, 3)]
+    for figs in runs:
+        assert not [c.describe() for c in B.compare(figs, base, same_machine=True) if c.failed]
+    gated = {c.name for c in B.compare(runs[-1], base, same_machine=True) if c.verdict == "ok"}
+    assert {f"experts.deepgemm.{m}.{p}.{k}" for m in ("fp8_block", "bf16") for p in ("prefill", "decode", "decode.masked")
+            for k in ("ms", "pct_matmul")} <= gated
+
+    def slower(f):
+        if f.name == "experts.deepgemm.fp8_block.prefill.ms":
+            return dataclasses.replace(f, value=f.value * 1.5)
+        if f.name == "experts.deepgemm.fp8_block.prefill.pct_matmul":
+            return dataclasses.replace(f, value=f.value / 1.5)
+        return f
+
+    failed = {c.name for c in B.compare([slower(f) for f in runs[-1]], base, same_machine=True) if c.failed}
+    assert failed == {"experts.deepgemm.fp8_block.prefill.ms", "experts.deepgemm.fp8_block.prefill.pct_matmul"}
+    other_host = _nightly_figures(results / "h100-2026-12-07c" / "nightly" / "nightly.json")
+    failed = {c.name for c in B.compare(other_host, base, same_machine=True) if c.failed}
+    assert failed == {"layer.torch.T64.ms", "dispatch.torch.T64.dispatch_us", "dispatch.torch.T64.combine_us",
+                      "dispatch.torch.T64.GBps"}
+
 def _nightly_json(path, kind="h200x1", figures=None, steps=(), planted=None, args=None):
     data = {"machine": {"machine_kind": kind, "date": path.stem, "epmoe_commit": "abc", "host": "h", "fingerprint": "m"},
             "figures": figures or {}, "steps": [{"name": n, "status": st} for n, st in steps], "args": args or {}}

@@ -12,6 +12,8 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SOAK = REPO / "benchmarks" / "soak.py"
 
@@ -39,6 +41,10 @@ def test_soak_two_ranks_no_growth(tmp_path):
         names = {g["name"]: g for g in rank["growth"]}
         assert names["rss"]["start"] > 0 and names["rss"]["limit"] >= 8 << 20
     assert data["ranks"][0]["checks"] >= 3
+    # the gated ms/step counts the steps after the warm-up (50 of 300) only
+    assert all(0 < r["warmup_seconds"] < r["seconds"] for r in data["ranks"])
+    steady = max(r["seconds"] - r["warmup_seconds"] for r in data["ranks"]) / 250
+    assert data["ms_per_step"] == pytest.approx(1e3 * steady) and data["warmup_s"] > 0
 
 
 def test_soak_flags_an_injected_leak(tmp_path):

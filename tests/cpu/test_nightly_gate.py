@@ -458,7 +458,6 @@ def test_committed_h200_baseline_catches_the_planted_slowdown_and_passes_clean_r
     assert c.verdict == "context" and c.beyond_band and c.role == "peer"
 
 
-
 def test_committed_h100_baseline_gates_the_deepgemm_rows():
     """benchmarks/baselines/h100x1-4ranks.json (three H100 runs of one commit, docs/nightly.md): each
     recorded run passes it; the deepgemm fp8_block prefill 1.5x slower in the last run fails it; the
@@ -490,6 +489,7 @@ def test_committed_h100_baseline_gates_the_deepgemm_rows():
     failed = {c.name for c in B.compare(other_host, base, same_machine=True) if c.failed}
     assert failed == {"layer.torch.T64.ms", "dispatch.torch.T64.dispatch_us", "dispatch.torch.T64.combine_us",
                       "dispatch.torch.T64.GBps"}
+
 
 def _nightly_json(path, kind="h200x1", figures=None, steps=(), planted=None, args=None):
     data = {"machine": {"machine_kind": kind, "date": path.stem, "epmoe_commit": "abc", "host": "h", "fingerprint": "m"},

@@ -12,7 +12,8 @@ warm-up (the first --warmup steps, default 5% of the run and at least 50: alloca
 and lazy initialisation settle there). "Grew" means: end minus baseline above max(--tol-mib MiB,
 --tol-frac x baseline) for RSS and VmHWM (defaults 8 MiB, 5%), above max(1 MiB, 1%) for CUDA allocated,
 or more than --tol-objects gc-tracked objects (default 500). The reported ms/step (the nightly's
-`soak.ms_per_step`) counts the steps after the warm-up. Exit 1 on growth, on a failed check, or when an injected invalid input
+`soak.ms_per_step`) counts the steps after the warm-up, not the memory probes between them; beside it each rank's median step and its
+slowest steps after the warm-up (step, ms, T, kind), which show where first-use costs land. Exit 1 on growth, on a failed check, or when an injected invalid input
 did not raise on every rank.
 """
 
@@ -137,6 +138,9 @@ class RankResult:
     max_rel_err: float = 0.0
     seconds: float = 0.0
     warmup_seconds: float = 0.0  # of `seconds`, the warm-up steps' (one-off costs: kernel compiles, pools)
+    steps_ms: float = 0.0  # the steps after the warm-up, memory probes left out: the gated ms/step's sum
+    median_step_ms: Optional[float] = None  # host time per step after the warm-up, the median
+    slowest_steps: List[dict] = field(default_factory=list)  # after the warm-up: step, ms, T, kind; slowest first
     samples: List[MemorySample] = field(default_factory=list)
     growth: List[Growth] = field(default_factory=list)
     object_growth: List[tuple] = field(default_factory=list)  # (type name, delta), largest first
@@ -170,6 +174,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep K KiB per step alive on purpose (shows that the soak detects a leak)")
     p.add_argument("--top-objects", type=int, default=0, metavar="N",
                    help="print the N object types whose gc-tracked count grew most (leak hunting)")
+    p.add_argument("--slowest", type=int, default=5, metavar="N",
+                   help="report the N slowest steps after the warm-up per rank (where first-use costs land)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
@@ -217,6 +223,7 @@ def main(argv=None) -> int:
               f"{device}), E={cfg.num_experts} K={cfg.top_k} H={cfg.hidden_size} I={cfg.intermediate_size} "
               f"{dtype_name(dtype)}, T per rank in [0, {args.max_tokens}] (P(T=0)={args.zero_frac}), round size "
               f"{args.max_tokens_per_rank}, warm-up {args.warmup}", flush=True)
+    steps_after: List[tuple] = []  # (ms, step, T, kind) of each step after the warm-up
     t_start = time.perf_counter()
     for step in range(args.steps):
         if step == args.warmup:
@@ -227,6 +234,7 @@ def main(argv=None) -> int:
             types_at_base = _type_counts() if args.top_objects else None
         elif step > args.warmup and step % args.sample_every == 0:
             res.samples.append(sample(step, device))
+        t_step = time.perf_counter()  # the memory probe above (gc.collect, ~0.1 s) is not the step's
         zero = float(torch.rand((), generator=g)) < args.zero_frac
         T = 0 if zero else int(torch.randint(1, args.max_tokens + 1, (), generator=g))
         x = torch.randn(T, cfg.hidden_size, generator=g).to(device=device, dtype=dtype)
@@ -246,6 +254,8 @@ def main(argv=None) -> int:
                 layer(x[:, :-1] if rank == bad_rank else x, logits)
             except (ValueError, TypeError, PeerInputError):
                 res.bad_raised += 1
+            if step >= args.warmup:
+                steps_after.append((1e3 * (time.perf_counter() - t_step), step, T, "invalid"))
             continue
         out = layer(x, logits, return_stats=True)
         if args.inject_leak_kib:
@@ -263,7 +273,14 @@ def main(argv=None) -> int:
                     err = float((ys - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
                     res.max_rel_err = max(res.max_rel_err, err if torch.isfinite(ys).all() else float("inf"))
                 res.checks += 1
+        if step >= args.warmup:
+            steps_after.append((1e3 * (time.perf_counter() - t_step), step, T, "check" if check_step else "step"))
     res.seconds = time.perf_counter() - t_start
+    res.steps_ms = sum(t[0] for t in steps_after)
+    if steps_after:
+        ordered = sorted(steps_after, reverse=True)
+        res.median_step_ms = ordered[len(ordered) // 2][0]
+        res.slowest_steps = [dict(step=st, ms=ms, T=t, kind=k) for ms, st, t, k in ordered[:args.slowest]]
     res.samples.append(sample(args.steps, device))
     if args.top_objects:
         diff = _type_counts()
@@ -308,10 +325,15 @@ def report(results: List[RankResult], args, ep: int, device: torch.device, tol: 
             line += f" | {_delta(g['cuda_allocated'])} | {_mib(g['cuda_max_allocated'].end)}"
         print(line)
     for r in results:
+        if r.slowest_steps:
+            print(f"rank {r.rank} after the warm-up: median {r.median_step_ms:.2f} ms/step, slowest "
+                  + ", ".join(f"step {d['step']} {d['ms']:.1f} ms (T={d['T']}, {d['kind']})" for d in r.slowest_steps))
+    for r in results:
         if r.object_growth:
             print(f"rank {r.rank} object types that grew: " + ", ".join(f"{k} {v:+d}" for k, v in r.object_growth))
-    # the gated figure: steps after the warm-up (a fresh machine's kernel compiles land in the warm-up)
-    ms = 1e3 * max(r.seconds - r.warmup_seconds for r in results) / (args.steps - args.warmup)
+    # the gated figure: steps after the warm-up (a fresh machine's kernel compiles land in the warm-up), without
+    # the memory probes between them
+    ms = max(r.steps_ms for r in results) / (args.steps - args.warmup)
     warm_s = max(r.warmup_seconds for r in results)
     tol_rss = f"max({args.tol_mib:g} MiB, {100 * args.tol_frac:g}% of the warm-up value)"
     print(f"\nsteps: {args.steps} in {max(r.seconds for r in results):.1f} s ({ms:.2f} ms/step after the warm-up), "

@@ -12,9 +12,10 @@ warm-up (the first --warmup steps, default 5% of the run and at least 50: alloca
 and lazy initialisation settle there). "Grew" means: end minus baseline above max(--tol-mib MiB,
 --tol-frac x baseline) for RSS and VmHWM (defaults 8 MiB, 5%), above max(1 MiB, 1%) for CUDA allocated,
 or more than --tol-objects gc-tracked objects (default 500). The reported ms/step (the nightly's
-`soak.ms_per_step`) counts the steps after the warm-up, not the memory probes between them; beside it each rank's median step and its
-slowest steps after the warm-up (step, ms, T, kind), which show where first-use costs land. Exit 1 on growth, on a failed check, or when an injected invalid input
-did not raise on every rank.
+`soak.ms_per_step`) counts the steps after the warm-up, not the memory probes between them; beside it
+each rank's median step and its slowest steps after the warm-up (step, ms, T, kind), which show where
+first-use costs land. Exit 1 on growth, on a failed check, or when an injected invalid input did not
+raise on every rank.
 """
 
 from __future__ import annotations
